@@ -1,0 +1,225 @@
+"""Run megatron-core's real code paths on a CPU-only PyTorch (gloo).
+
+megatron-core assumes CUDA in a few dozen places (buffers on ``current_device()``,
+``device="cuda"`` factories, ``.cuda()`` calls, CUDA RNG state, ``torch.cuda.FloatTensor`` type
+strings in the optimizers).  Rather than fork those files we:
+
+* map ``torch.cuda.current_device`` / ``synchronize`` / the CUDA RNG functions to the CPU;
+* enter one process-wide :class:`CudaToCpuMode` (a ``TorchFunctionMode``) that rewrites
+  ``device="cuda"`` to CPU, drops ``pin_memory``, makes ``Tensor.cuda()`` the identity and
+  reports CUDA type strings from ``Tensor.type()`` so megatron's dtype dispatch works.
+
+Everything is enabled only when CUDA is absent (see :func:`enable_cpu_compat`), and every
+rewritten megatron call site can be listed with trace mode (``MEGATRON_RL_COMPAT_TRACE=1``) --
+a canary after upgrading megatron-core.
+
+Tested with megatron-core 0.16.1 and torch 2.13 (CPU build).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron_rl.compat.registry import Patch, register_patch
+
+_TYPE_STRINGS = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+_FACTORY_DEVICE_FUNCS_WITH_POSITIONAL_DEVICE = {torch.Tensor.to, torch.Tensor.new_empty}
+
+_lock = threading.Lock()
+_trace_enabled = os.environ.get("MEGATRON_RL_COMPAT_TRACE", "0") not in ("", "0")
+_trace: collections.Counter = collections.Counter()
+_enabled = False
+_mode: "CudaToCpuMode | None" = None
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    # A bare int means a CUDA ordinal to torch.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _record(what: str) -> None:
+    """Remember the first megatron frame that asked for CUDA (trace mode only)."""
+    if not _trace_enabled:
+        return
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if "megatron" + os.sep + "core" in filename:
+            short = filename.split("megatron" + os.sep, 1)[1]
+            _trace[f"megatron/{short}:{frame.f_lineno} {what}"] += 1
+            return
+        frame = frame.f_back
+    # CUDA requests from outside megatron (our code, torch) are not recorded.
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placement requests to the CPU for every torch call in this thread."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs) if kwargs else {}
+        if func is torch.Tensor.cuda:
+            _record("Tensor.cuda()")
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            return _TYPE_STRINGS.get(tensor.dtype, func(*args))
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            _record(f"{getattr(func, '__name__', func)}(device=cuda)")
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            _record(f"{getattr(func, '__name__', func)}(pin_memory=True)")
+            kwargs["pin_memory"] = False
+        if func in _FACTORY_DEVICE_FUNCS_WITH_POSITIONAL_DEVICE and len(args) > 1:
+            if _is_cuda_device(args[1]) and not isinstance(args[1], int):
+                _record(f"{func.__name__}(cuda)")
+                args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- CUDA stand-ins
+
+
+def _current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _noop(*_args, **_kwargs) -> None:
+    return None
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, i.e. this function.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _distinct(fn):
+    """A fresh function object: torch._dynamo keys its rules on torch.cuda functions by identity,
+    so one object installed under two names breaks every later ``torch.compile``."""
+
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = f"megatron_rl_cpu_{fn.__name__}"
+    return wrapper
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    replacements = {
+        "current_device": _current_device,
+        "synchronize": _noop,
+        "get_rng_state": _cpu_get_rng_state,
+        "set_rng_state": _cpu_set_rng_state,
+        "manual_seed": _cpu_manual_seed,
+        "manual_seed_all": _cpu_manual_seed,
+        "empty_cache": _noop,
+        "set_device": _noop,
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "reset_peak_memory_stats": _noop,
+    }
+    for name, fn in replacements.items():
+        setattr(cuda, name, _distinct(fn))
+    for name in ("get_rng_state", "set_rng_state", "manual_seed"):
+        setattr(cuda.random, name, getattr(cuda, name))
+    # megatron-core wraps small fusions in torch.compile at import; compiling C++ kernels for
+    # them on CPU costs far more than it saves, so run them eagerly.
+    import torch._dynamo as dynamo
+
+    dynamo.config.disable = True
+
+
+def _patch_megatron_rng() -> None:
+    """megatron's private CUDA RNG helpers silently do nothing on CPU builds of torch."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+
+
+register_patch(
+    Patch(
+        name="cpu.torch_cuda_functions",
+        megatron_versions=">=0.16,<0.17",
+        reason=(
+            "torch.cuda.current_device/synchronize/RNG raise or no-op on CPU builds; "
+            "megatron calls them in buffers, p2p, DDP, dist_checkpointing and the RNG tracker"
+        ),
+        apply=_patch_torch_cuda,
+        cpu_only=True,
+    )
+)
+register_patch(
+    Patch(
+        name="cpu.megatron_rng_tracker",
+        megatron_versions=">=0.16,<0.17",
+        reason=(
+            "tensor_parallel/random.py _get/_set_cuda_rng_state use torch._C CUDA hooks; on a CPU "
+            "build the setter silently does nothing, so forked RNG streams never advance"
+        ),
+        apply=_patch_megatron_rng,
+        cpu_only=True,
+    )
+)
+register_patch(
+    Patch(
+        name="cpu.cuda_to_cpu_function_mode",
+        megatron_versions=">=0.16,<0.17",
+        reason=(
+            "device='cuda' factories, .cuda(), pin_memory and 'torch.cuda.FloatTensor' type "
+            "checks across schedules, p2p, DDP, optimizers, clip_grads, dist_checkpointing"
+        ),
+        apply=lambda: enter_cpu_mode(),
+        cpu_only=True,
+    )
+)
+
+
+def enter_cpu_mode() -> None:
+    """Enter the CUDA->CPU function mode in this thread (idempotent)."""
+    global _mode
+    if _mode is None:
+        _mode = CudaToCpuMode()
+        _mode.__enter__()
+
+
+def cpu_compat_trace() -> dict[str, int]:
+    """Megatron call sites rewritten so far (needs ``MEGATRON_RL_COMPAT_TRACE=1``)."""
+    with _lock:
+        return dict(_trace)
+
+
+def set_trace(enabled: bool) -> None:
+    global _trace_enabled
+    _trace_enabled = enabled

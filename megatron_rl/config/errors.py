@@ -1,0 +1,34 @@
+"""The one error type users see for bad input: one line, naming the key, the value and the fix."""
+
+from __future__ import annotations
+
+EXIT_BAD_INPUT = 2
+
+
+class UserInputError(Exception):
+    """Bad config, data or checkpoint.  The CLI prints ``str(err)`` on one line and exits 2."""
+
+    def __init__(self, key: str, value, problem: str, fix: str, row: str | None = None):
+        self.key, self.value, self.problem, self.fix, self.row = key, value, problem, fix, row
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        value = "" if self.value is None else f"={self.value}"
+        row = f" [feature matrix: {self.row}]" if self.row else ""
+        text = f"{self.key}{value}: {self.problem}; fix: {self.fix}{row}"
+        return " ".join(text.split())
+
+
+class ConfigError(UserInputError):
+    def one_line(self) -> str:
+        return "config error: " + super().one_line()
+
+
+class DataError(UserInputError):
+    def one_line(self) -> str:
+        return "data error: " + super().one_line()
+
+
+class CheckpointError(UserInputError):
+    def one_line(self) -> str:
+        return "checkpoint error: " + super().one_line()

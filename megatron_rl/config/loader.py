@@ -1,0 +1,95 @@
+"""Load a config: schema defaults <- YAML file <- ``a.b.c=value`` overrides.
+
+omegaconf's own errors (unknown key, wrong type) are turned into one-line :class:`ConfigError`s
+that name the key and suggest the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Iterable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.schema import Config, iter_fields
+
+ALL_KEYS = [key for key, _, _ in iter_fields()]
+_KEY_TYPES = {key: str(f.type) for key, f, _ in iter_fields()}
+_TYPE_WORDS = {
+    "int": "an integer", "Optional[int]": "an integer or null",
+    "float": "a number", "Optional[float]": "a number or null",
+    "bool": "true or false", "Optional[bool]": "true, false or null",
+    "str": "a string", "Optional[str]": "a string or null", "list": "a list like [a,b]",
+}
+
+
+def _nearest_key(key: str) -> str:
+    match = difflib.get_close_matches(key, ALL_KEYS, n=1, cutoff=0.5)
+    return f"did you mean {match[0]}?" if match else "see docs/config.md for the valid keys"
+
+
+def _convert(err: Exception, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    if isinstance(err, (oc_errors.ConfigAttributeError, oc_errors.ConfigKeyError)):
+        return ConfigError(key, None, f"unknown key (from {source})", _nearest_key(key))
+    if isinstance(err, oc_errors.ValidationError):
+        value = getattr(err, "value", None)
+        if key not in _KEY_TYPES:
+            group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None) if key != "?" else None
+            where = f"{key} is a group of keys" if group else "not a value key"
+            return ConfigError(key, value, where, f"set its keys one by one, e.g. {group or 'parallel.tp'}=...")
+        expected = _TYPE_WORDS.get(_KEY_TYPES[key], "a value of the documented type")
+        return ConfigError(key, value, f"wrong type, expected {expected}", f"give {expected}")
+    return ConfigError(key, None, str(err).splitlines()[0], "check the value against docs/config.md")
+
+
+def _parse_override(item: str) -> tuple[str, str]:
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(item, None, "an override must look like key=value", "write e.g. parallel.tp=2")
+    key, value = item.split("=", 1)
+    return key.strip(), value
+
+
+def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
+    """Return a validated-for-type config object (layout checks live in ``validate``)."""
+    cfg: DictConfig = OmegaConf.structured(Config)
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError("--config", path, "file not found", "give the path of a YAML file, e.g. configs/demo_cpu.yaml")
+        try:
+            file_cfg = OmegaConf.load(path)
+        except Exception as err:  # yaml syntax errors
+            first = str(err).splitlines()[0]
+            raise ConfigError("--config", path, f"not valid YAML ({first})", "fix the YAML syntax") from None
+        try:
+            cfg = OmegaConf.merge(cfg, file_cfg)
+        except oc_errors.OmegaConfBaseException as err:
+            raise _convert(err, path) from None
+    dotlist = []
+    for item in overrides:
+        key, value = _parse_override(item)
+        if key not in ALL_KEYS:
+            group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None)
+            if group:
+                raise ConfigError(key, value, "is a group of keys, not a value", f"set one key, e.g. {group}=...")
+            raise ConfigError(key, value, "unknown key (from the command line)", _nearest_key(key))
+        dotlist.append(f"{key}={value}")
+    try:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+    except oc_errors.OmegaConfBaseException as err:
+        raise _convert(err, "the command line") from None
+    return OmegaConf.to_object(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Config, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.write(to_yaml(cfg))
+    os.replace(tmp, path)

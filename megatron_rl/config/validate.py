@@ -1,0 +1,28 @@
+"""Config validation: every constraint of every feature in the registry, before any process group.
+
+Raises :class:`ConfigError` (one line: key, value, problem, fix, feature-matrix row).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.schema import Config
+from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    for feat in FEATURES:
+        if feat.status in (PLANNED, UNSUPPORTED) and feat.in_use is not None and feat.in_use(cfg):
+            raise ConfigError(feat.config or feat.name, None, f"'{feat.name}' is {feat.status}",
+                              "turn it off; see docs/feature_matrix.md", row=feat.name)
+        for constraint in feat.constraints:
+            problem = constraint.check(cfg, world_size)
+            if problem is not None:
+                key, value, text, fix = problem
+                raise ConfigError(key, value, text, fix, row=feat.name)
+    # TransformerEngine availability is a property of this machine, not of the YAML.
+    from megatron_rl.models.specs import resolve_transformer_impl
+
+    resolve_transformer_impl(cfg.model.transformer_impl)

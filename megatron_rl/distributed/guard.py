@@ -1,0 +1,56 @@
+"""Run a rank's work so that a failure ends the job instead of hanging it.
+
+On an exception the rank writes its traceback (with the time it failed) to the launcher's error
+file, or to stderr when no launcher is watching, and leaves with ``os._exit``: no atexit handler
+or process-group teardown that could block on a collective.  The launcher then stops the other
+ranks and prints the first failure once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Callable
+
+from megatron_rl.config.errors import EXIT_BAD_INPUT, UserInputError
+
+ERROR_FILE_ENV = "MEGATRON_RL_ERROR_FILE"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def report_failure(exc: BaseException, code: int) -> None:
+    rank = _rank()
+    if isinstance(exc, UserInputError):
+        text = str(exc)
+    else:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        record = {"rank": rank, "time": time.time(), "exit_code": code, "message": text}
+        with open(f"{path}.rank{rank}", "w") as fh:
+            json.dump(record, fh)
+    else:
+        print(f"[rank {rank}] {text}" if not isinstance(exc, UserInputError) else text, file=sys.stderr, flush=True)
+
+
+def run_guarded(fn: Callable[[], int | None]) -> None:
+    """Call ``fn``; exit with its code, or report and ``os._exit`` on any exception."""
+    try:
+        code = fn() or 0
+    except UserInputError as exc:
+        report_failure(exc, EXIT_BAD_INPUT)
+        sys.stdout.flush()
+        os._exit(EXIT_BAD_INPUT)
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the rank
+        report_failure(exc, 1)
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

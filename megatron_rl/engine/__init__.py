@@ -1,0 +1,1 @@
+"""Training machinery around Megatron-Core: DDP, optimizer, pipeline schedules, checkpoints."""

@@ -1,0 +1,114 @@
+"""A model that trains: megatron DDP around each chunk, megatron's optimizer and LR schedule.
+
+Gradients are normalised by megatron's per-token path (``calculate_per_token_loss``): each
+micro-batch's loss function returns ``(loss_sum, count, logs)``; the schedule sums them and
+``finalize_model_grads`` divides the gradients once by the count summed over micro-batches and
+data/context-parallel ranks.  The result does not depend on how the batch was cut.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_rl.config.schema import OptimConfig
+
+
+@dataclasses.dataclass
+class Trainable:
+    chunks: list  # DDP-wrapped model chunks (one per virtual stage)
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> tuple[bool, float, Optional[int]]:
+        ok, grad_norm, num_zeros = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return bool(ok), float(grad_norm if grad_norm is not None else 0.0), num_zeros
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+def wrap_ddp(chunks: list, use_distributed_optimizer: bool = False) -> list:
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    wrapped = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    return wrapped
+
+
+def make_trainable(chunks: list, optim: OptimConfig, total_steps: int) -> Trainable:
+    """Wrap ``chunks`` in DDP and build the optimizer and LR schedule."""
+    wrapped = wrap_ddp(chunks, optim.use_distributed_optimizer)
+    config = chunks[0].config
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, wrapped, use_gloo_process_groups=False)
+    decay_steps = max(total_steps, optim.warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if optim.warmup_steps else optim.lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr if optim.schedule == "cosine" else optim.lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style="cosine" if optim.schedule == "cosine" else "constant",
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+    return Trainable(wrapped, optimizer, scheduler)
+
+
+def freeze(chunks: list) -> list:
+    """For the reference model: no grads, no optimizer state, eval mode."""
+    for chunk in chunks:
+        chunk.eval()
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+    return chunks
+
+
+def model_memory_bytes(chunks: list) -> int:
+    return sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+
+
+def to_device_(module: torch.nn.Module, device: torch.device) -> None:
+    module.to(device)

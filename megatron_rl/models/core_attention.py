@@ -1,0 +1,130 @@
+"""Core attention for the local (non-TransformerEngine) layer spec.
+
+Replaces megatron-core's ``DotProductAttention`` (same constructor and forward signature), which
+refuses context parallelism and packed sequences.  It handles:
+
+* BSHD input (``[s, b, heads, dim]``) and packed THD input (``[t, heads, dim]`` with
+  ``PackedSeqParams``), never attending across sequence boundaries;
+* context parallelism with the zigzag layout, through :mod:`megatron_rl.ops.cp_attention`
+  (``all_gather`` or ``p2p`` ring);
+* GQA without materialising repeated K/V heads.
+
+Dropout inside attention is not supported: RL needs deterministic log-probs, so the model
+builder sets ``attention_dropout=0``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.ops import cp_attention
+from megatron_rl.ops.zigzag import local_positions_bshd, local_positions_thd
+
+
+class LocalCoreAttention(MegatronModule):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"LocalCoreAttention supports causal attention only, got {attn_mask_type}")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError("model attention dropout must be 0 for RL (deterministic log-probs)")
+        self.layer_number = layer_number
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+        if config.softmax_scale is not None and softmax_scale is None:
+            self.softmax_scale = config.softmax_scale
+        self.cp_comm_type = cp_comm_type or getattr(config, "cp_comm_type", None) or "p2p"
+        if pg_collection is not None and hasattr(pg_collection, "cp"):
+            self.cp_group = pg_collection.cp
+        else:
+            self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+
+    def _cp(self) -> tuple[int, int]:
+        if self.cp_group is None:
+            return 1, 0
+        return self.cp_group.size(), self.cp_group.rank()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by LocalCoreAttention")
+        cp_size, cp_rank = self._cp()
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if packed:
+            # [t, n, d] -> [1, n, t, d]
+            q, k, v = (x.unsqueeze(0).transpose(1, 2) for x in (query, key, value))
+        else:
+            # [s, b, n, d] -> [b, n, s, d]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+
+        if cp_size == 1 and not packed:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1)
+            )
+        elif cp_size == 1:
+            out = _packed_causal_attention(q, k, v, _padded_cu_seqlens(packed_seq_params), self.softmax_scale)
+        else:
+            if packed:
+                cu = _padded_cu_seqlens(packed_seq_params)
+                layout = lambda rank: local_positions_thd(cu, cp_size, rank)  # noqa: E731
+            else:
+                seq_local = q.size(2)
+                layout = lambda rank: local_positions_bshd(seq_local * cp_size, cp_size, rank)  # noqa: E731
+            out = cp_attention.context_parallel_attention(
+                q, k, v, layout, self.cp_group, self.softmax_scale, self.cp_comm_type
+            )
+
+        if packed:
+            # [1, n, t, d] -> [t, n*d]
+            return out.squeeze(0).transpose(0, 1).reshape(out.size(2), -1)
+        # [b, n, s, d] -> [s, b, n*d]
+        b, n, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def _padded_cu_seqlens(params: PackedSeqParams) -> list[int]:
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return [int(x) for x in cu.tolist()]
+
+
+def _packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+    """Causal attention per packed sequence: no token sees another sequence."""
+    gqa = q.size(1) != k.size(1)
+    pieces = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        if end == start:
+            continue
+        pieces.append(
+            F.scaled_dot_product_attention(
+                q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
+                is_causal=True, scale=scale, enable_gqa=gqa,
+            )
+        )
+    return torch.cat(pieces, dim=2)

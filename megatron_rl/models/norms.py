@@ -1,0 +1,54 @@
+"""LayerNorm / RMSNorm for the local (non-TransformerEngine) layer spec.
+
+megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism.  These norms are plain torch
+modules whose parameters carry ``sequence_parallel`` so that megatron's
+``finalize_model_grads`` sums their gradients over the tensor-parallel group, which is all
+sequence parallelism needs from a norm.  The norm is computed in fp32 (as HF does) and cast back.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+
+class _FP32Norm(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float, rms: bool):
+        super().__init__()
+        self.eps = eps
+        self.rms = rms
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = (
+            None if rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        )
+        for param in self.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        if self.rms:
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (self.weight.float() * y).to(dtype)
+        y = torch.nn.functional.layer_norm(
+            x, (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
+        )
+        return y.to(dtype)
+
+
+class LocalNorm:
+    """Spec-compatible factory: builds the norm named by ``config.normalization``."""
+
+    def __new__(
+        cls,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str | None = None,
+    ):
+        kind = normalization or config.normalization
+        if kind not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"model.normalization={kind!r} is not supported; use LayerNorm or RMSNorm")
+        return _FP32Norm(config, hidden_size, eps, rms=kind == "RMSNorm")

@@ -1,0 +1,1 @@
+"""Math on sharded tensors: context-parallel attention, zigzag layout, vocab-parallel log-probs."""

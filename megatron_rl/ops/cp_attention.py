@@ -1,0 +1,193 @@
+"""Context-parallel causal attention without TransformerEngine.
+
+Every rank holds a zigzag shard of the queries, keys and values (see :mod:`megatron_rl.ops.zigzag`)
+and a ``layout(rank) -> (positions, segment_ids)`` function that says which global positions any
+rank holds.  A key is visible to a query when both belong to the same sequence (segment) and the
+key's position is not after the query's, so packed and unpacked batches share one code path.
+
+Two strategies:
+
+``all_gather``
+    Gather K/V from the whole CP group (backward: reduce-scatter) and run one masked attention.
+    Simple; activation memory grows with the full sequence length.
+``p2p``
+    Ring attention: K/V blocks travel around the CP ring while each rank merges block results
+    with an online softmax.  Its own backward recomputes each block and sends the K/V gradients
+    around the ring back to their owners, so saved activations stay O(S/CP).
+
+Shapes: ``q`` is ``[b, heads, sq, d]``, ``k``/``v`` are ``[b, kv_heads, sk, d]`` (GQA allowed).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+Layout = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+
+CP_COMM_TYPES = ("p2p", "all_gather")
+
+
+def context_parallel_attention(q, k, v, layout: Layout, group, scale: float, comm_type: str):
+    if comm_type == "all_gather":
+        return _all_gather_attention(q, k, v, layout, group, scale)
+    if comm_type == "p2p":
+        return RingAttention.apply(q, k, v, layout, group, scale)
+    raise ValueError(
+        f"parallel.cp_comm_type={comm_type!r} is not available without TransformerEngine; "
+        f"use one of {CP_COMM_TYPES}"
+    )
+
+
+def visibility_mask(pos_q, seg_q, pos_k, seg_k) -> torch.Tensor:
+    """``[sq, sk]`` bool: True where the query may attend to the key."""
+    return (seg_q[:, None] == seg_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+
+
+# ----------------------------------------------------------------------------- all_gather
+
+
+class _GatherAlongSeq(torch.autograd.Function):
+    """All-gather dim 2 of ``[b, n, s, d]`` over ``group`` (rank order); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        world = group.size()
+        front = x.permute(2, 0, 1, 3).contiguous()
+        out = front.new_empty((world * front.size(0), *front.shape[1:]))
+        dist.all_gather_into_tensor(out, front, group=group)
+        return out.permute(1, 2, 0, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = ctx.group.size()
+        front = grad.permute(2, 0, 1, 3).contiguous()
+        out = front.new_empty((front.size(0) // world, *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        return out.permute(1, 2, 0, 3), None
+
+
+def _all_gather_attention(q, k, v, layout: Layout, group, scale):
+    cp, rank = group.size(), group.rank()
+    k_all = _GatherAlongSeq.apply(k, group)
+    v_all = _GatherAlongSeq.apply(v, group)
+    pos_q, seg_q = layout(rank)
+    per_rank = [layout(r) for r in range(cp)]
+    pos_k = torch.cat([p for p, _ in per_rank])
+    seg_k = torch.cat([s for _, s in per_rank])
+    mask = visibility_mask(pos_q, seg_q, pos_k, seg_k).to(q.device)
+    return F.scaled_dot_product_attention(
+        q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1)
+    )
+
+
+# ----------------------------------------------------------------------------- ring (p2p)
+
+
+def _group_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    b, n, s, d = q.shape
+    return q.reshape(b, kv_heads, n // kv_heads, s, d)
+
+
+def _ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
+    """Start sending ``send`` to the next CP rank and receiving the previous rank's tensor."""
+    cp, rank = group.size(), group.rank()
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    nxt = dist.get_global_rank(group, (rank + 1) % cp)
+    prv = dist.get_global_rank(group, (rank - 1) % cp)
+    ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs) -> None:
+    for req in reqs:
+        req.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout: Layout, group, scale: float):
+        cp, rank = group.size(), group.rank()
+        kv_heads, d = k.size(1), k.size(-1)
+        qf = _group_heads(q.float(), kv_heads)  # [b, h, g, sq, d]
+        pos_q, seg_q = (t.to(q.device) for t in layout(rank))
+
+        acc_o = torch.zeros_like(qf)
+        acc_m = torch.full(qf.shape[:-1], float("-inf"), device=q.device)
+        acc_l = torch.zeros(qf.shape[:-1], device=q.device)
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        for step in range(cp):
+            reqs = []
+            if step < cp - 1:
+                next_kv, reqs = _ring_exchange(kv, group)
+            src = (rank - step) % cp
+            pos_k, seg_k = (t.to(q.device) for t in layout(src))
+            mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
+            if bool(mask.any()):
+                kb, vb = kv[..., :d].float(), kv[..., d:].float()
+                s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kb) * scale
+                s = s.masked_fill(~mask, float("-inf"))
+                new_m = torch.maximum(acc_m, s.amax(-1))
+                safe_m = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
+                p = torch.exp(s - safe_m[..., None])
+                alpha = torch.exp(acc_m - safe_m)
+                acc_l = acc_l * alpha + p.sum(-1)
+                acc_o = acc_o * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vb)
+                acc_m = new_m
+            if step < cp - 1:
+                _wait(reqs)
+                kv = next_kv
+        out = acc_o / acc_l[..., None]
+        lse = acc_m + torch.log(acc_l)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.group, ctx.scale = layout, group, scale
+        b, n, sq, _ = q.shape
+        return out.reshape(b, n, sq, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        layout, group, scale = ctx.layout, ctx.group, ctx.scale
+        cp, rank = group.size(), group.rank()
+        kv_heads, d = k.size(1), k.size(-1)
+        qf = _group_heads(q.float(), kv_heads)
+        do = _group_heads(grad_out.float(), kv_heads)
+        delta = (do * out).sum(-1)  # [b, h, g, sq]
+        pos_q, seg_q = (t.to(q.device) for t in layout(rank))
+
+        dq = torch.zeros_like(qf)
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for step in range(cp):
+            src = (rank - step) % cp
+            pos_k, seg_k = (t.to(q.device) for t in layout(src))
+            mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
+            if bool(mask.any()):
+                kb, vb = kv[..., :d].float(), kv[..., d:].float()
+                s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kb) * scale
+                s = s.masked_fill(~mask, float("-inf"))
+                p = torch.exp(s - lse[..., None])
+                dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
+                dp = torch.einsum("bhgqd,bhkd->bhgqk", do, vb)
+                ds = p * (dp - delta[..., None])
+                dq += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
+                dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qf) * scale
+                dkv += torch.cat([dk, dv], dim=-1)
+            # Pass the block and its accumulated gradient on; after cp sends it is home again.
+            if step < cp - 1:
+                both = torch.cat([kv.float(), dkv], dim=-1)
+                recv, reqs = _ring_exchange(both, group)
+                _wait(reqs)
+                kv = recv[..., : 2 * d].to(k.dtype)
+                dkv = recv[..., 2 * d :]
+            else:
+                dkv, reqs = _ring_exchange(dkv, group)
+                _wait(reqs)
+        b, n, sq, _ = q.shape
+        dq = dq.reshape(b, n, sq, d).to(q.dtype)
+        return dq, dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None

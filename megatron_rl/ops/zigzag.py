@@ -1,0 +1,79 @@
+"""The zigzag context-parallel layout.
+
+A sequence of length ``L`` (a multiple of ``2*cp``) is cut into ``2*cp`` equal chunks; rank ``r``
+keeps chunks ``r`` and ``2*cp-1-r``.  Causal attention work is then the same on every rank.
+These helpers work on host tensors so a rank can take its shard *before* moving data to its
+device, and give the global positions the attention masks need.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+
+def zigzag_index(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions (ascending) held by ``cp_rank``; ``seq_len`` must divide by ``2*cp``."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not a multiple of 2*cp={2 * cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second_start = (2 * cp_size - 1 - cp_rank) * chunk
+    second = torch.arange(second_start, second_start + chunk)
+    return torch.cat([first, second])
+
+
+def shard(x: torch.Tensor, cp_size: int, cp_rank: int, dim: int = -1) -> torch.Tensor:
+    """This rank's zigzag shard of ``x`` along ``dim``."""
+    if cp_size == 1:
+        return x
+    idx = zigzag_index(x.size(dim), cp_size, cp_rank).to(x.device)
+    return x.index_select(dim, idx)
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int = -1) -> torch.Tensor:
+    """Inverse of :func:`shard`: ``shards[r]`` is rank r's shard; returns natural order."""
+    cp_size = len(shards)
+    if cp_size == 1:
+        return shards[0]
+    seq_len = sum(s.size(dim) for s in shards)
+    out_shape = list(shards[0].shape)
+    out_shape[dim] = seq_len
+    out = shards[0].new_empty(out_shape)
+    for rank, piece in enumerate(shards):
+        out.index_copy_(dim % out.dim(), zigzag_index(seq_len, cp_size, rank).to(out.device), piece)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _bshd_positions(seq_len: int, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = zigzag_index(seq_len, cp_size, cp_rank)
+    return pos, torch.zeros_like(pos)
+
+
+def local_positions_bshd(seq_len: int, cp_size: int, cp_rank: int):
+    """(global position, segment id) of each local token of an unpacked row."""
+    return _bshd_positions(seq_len, cp_size, cp_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _thd_positions(cu: tuple[int, ...], cp_size: int, cp_rank: int):
+    positions, segments = [], []
+    for seg, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        length = end - start
+        if length == 0:
+            continue
+        pos = zigzag_index(length, cp_size, cp_rank) if cp_size > 1 else torch.arange(length)
+        positions.append(pos)
+        segments.append(torch.full_like(pos, seg))
+    return torch.cat(positions), torch.cat(segments)
+
+
+def local_positions_thd(cu_seqlens_padded: Sequence[int], cp_size: int, cp_rank: int):
+    """(position within its sequence, sequence id) of each local token of a packed batch.
+
+    ``cu_seqlens_padded`` are the *global* cumulative padded lengths, each a multiple of ``2*cp``.
+    """
+    return _thd_positions(tuple(int(c) for c in cu_seqlens_padded), cp_size, cp_rank)

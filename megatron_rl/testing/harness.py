@@ -1,0 +1,175 @@
+"""Run a function on N gloo worker processes and collect per-rank results.
+
+Tests use one shared pool per world size for the whole session: workers are forked from a
+forkserver that has already imported torch and megatron-core, initialise torch.distributed once,
+and then run any number of test bodies (each may set up its own parallel layout with
+:func:`megatron_rl.testing.layouts.use_layout`).  A body that raises on any rank fails the
+caller with that rank's traceback; a body that hangs is killed after ``timeout`` seconds and the
+pool is rebuilt, so one bad test never blocks the suite.
+
+    pool = get_pool(4)
+    results = pool.run(my_module.body, arg1, arg2)   # list, one entry per rank
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+_DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_RL_TEST_TIMEOUT", "300"))
+
+
+class RankError(RuntimeError):
+    """A test body raised on a worker rank."""
+
+
+def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGATRON_RL_LAUNCHER="test",
+    )
+    try:
+        from megatron_rl.config.schema import DistributedConfig
+        from megatron_rl.distributed.runtime import init_distributed
+
+        init_distributed(DistributedConfig(timeout_s=int(_DEFAULT_TIMEOUT)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        task_id, path, payload = item
+        for entry in path:
+            if entry not in sys.path:
+                sys.path.append(entry)
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            value = fn(*args, **kwargs)
+            results.put((rank, True, (task_id, pickle.dumps(value))))
+        except BaseException:
+            results.put((rank, False, (task_id, traceback.format_exc())))
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT):
+        from megatron_rl.distributed.env import free_port
+
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["megatron_rl.testing.preload"])
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker_main, args=(r, world_size, port, self._tasks[r], self._results), daemon=True
+            )
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._next_id = 0
+        for _ in range(world_size):
+            rank, ok, info = self._get(self.timeout)
+            if not ok:
+                self.close()
+                raise RankError(f"worker rank {rank} failed to start:\n{info}")
+
+    def _get(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    what = f"worker exited (code {dead[0].exitcode})" if dead else f"timed out after {timeout:.0f}s"
+                    raise RankError(f"test pool of {self.world_size}: {what}") from None
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank return values."""
+        self._next_id += 1
+        task_id = self._next_id
+        payload = pickle.dumps((fn, args, kwargs))
+        for q in self._tasks:
+            q.put((task_id, list(sys.path), payload))
+        values: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = self.world_size
+        grace_deadline = None
+        limit = timeout or self.timeout
+        while pending:
+            wait = limit if grace_deadline is None else max(0.01, grace_deadline - time.monotonic())
+            try:
+                rank, ok, info = self._get(wait)
+            except RankError as err:
+                if errors:
+                    break  # other ranks are stuck in a collective after a failure: pool is gone
+                raise RankError(f"{fn.__module__}.{fn.__qualname__}: {err}") from None
+            got_id, body = info
+            if got_id != task_id:
+                continue
+            pending -= 1
+            if ok:
+                values[rank] = pickle.loads(body)
+            else:
+                errors[rank] = body
+                # Give the other ranks a moment to fail too, then stop waiting for them.
+                grace_deadline = grace_deadline or time.monotonic() + 10.0
+        if errors:
+            if pending:
+                self.close()
+            first = min(errors)
+            raise RankError(f"{fn.__qualname__} raised on rank {first}:\n{errors[first]}")
+        return values
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put_nowait(None)
+            except Exception:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2)
+
+
+_POOLS: dict[int, WorkerPool] = {}
+
+
+def get_pool(world_size: int) -> WorkerPool:
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = WorkerPool(world_size)
+    return pool
+
+
+def run_distributed(world_size: int, fn: Callable, *args, **kwargs) -> list[Any]:
+    """Shorthand for ``get_pool(world_size).run(fn, ...)``."""
+    return get_pool(world_size).run(fn, *args, **kwargs)
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
+    _POOLS.clear()

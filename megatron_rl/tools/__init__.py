@@ -1,0 +1,1 @@
+"""Command-line tools: train, smoke, features, validate (and more, see `megatron-rl --help`)."""

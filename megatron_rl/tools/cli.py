@@ -1,0 +1,145 @@
+"""``megatron-rl``: the command-line front door.
+
+    megatron-rl train    --config configs/demo_cpu.yaml [--nproc N] [key=value ...]
+    megatron-rl smoke    [--nproc N] [key=value ...]
+    megatron-rl validate CONFIG [--world-size N] [key=value ...]
+    megatron-rl features [--markdown]
+
+Bad input (config, data, checkpoint) prints one line naming the key and the fix, exit code 2.
+Distributed commands run under torchrun or srun as they are, or start ``--nproc`` local ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from megatron_rl.config.errors import EXIT_BAD_INPUT, UserInputError
+
+DISTRIBUTED_COMMANDS = ("train", "smoke")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "run PPO training"), ("smoke", "parallel LM smoke job on synthetic data")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--config", help="YAML config file")
+        p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
+        p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p = sub.add_parser("validate", help="check a config without starting anything")
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("--world-size", type=int, help="number of ranks the job will have (default: --nproc / distributed.nproc)")
+    p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("features", help="print the feature matrix and the installed versions")
+    p.add_argument("--markdown", action="store_true", help="print docs/feature_matrix.md")
+    return parser
+
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def _load(config: str | None, overrides: list[str], world: int | None):
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+
+    cfg = load_config(config, overrides)
+    validate(cfg, world)
+    return cfg
+
+
+def _run_dir(cfg) -> str:
+    path = os.path.join(cfg.run.dir, cfg.run.name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _rank_main(args) -> int:
+    from megatron_rl.distributed.env import detect_launch_env
+    from megatron_rl.distributed.guard import run_guarded
+    from megatron_rl.distributed.runtime import init_distributed
+
+    launch = detect_launch_env()
+
+    def work() -> int:
+        cfg = _load(args.config, args.overrides, launch.world_size)
+        init_distributed(cfg.distributed, launch)
+        return _COMMANDS[args.command](cfg)
+
+    if launch.world_size > 1 or os.environ.get("MEGATRON_RL_LAUNCHER"):
+        run_guarded(work)  # never returns
+    return work() or 0
+
+
+def _smoke(cfg) -> int:
+    from megatron_rl.tools.smoke import run_smoke
+
+    run_smoke(cfg, log=lambda line: print(line, flush=True))
+    return 0
+
+
+def _train(cfg) -> int:
+    # The PPO trainer replaces this; until then `train` runs the parallel smoke job.
+    return _smoke(cfg)
+
+
+_COMMANDS = {"train": _train, "smoke": _smoke}
+
+
+def _features(args) -> int:
+    from megatron_rl.tools.features_cmd import print_features
+
+    print_features(markdown=args.markdown)
+    return 0
+
+
+def _validate(args) -> int:
+    from megatron_rl.config.loader import to_yaml
+
+    cfg = _load(args.config, args.overrides, None)
+    world = args.world_size or cfg.distributed.nproc
+    _load(args.config, args.overrides, world)
+    print(f"config OK for {world} rank(s)")
+    if os.environ.get("MEGATRON_RL_PRINT_CONFIG"):
+        print(to_yaml(cfg))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "features":
+            return _features(args)
+        if args.command == "validate":
+            return _validate(args)
+        if _under_launcher():
+            return _rank_main(args)
+        # Launcher side: validate for the world we are about to start, then start it.
+        from megatron_rl.config.loader import load_config, save_config
+
+        cfg0 = load_config(args.config, args.overrides)
+        nproc = args.nproc or cfg0.distributed.nproc
+        cfg = _load(args.config, args.overrides, nproc)
+        run_dir = _run_dir(cfg)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        if nproc > 1:
+            from megatron_rl.distributed.launcher import launch_local
+
+            rank_argv = [a for a in argv if not a.startswith("--nproc")]
+            if "--nproc" in argv:
+                i = argv.index("--nproc")
+                rank_argv = argv[:i] + argv[i + 2 :]
+            return launch_local(rank_argv, nproc)
+        return _rank_main(args)
+    except UserInputError as err:
+        print(str(err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
