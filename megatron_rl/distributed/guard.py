@@ -30,6 +30,11 @@ def report_failure(exc: BaseException, code: int) -> None:
         text = str(exc)
     else:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+        if "Timed out" in text or "timed out" in text:
+            text += (
+                f"\nrank {rank} waited longer than distributed.timeout_s for a collective: another rank "
+                "is hung or dead (see its log), or the timeout is too short for this step"
+            )
     path = os.environ.get(ERROR_FILE_ENV)
     if path:
         record = {"rank": rank, "time": time.time(), "exit_code": code, "message": text}

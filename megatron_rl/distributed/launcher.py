@@ -67,16 +67,18 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None) -> 
 
     old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
-        failed_rank = None
         while True:
             codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed_rank = bad[0]
+            if any(c not in (None, 0) for c in codes):
                 break
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(POLL_S)
+        # Ranks killed by a signal before we sent any (OOM killer, kill -9) are the root cause:
+        # their peers' errors are only the broken connections that followed.
+        time.sleep(POLL_S)
+        codes = [p.poll() for p in procs]
+        killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
         _stop(procs)
         deadline = time.monotonic() + GRACE_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -85,11 +87,15 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None) -> 
         for p in procs:
             p.wait()
         record = _first_failure(err_base)
-        if record is None:
-            code = procs[failed_rank].returncode
+        if killed or record is None:
+            rank = killed[0] if killed else next(r for r, c in enumerate(codes) if c not in (None, 0))
+            code = procs[rank].returncode
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-            print(f"megatron-rl: rank {failed_rank} died ({reason}) without a Python traceback; "
+            print(f"megatron-rl: rank {rank} died ({reason}) without a Python traceback; "
                   f"stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
+            if record is not None:
+                last = record["message"].strip().splitlines()[-1]
+                print(f"  then rank {record['rank']} failed: {last}", file=sys.stderr, flush=True)
             return code if code > 0 else 1
         print(f"megatron-rl: rank {record['rank']} failed (exit code {record['exit_code']}); "
               f"stopped the other {nproc - 1} rank(s)\n{record['message']}", file=sys.stderr, flush=True)

@@ -123,7 +123,7 @@ def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: int = 600) 
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
-        distributed_timeout_minutes=max(1, timeout_s // 60),
+        distributed_timeout_minutes=timeout_s / 60.0,
         create_gloo_process_groups=cuda_available(),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

@@ -32,6 +32,16 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
+# TransformerEngine fuses the pre-attention / pre-MLP norms into the following linear layer;
+# canonical names are the local spec's.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
 def global_named_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """``(global_name, param)`` with layer indices counted over the whole model."""
     model = unwrap(chunk)
@@ -39,7 +49,7 @@ def global_named_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch
         if name.startswith("decoder.layers."):
             _, _, idx, rest = name.split(".", 3)
             global_idx = model.decoder.layers[int(idx)].layer_number - 1
-            name = f"decoder.layers.{global_idx}.{rest}"
+            name = f"decoder.layers.{global_idx}.{_TE_NAMES.get(rest, rest)}"
         yield name, param
 
 
@@ -101,7 +111,7 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
             value = _value(param, attr)
             if value is None:
                 continue
-            value = value.detach().float().contiguous()
+            value = value.detach().float().clone()
             if _tp_info(param)[0] and tp_size > 1:
                 shards = [torch.empty_like(value) for _ in range(tp_size)]
                 dist.all_gather(shards, value, group=tp_group)

@@ -13,6 +13,7 @@ import torch
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import Config
+from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sum_count
 from megatron_rl.distributed.runtime import Layout, init_model_parallel, resolve_device
 from megatron_rl.engine.pipeline import run_microbatches
@@ -91,6 +92,7 @@ def run_smoke(cfg: Config, log=print) -> list[float]:
             f"sp={layout.sequence_parallel} on {device}; {sm.steps} steps x {sm.num_microbatches} micro-batches")
     for step in range(sm.steps):
         t0 = time.perf_counter()
+        faults.maybe_inject(step + 1)
         tokens = synthetic_sequences(step, layout.dp * sm.num_microbatches * sm.micro_batch_size,
                                      sm.seq_length, cfg.model.vocab_size, cfg.run.seed)
         mbs = lm_microbatches(data_parallel_slice(tokens), sm.micro_batch_size, layout.cp,

@@ -1,0 +1,224 @@
+"""Prompt data: load, tokenize and filter it once, then draw batches deterministically.
+
+All checking happens at load time, before any rank starts generating: a malformed record stops
+the run with its file and line, instead of failing an hour in.  Prompts longer than the prompt
+budget are dropped (not truncated, which would change the question) and the count is logged.
+
+:class:`PromptSampler` makes the data order a pure function of ``(seed, epoch, position)``, so a
+run resumed from a checkpoint draws exactly the batches the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_rl.config.errors import DataError
+from megatron_rl.data.tokenizer import Tokenizer
+
+logger = logging.getLogger("megatron_rl.data")
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+@dataclasses.dataclass
+class PromptSet:
+    """Tokenized prompts.  ``source_index[i]``: file line (JSONL, 1-based) or row (Parquet, 0-based)."""
+
+    prompt_ids: list[list[int]]
+    prompts: list[str]
+    answers: list[Optional[str]]
+    source_index: list[int]
+    num_dropped: int = 0
+    path: str = ""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def _records_jsonl(path: str) -> Iterator[tuple[int, str, object]]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}", None, f"line {lineno} is not valid JSON ({err.msg} at column "
+                                f"{err.colno})", f"fix or delete line {lineno} of {path}") from err
+
+
+def _records_parquet(path: str) -> Iterator[tuple[int, str, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as err:
+        raise DataError(path, None, "reading Parquet needs pyarrow, which is not installed",
+                        "pip install pyarrow (or pip install 'megatron_rl[parquet]'), "
+                        "or convert the file to JSONL") from err
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as err:  # noqa: BLE001 - pyarrow raises its own error types
+        raise DataError(path, None, f"cannot read Parquet ({type(err).__name__}: {err})",
+                        "check that the file is a complete Parquet file") from err
+    for row, record in enumerate(rows):
+        yield row, f"{path} row {row}", record
+
+
+def _text(record: dict, key: str, where: str) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataError(where, None, f"'{key}' must be a string, got {type(value).__name__} {str(value)[:60]!r}",
+                        f"store the {key} as a string")
+    if not value.strip():
+        raise DataError(where, None, f"'{key}' is empty", "remove the record or give it a prompt")
+    return value
+
+
+def _messages(record: dict, key: str, where: str) -> list[dict]:
+    value = record[key]
+    fix = f"make '{key}' a list of {{\"role\": ..., \"content\": ...}} objects with string values"
+    if not isinstance(value, list) or not value:
+        raise DataError(where, None, f"'{key}' must be a non-empty list, got {type(value).__name__}", fix)
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise DataError(where, None, f"'{key}'[{i}] is not a message with string role and content: "
+                            f"{str(message)[:60]!r}", fix)
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _answer(record: dict, key: str, where: str) -> Optional[str]:
+    value = record.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise DataError(where, None, f"'{key}' must be a string or a number, got {type(value).__name__}",
+                    f"store the {key} as a string, or leave it out")
+
+
+def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
+                 answer_key: str = "answer", messages_key: str = "messages") -> PromptSet:
+    """Read a JSONL or Parquet prompt file, tokenize it, drop prompts over ``max_prompt_tokens``.
+
+    A record has ``prompt_key`` (a string, encoded with ``tokenizer.encode_prompt``) or
+    ``messages_key`` (a chat, rendered with the tokenizer's chat template); ``prompt_key`` wins
+    when both are present.  ``answer_key`` is optional.  Raises :class:`DataError` on bad input.
+    """
+    path = os.fspath(path)
+    if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
+        raise DataError("max_prompt_tokens", max_prompt_tokens, "must be a positive integer",
+                        "set the prompt token budget to at least 1")
+    if not os.path.isfile(path):
+        raise DataError(path, None, "no such file", "check the prompt data path")
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        records = _records_jsonl(path)
+    elif lower.endswith(PARQUET_SUFFIXES):
+        records = _records_parquet(path)
+    else:
+        raise DataError(path, None, "unknown prompt file type",
+                        f"use JSON lines ({', '.join(JSONL_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)})")
+
+    out = PromptSet([], [], [], [], path=path)
+    total = 0
+    for index, where, record in records:
+        if not isinstance(record, dict):
+            raise DataError(where, None, f"the record is a {type(record).__name__}, not an object",
+                            f"write one JSON object per line with a '{prompt_key}' or '{messages_key}' key")
+        if record.get(prompt_key) is not None:
+            text = _text(record, prompt_key, where)
+            ids = tokenizer.encode_prompt(text)
+        elif record.get(messages_key) is not None:
+            messages = _messages(record, messages_key, where)
+            text, ids = tokenizer.chat_text(messages), tokenizer.apply_chat_template(messages)
+        else:
+            raise DataError(where, None, f"the record has neither '{prompt_key}' nor '{messages_key}' "
+                            f"(keys: {sorted(record)[:8]})",
+                            f"add a '{prompt_key}' string or a '{messages_key}' list, or point the prompt key "
+                            "at the field that holds the prompt")
+        answer = _answer(record, answer_key, where)
+        total += 1
+        if len(ids) > max_prompt_tokens:
+            out.num_dropped += 1
+            continue
+        out.prompt_ids.append(list(ids))
+        out.prompts.append(text)
+        out.answers.append(answer)
+        out.source_index.append(index)
+
+    if out.num_dropped:
+        logger.warning("dropped %d of %d prompts longer than %d tokens", out.num_dropped, total, max_prompt_tokens)
+    if total == 0:
+        raise DataError(path, None, "the file holds no records", "give a prompt file with at least one record")
+    if not out.prompt_ids:
+        raise DataError("max_prompt_tokens", max_prompt_tokens,
+                        f"all {total} prompts in {path} are longer than this many tokens",
+                        "raise the prompt token budget or shorten the prompts")
+    return out
+
+
+class PromptSampler:
+    """Deterministic, resumable batches of prompt indices (positions in the :class:`PromptSet`).
+
+    Epoch ``e`` visits every prompt once, in the order ``torch.randperm(n)`` gives with seed
+    ``seed + e`` (or in file order when ``shuffle=False``).  Batches are cut from the endless
+    sequence epoch 0, epoch 1, ...: at an epoch boundary a batch takes the last prompts of epoch
+    ``e`` and fills up with the first prompts of epoch ``e + 1``.  So every batch is full, no
+    prompt is skipped, and each one is drawn exactly once per epoch (a batch larger than the
+    prompt set necessarily repeats prompts).  The state is ``(epoch, position)`` in that sequence.
+    """
+
+    def __init__(self, prompt_set, batch_size: int, seed: int, shuffle: bool = True):
+        self.num_prompts = len(prompt_set)
+        if self.num_prompts < 1:
+            raise ValueError("PromptSampler needs at least one prompt")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order: Optional[list[int]] = None
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(self.num_prompts, generator=gen).tolist()
+            else:
+                self._order = list(range(self.num_prompts))
+        return self._order
+
+    def next_batch(self) -> list[int]:
+        """The next ``batch_size`` prompt indices."""
+        batch: list[int] = []
+        while len(batch) < self.batch_size:
+            order = self._epoch_order()
+            take = min(self.batch_size - len(batch), self.num_prompts - self.position)
+            batch.extend(order[self.position:self.position + take])
+            self.position += take
+            if self.position == self.num_prompts:
+                self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        return batch
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue the same sequence of batches."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_prompts": self.num_prompts, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; the prompt set, seed and shuffle flag must match the saved run."""
+        for key in ("num_prompts", "seed", "shuffle"):
+            if key in state and state[key] != getattr(self, key):
+                raise DataError(f"sampler.{key}", getattr(self, key),
+                                f"differs from the checkpoint ({state[key]}), so resuming would draw other batches",
+                                "resume with the same prompt data, seed and shuffle setting, or start a new run")
+        if not 0 <= int(state["position"]) < self.num_prompts:
+            raise DataError("sampler.position", state["position"], f"is outside 0..{self.num_prompts - 1}",
+                            "resume with the prompt data the checkpoint was made with")
+        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None

@@ -1,0 +1,202 @@
+"""Reward functions: lookup by name or import path, and a checked batched call.
+
+A reward function is user code, so the trainer never trusts what it returns: every value is
+checked before it reaches the advantage computation, and any failure is reported as a one-line
+:class:`RewardFunctionError` that names the function and the prompt it failed on.  A bad reward
+found here costs one error message; found later it costs a diverged run.
+
+The contract: ``fn(prompts, responses, answers, **kwargs)`` takes three equal-length lists
+(``answers`` items may be ``None``) and returns one number per response, as a list, a 1-D
+``torch.Tensor`` or a 1-D numpy array.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from megatron_rl.config.errors import UserInputError
+
+RewardFn = Callable[..., object]
+
+KEY = "reward.fn"
+
+_REWARDS: dict[str, RewardFn] = {}
+_NAMES: dict[RewardFn, str] = {}  # fn -> the name it was first registered under
+
+
+class RewardFunctionError(UserInputError):
+    def one_line(self) -> str:
+        return "reward error: " + super().one_line()
+
+
+def register_reward(name: str, *aliases: str):
+    """Decorator: make ``fn`` resolvable by ``name`` (and any ``aliases``) in ``reward.fn``."""
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        for key in (name, *aliases):
+            old = _REWARDS.get(key)
+            # Re-registering the same function (a reloaded module) is fine; a different one is a clash.
+            if old is not None and _qualified(old) != _qualified(fn):
+                raise ValueError(f"reward name {key!r} is already registered to {reward_name(old)}")
+            _REWARDS[key] = fn
+        _NAMES.setdefault(fn, name)
+        return fn
+
+    return decorator
+
+
+def _load_builtins() -> None:
+    import megatron_rl.rewards.format  # noqa: F401  (registers on import)
+    import megatron_rl.rewards.math_answer  # noqa: F401
+
+
+def list_rewards() -> list[str]:
+    """Every registered name, aliases included, sorted."""
+    _load_builtins()
+    return sorted(_REWARDS)
+
+
+def _qualified(fn: RewardFn) -> str:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)
+
+
+def reward_name(fn: RewardFn) -> str:
+    """The name used in messages: the registered name, else ``module:qualname``."""
+    try:
+        return _NAMES.get(fn) or _qualified(fn)
+    except TypeError:  # an unhashable callable object
+        return _qualified(fn)
+
+
+def get_reward_fn(spec: str) -> RewardFn:
+    """Resolve a registered name (``"math_answer"``) or an import path (``"pkg.mod:fn"``)."""
+    _load_builtins()
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardFunctionError(KEY, spec, "must be a reward name or 'package.module:function'",
+                                  f"use one of {list_rewards()} or an import path")
+    spec = spec.strip()
+    if spec in _REWARDS:
+        return _REWARDS[spec]
+    if ":" not in spec:
+        hint = f" or write it as '{spec.rpartition('.')[0]}:{spec.rpartition('.')[2]}'" if "." in spec else ""
+        raise RewardFunctionError(KEY, spec, "unknown reward function",
+                                  f"use one of {list_rewards()}{hint} or 'package.module:function'")
+    module_name, _, attr_path = spec.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - a user module may fail on import in any way
+        raise RewardFunctionError(KEY, spec, f"cannot import module {module_name!r} ({type(err).__name__}: {err})",
+                                  "check the module name and that its package is installed or on PYTHONPATH") from err
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise RewardFunctionError(KEY, spec, f"module {module_name!r} has no attribute {attr_path!r}",
+                                      f"check the function name after ':' (it must be defined in {module_name})")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise RewardFunctionError(KEY, spec, f"{attr_path!r} is a {type(obj).__name__}, not a function",
+                                  "point reward.fn at a function fn(prompts, responses, answers, **kwargs)")
+    return obj
+
+
+def _short(obj, limit: int = 80) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(out) -> str:
+    if isinstance(out, (torch.Tensor, np.ndarray)):
+        return f"{type(out).__name__} of shape {tuple(out.shape)} and dtype {out.dtype}"
+    return f"{type(out).__name__} {_short(out)}"
+
+
+def _as_floats(out, name: str, indices: Sequence[int]) -> torch.Tensor:
+    """Check one batch of returned rewards; return them as float32 ``[B]``."""
+    n = len(indices)
+
+    def fail(problem: str, fix: str):
+        raise RewardFunctionError(KEY, name, problem, fix)
+
+    if isinstance(out, (torch.Tensor, np.ndarray)) and out.ndim != 1:
+        fail(f"returned a {_describe(out)} for {n} responses, expected shape ({n},)",
+             "return one number per response (squeeze or flatten the result)")
+    if isinstance(out, np.ndarray):
+        # Numeric arrays convert directly; object/string/complex arrays are checked item by item below.
+        out = torch.from_numpy(out.astype(np.float64)) if out.dtype.kind in "biuf" else list(out)
+    if isinstance(out, torch.Tensor):
+        if out.is_complex():
+            fail(f"returned a complex {_describe(out)}", "return real numbers")
+        out = out.detach().to("cpu", torch.float64)
+    if not isinstance(out, (torch.Tensor, list, tuple)):
+        fail(f"returned {_describe(out)}, expected a list of {n} numbers", "return one number per response")
+    if len(out) != n:
+        where = f"; prompt index {indices[len(out)]} and later got none" if len(out) < n else ""
+        fail(f"returned {len(out)} values for {n} responses{where}", "return exactly one number per response")
+    if not isinstance(out, torch.Tensor):
+        for i, value in enumerate(out):
+            numeric = (isinstance(value, numbers.Real)
+                       or (isinstance(value, np.generic) and value.dtype.kind in "biuf")
+                       or (isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()))
+            if not numeric:
+                fail(f"returned a non-numeric value {_short(value)} ({type(value).__name__}) for prompt index "
+                     f"{indices[i]} (position {i})", "return an int or float for every response")
+        out = torch.tensor([float(v) for v in out], dtype=torch.float64)
+    out = out.to(torch.float32)
+    bad = (~torch.isfinite(out)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        fail(f"returned a non-finite value {out[i].item()} for prompt index {indices[i]} (position {i})",
+             "return finite numbers (guard divisions and logs in the reward function)")
+    return out
+
+
+def _first_failing_item(fn, prompts, responses, answers, kwargs) -> tuple[Optional[int], Optional[BaseException]]:
+    for i in range(len(responses)):
+        try:
+            fn([prompts[i]], [responses[i]], [answers[i]], **kwargs)
+        except Exception as err:  # noqa: BLE001
+            return i, err
+    return None, None
+
+
+def compute_rewards(
+    fn: Union[RewardFn, str],
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    answers: Sequence[Optional[str]],
+    prompt_indices: Optional[Sequence[int]] = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Call ``fn`` once on the batch and return checked rewards as a float32 tensor ``[B]``.
+
+    ``prompt_indices`` (default ``0..B-1``) are what error messages call "prompt index": pass the
+    prompt's line in the data file (``PromptSet.source_index``) so users can find it.  If the batch
+    call raises, the items are retried one by one to name the first prompt that fails alone.
+    """
+    if isinstance(fn, str):
+        fn = get_reward_fn(fn)
+    indices = list(range(len(responses))) if prompt_indices is None else [int(i) for i in prompt_indices]
+    if not len(prompts) == len(responses) == len(answers) == len(indices):
+        raise ValueError(f"compute_rewards: lengths differ: {len(prompts)} prompts, {len(responses)} responses, "
+                         f"{len(answers)} answers, {len(indices)} prompt indices")
+    name = reward_name(fn)
+    prompts, responses, answers = list(prompts), list(responses), list(answers)
+    try:
+        out = fn(prompts, responses, answers, **kwargs)
+    except Exception as err:  # noqa: BLE001 - user code
+        i, item_err = _first_failing_item(fn, prompts, responses, answers, kwargs)
+        if i is None:
+            raise RewardFunctionError(
+                KEY, name, f"raised {type(err).__name__}: {err} on a batch of {len(responses)} responses "
+                f"(prompt indices {_short(indices, 60)}); no single response fails alone",
+                "fix the reward function; it fails on the batch as a whole") from err
+        raise RewardFunctionError(
+            KEY, name, f"raised {type(item_err).__name__}: {item_err} on prompt index {indices[i]} "
+            f"(response {_short(responses[i], 60)}, answer {_short(answers[i], 40)})",
+            f"fix the reward function or the data for prompt index {indices[i]}") from err
+    return _as_floats(out, name, indices)

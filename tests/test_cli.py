@@ -1,0 +1,96 @@
+"""The command line as users run it: real processes, real exit codes, real output."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, env=None, timeout=300):
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("MEGATRON_RL_FAULT", None) if not env or "MEGATRON_RL_FAULT" not in env else None
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+def losses(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
+
+
+def test_bad_override_exits_2_with_one_line(tmp_path):
+    proc, _ = cli("smoke", "--nproc", "4", "parallel.tp=3", f"run.dir={tmp_path}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["config error: parallel.tp=3: world size 4 is not divisible by tp*pp*cp; fix: choose "
+                     "tp*pp*cp that divides 4, or start a multiple of tp*pp*cp processes "
+                     "[feature matrix: Parallel layouts (world size <= 8)]"]
+    proc, _ = cli("train", "--config", "configs/demo_cpu.yaml", "parallel.tpp=2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("config error: parallel.tpp=2: unknown key (from the command line); "
+                                   "fix: did you mean parallel.tp?")
+    assert not list(tmp_path.iterdir())  # nothing was started or written
+
+
+def test_validate_command(tmp_path):
+    proc, _ = cli("validate", "configs/demo_cpu.yaml")
+    assert proc.returncode == 0 and "config OK for 4 rank(s)" in proc.stdout
+    proc, _ = cli("validate", "configs/demo_cpu.yaml", "--world-size", "6")
+    assert proc.returncode == 2 and "world size 6" in proc.stderr
+
+
+@pytest.mark.slow
+def test_smoke_command_runs_on_four_processes(tmp_path):
+    proc, seconds = cli("smoke", "--config", "configs/smoke_cpu.yaml", "--nproc", "4",
+                        "parallel.tp=2", "parallel.pp=2", "smoke.steps=6", f"run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    found = losses(proc.stdout)
+    print(f"smoke TP2xPP2 in {seconds:.1f}s: {found}")
+    assert len(found) == 6 and found[-1] < found[0] - 0.1
+    assert "tp=2 pp=2" in proc.stdout
+    assert (tmp_path / "smoke_cpu" / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_rank_that_raises_ends_job_with_its_traceback(tmp_path):
+    proc, seconds = cli("smoke", "--nproc", "4", "parallel.tp=2", f"run.dir={tmp_path}",
+                        env={"MEGATRON_RL_FAULT": "raise@rank=2:step=2"})
+    assert proc.returncode == 1
+    assert "megatron-rl: rank 2 failed (exit code 1); stopped the other 3 rank(s)" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert "injected fault on rank 2 at step 2" in proc.stderr
+    assert seconds < 60
+
+
+@pytest.mark.slow
+def test_rank_that_hangs_is_stopped_by_the_timeout(tmp_path):
+    proc, seconds = cli("smoke", "--nproc", "2", "distributed.timeout_s=8", f"run.dir={tmp_path}",
+                        env={"MEGATRON_RL_FAULT": "hang@rank=1:step=2"})
+    assert proc.returncode == 1
+    assert "another rank is hung or dead" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1
+    assert seconds < 8 + 40
+
+
+@pytest.mark.slow
+def test_rank_killed_by_signal_ends_job(tmp_path):
+    proc, seconds = cli("smoke", "--nproc", "2", f"run.dir={tmp_path}",
+                        env={"MEGATRON_RL_FAULT": "kill@rank=1:step=2"})
+    assert proc.returncode != 0
+    assert "rank 1 died (signal 9)" in proc.stderr
+    assert seconds < 60
+
+
+def test_features_command_prints_versions_and_patches():
+    proc, _ = cli("features")
+    assert proc.returncode == 0
+    assert "megatron-core 0.16.1" in proc.stdout and "Tensor parallelism" in proc.stdout
+    assert "cpu.cuda_to_cpu_function_mode" in proc.stdout

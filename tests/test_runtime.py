@@ -1,0 +1,61 @@
+"""Megatron's parallel_state for every TP x PP x CP (x VPP) layout of 2, 4 and 8 ranks on gloo."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from megatron_rl.testing.harness import run_distributed
+
+
+def layouts(world: int):
+    sizes = [s for s in (1, 2, 4, 8) if s <= world]
+    for tp, pp, cp in itertools.product(sizes, repeat=3):
+        if world % (tp * pp * cp) == 0:
+            yield dict(tp=tp, pp=pp, cp=cp)
+            if pp >= 2:
+                yield dict(tp=tp, pp=pp, cp=cp, vpp=2)
+
+
+def check_groups(layout_list):
+    """Build each layout; check group sizes, rank arithmetic and one collective per group."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.testing.layouts import use_layout
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seen = []
+    for kw in layout_list:
+        layout = use_layout(**kw)
+        tp, pp, cp = kw["tp"], kw["pp"], kw["cp"]
+        dp = world // (tp * pp * cp)
+        assert layout.dp == dp
+        assert ps.get_tensor_model_parallel_world_size() == tp
+        assert ps.get_pipeline_model_parallel_world_size() == pp
+        assert ps.get_context_parallel_world_size() == cp
+        assert ps.get_data_parallel_world_size() == dp
+        assert ps.get_virtual_pipeline_model_parallel_world_size() == kw.get("vpp")
+        # megatron's default order is tp-cp-ep-dp-pp: TP ranks are adjacent.
+        assert ps.get_tensor_model_parallel_rank() == rank % tp
+        assert ps.get_pipeline_model_parallel_rank() == rank // (tp * cp * dp)
+        for group, size in ((ps.get_tensor_model_parallel_group(), tp),
+                            (ps.get_pipeline_model_parallel_group(), pp),
+                            (ps.get_context_parallel_group(), cp),
+                            (ps.get_data_parallel_group(), dp),
+                            (ps.get_data_parallel_group(with_context_parallel=True), dp * cp)):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            assert int(t.item()) == size
+        seen.append((tp, pp, cp, kw.get("vpp")))
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_parallel_state_every_layout_up_to_8(world):
+    todo = list(layouts(world))
+    results = run_distributed(world, check_groups, todo)
+    assert all(len(r) == len(todo) for r in results)
+    print(f"world {world}: {len(todo)} layouts checked")
