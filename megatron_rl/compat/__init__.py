@@ -28,6 +28,10 @@ def quiet_optional_dependency_warnings() -> None:
         ".*Transformer Engine is not installed.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
+    # torch 2.13 deprecates all_gather_into_tensor, which megatron-core 0.16 (and torch 2.11 on
+    # GPU machines) still use; the warning is not actionable for users.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*is deprecated.*")
 
 
 def enable_compat() -> list[str]:

@@ -82,6 +82,7 @@ class CudaToCpuMode(TorchFunctionMode):
             _record("Tensor.cuda()")
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            _record("Tensor.type() -> torch.cuda.*Tensor")
             tensor = args[0]
             return _TYPE_STRINGS.get(tensor.dtype, func(*args))
         device = kwargs.get("device")

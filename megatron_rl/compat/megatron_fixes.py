@@ -5,6 +5,8 @@ Each is registered with the megatron-core versions it was checked against.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_rl.compat.registry import Patch, register_patch
 
 
@@ -39,5 +41,35 @@ register_patch(
             "chunked log-prob and value heads replace the output layer; checked by the model tests"
         ),
         apply=lambda: None,
+    )
+)
+
+
+def _patch_tp_reduce() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    def _reduce(input_, group):
+        assert group is not None, "group should not be None"
+        if group.size() == 1:
+            return input_
+        if not input_.is_contiguous():
+            input_ = input_.contiguous()
+        torch.distributed.all_reduce(input_, group=group)
+        return input_
+
+    mappings._reduce = _reduce
+
+
+register_patch(
+    Patch(
+        name="tensor_parallel.reduce_noncontiguous",
+        megatron_versions=">=0.16,<0.18",
+        reason=(
+            "tensor_parallel.mappings._reduce all-reduces input_.contiguous() and returns input_: "
+            "for a non-contiguous tensor (e.g. the gradient of a transposed view entering "
+            "copy_to_tensor_model_parallel_region) the reduced copy is dropped and each TP rank "
+            "keeps its partial sum"
+        ),
+        apply=_patch_tp_reduce,
     )
 )

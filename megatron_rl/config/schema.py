@@ -83,6 +83,16 @@ class ModelConfig:
 
 
 @dataclass
+class BatchConfig:
+    max_tokens_per_rank: Optional[int] = _f(
+        None, "Token budget per micro-batch per rank (dynamic batch size); null = fixed micro_batch_size."
+    )
+    micro_batch_size: int = _f(1, "Sequences per micro-batch when no token budget is set.")
+    packing: bool = _f(True, "Pack sequences into one THD row (no padding waste); false = padded BSHD rows.")
+    logprob_chunk_size: int = _f(1024, "Tokens per chunk of the vocab-parallel log-prob/entropy computation.")
+
+
+@dataclass
 class OptimConfig:
     lr: float = _f(1e-5, "Peak learning rate.")
     min_lr: float = _f(0.0, "Final learning rate of the cosine schedule.")
@@ -110,6 +120,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
 

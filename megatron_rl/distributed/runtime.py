@@ -106,13 +106,23 @@ def _destroy_groups() -> None:
     ps.destroy_model_parallel()
 
 
+_CURRENT: Layout | None = None
+
+
+def active_layout() -> Layout | None:
+    """The layout megatron's groups were last built for in this process (None before any)."""
+    return _CURRENT
+
+
 def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> None:
     """Build megatron's parallel groups for ``layout`` (tearing down a previous layout)."""
+    global _CURRENT
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
         _destroy_groups()
+        _CURRENT = None
     world = dist.get_world_size()
     if world % layout.model_parallel_size:
         raise ValueError(
@@ -126,6 +136,7 @@ def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: int = 600) 
         distributed_timeout_minutes=timeout_s / 60.0,
         create_gloo_process_groups=cuda_available(),
     )
+    _CURRENT = layout
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     torch.manual_seed(seed)
 

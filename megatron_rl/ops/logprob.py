@@ -25,8 +25,14 @@ from megatron.core.tensor_parallel.mappings import (
 DEFAULT_CHUNK_SIZE = 1024
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs; float64 stays float64 (used by the exactness tests)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _chunk_logits(h, weight, vocab_start, true_vocab, temperature):
-    z = torch.matmul(h.float(), weight.float().t())
+    dtype = _compute_dtype(h)
+    z = torch.matmul(h.to(dtype), weight.to(dtype).t())
     if temperature != 1.0:
         z = z / temperature
     cols = torch.arange(vocab_start, vocab_start + weight.size(0), device=z.device)
@@ -44,7 +50,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         vocab_local = weight.size(0)
         vocab_start = tp_rank * vocab_local
         tokens = hidden.size(0)
-        logp = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(tokens, dtype=_compute_dtype(hidden), device=hidden.device)
         log_z = torch.empty_like(logp)
         mean_z = torch.empty_like(logp)
         for start in range(0, tokens, chunk_size):
@@ -82,9 +88,10 @@ class _VocabParallelLogProb(torch.autograd.Function):
         true_vocab, temperature, chunk_size, group, with_entropy, vocab_start = ctx.cfg
         vocab_local = weight.size(0)
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_logp = grad_logp.float()
-        grad_entropy = grad_entropy.float() if with_entropy else None
+        dtype = _compute_dtype(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        grad_logp = grad_logp.to(dtype)
+        grad_entropy = grad_entropy.to(dtype) if with_entropy else None
         for start in range(0, hidden.size(0), chunk_size):
             end = min(start + chunk_size, hidden.size(0))
             h = hidden[start:end]
@@ -102,8 +109,8 @@ class _VocabParallelLogProb(torch.autograd.Function):
                 g -= grad_entropy[start:end, None] * p * (zf - mean_z[start:end, None])
             if temperature != 1.0:
                 g = g / temperature
-            grad_hidden[start:end] = (g @ weight.float()).to(hidden.dtype)
-            grad_weight += g.t() @ h.float()
+            grad_hidden[start:end] = (g @ weight.to(dtype)).to(hidden.dtype)
+            grad_weight += g.t() @ h.to(dtype)
             del z, p, g
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
@@ -126,7 +133,8 @@ def vocab_parallel_logprobs(
     global token ids (any value where the result is masked later).  Returns two ``[b, s]`` fp32
     tensors.  Gradients flow to ``hidden`` and ``weight``.
     """
-    group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    tp_active = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
+    group = ps.get_tensor_model_parallel_group() if tp_active else None
     if sequence_parallel and group is not None:
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
     elif group is not None:
@@ -143,7 +151,8 @@ def vocab_parallel_logprobs(
 
 def naive_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
     """Reference: full ``[.., vocab]`` fp32 log-softmax (what the op avoids)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

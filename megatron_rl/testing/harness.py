@@ -46,7 +46,10 @@ def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
         return
     results.put((rank, True, "ready"))
     while True:
-        item = tasks.get()
+        try:
+            item = tasks.get()
+        except (EOFError, OSError):  # the test process is gone
+            break
         if item is None:
             break
         task_id, path, payload = item
@@ -69,12 +72,13 @@ class WorkerPool:
         self.timeout = timeout
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["megatron_rl.testing.preload"])
+        # Not daemonic: megatron's checkpoint writer starts helper processes of its own.
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self._procs = [
             ctx.Process(
-                target=_worker_main, args=(r, world_size, port, self._tasks[r], self._results), daemon=True
+                target=_worker_main, args=(r, world_size, port, self._tasks[r], self._results), daemon=False
             )
             for r in range(world_size)
         ]

@@ -5,23 +5,18 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_rl.config.schema import ParallelConfig
-from megatron_rl.distributed.runtime import Layout, init_model_parallel
-
-_current: tuple | None = None
+from megatron_rl.distributed.runtime import Layout, active_layout, init_model_parallel
 
 
 def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None, seed=1234) -> Layout:
     """(Re)build megatron's groups for this layout on the pool's world; returns the Layout."""
-    global _current
     cfg = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, cp_comm_type=cp_comm_type,
         batch_p2p_comm=batch_p2p_comm,
     )
     layout = Layout.from_config(cfg, dist.get_world_size())
-    key = (layout, seed)
-    if key != _current:
+    if layout != active_layout():
         init_model_parallel(layout, seed=seed)
-        _current = key
     else:
         from megatron.core import tensor_parallel
         import torch

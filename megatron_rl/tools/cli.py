@@ -2,6 +2,7 @@
 
     megatron-rl train    --config configs/demo_cpu.yaml [--nproc N] [key=value ...]
     megatron-rl smoke    [--nproc N] [key=value ...]
+    megatron-rl score    --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
     megatron-rl features [--markdown]
 
@@ -18,7 +19,7 @@ import warnings
 
 from megatron_rl.config.errors import EXIT_BAD_INPUT, UserInputError
 
-DISTRIBUTED_COMMANDS = ("train", "smoke")
+DISTRIBUTED_COMMANDS = ("train", "smoke", "score")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +30,14 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="YAML config file")
         p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
         p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p = sub.add_parser("score", help="per-token log-probs and entropy of an HF model on any layout")
+    p.add_argument("--hf-model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--input", required=True, help="JSONL with input_ids or text per line")
+    p.add_argument("--output", required=True, help="JSONL to write, one line per input line")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--config", help="YAML config file (parallel layout, batch)")
+    p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p = sub.add_parser("validate", help="check a config without starting anything")
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("--world-size", type=int, help="number of ranks the job will have (default: --nproc / distributed.nproc)")
@@ -42,11 +51,18 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
-def _load(config: str | None, overrides: list[str], world: int | None):
+def _load(config: str | None, overrides: list[str], world: int | None, hf_model: str | None = None):
+    """Load, take the architecture from an HF model directory when one is given, validate."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.config.validate import validate
 
     cfg = load_config(config, overrides)
+    if hf_model:
+        cfg.model.hf_path = hf_model
+    if cfg.model.hf_path:
+        from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+
+        cfg.model = model_config_from_hf(read_hf_config(cfg.model.hf_path), cfg.model)
     validate(cfg, world)
     return cfg
 
@@ -65,28 +81,34 @@ def _rank_main(args) -> int:
     launch = detect_launch_env()
 
     def work() -> int:
-        cfg = _load(args.config, args.overrides, launch.world_size)
+        cfg = _load(args.config, args.overrides, launch.world_size, getattr(args, "hf_model", None))
         init_distributed(cfg.distributed, launch)
-        return _COMMANDS[args.command](cfg)
+        return _COMMANDS[args.command](cfg, args)
 
     if launch.world_size > 1 or os.environ.get("MEGATRON_RL_LAUNCHER"):
         run_guarded(work)  # never returns
     return work() or 0
 
 
-def _smoke(cfg) -> int:
+def _smoke(cfg, args) -> int:
     from megatron_rl.tools.smoke import run_smoke
 
     run_smoke(cfg, log=lambda line: print(line, flush=True))
     return 0
 
 
-def _train(cfg) -> int:
+def _train(cfg, args) -> int:
     # The PPO trainer replaces this; until then `train` runs the parallel smoke job.
-    return _smoke(cfg)
+    return _smoke(cfg, args)
 
 
-_COMMANDS = {"train": _train, "smoke": _smoke}
+def _score(cfg, args) -> int:
+    from megatron_rl.tools.score import run_score
+
+    return run_score(cfg, args.hf_model, args.input, args.output, args.temperature)
+
+
+_COMMANDS = {"train": _train, "smoke": _smoke, "score": _score}
 
 
 def _features(args) -> int:
@@ -124,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg0 = load_config(args.config, args.overrides)
         nproc = args.nproc or cfg0.distributed.nproc
-        cfg = _load(args.config, args.overrides, nproc)
-        run_dir = _run_dir(cfg)
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        cfg = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None))
+        if args.command in ("train", "smoke"):
+            save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"))
         if nproc > 1:
             from megatron_rl.distributed.launcher import launch_local
 

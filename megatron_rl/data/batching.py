@@ -1,0 +1,141 @@
+"""Which sequences go to which data-parallel rank and into which micro-batch.
+
+Work is balanced on a cost that counts attention's quadratic term, so a micro-batch of one 16k
+sequence and a micro-batch of sixteen 1k sequences are not treated as equal.  With a token budget
+(``batch.max_tokens_per_rank``) micro-batches are filled so that no rank holds more than the budget
+of tokens; at context parallelism ``cp`` a rank holds ``1/cp`` of each sequence, so sequences up to
+``budget * cp`` tokens fit.  Every data-parallel rank runs the same number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.errors import DataError
+from megatron_rl.data.microbatch import align_to
+
+
+def sequence_cost(length: int, attention_weight: float = 1.0 / 4096) -> float:
+    """Linear work (MLP, projections) plus a quadratic attention term, in token units."""
+    return length + attention_weight * length * length
+
+
+def lpt_partition(costs: Sequence[float], bins: int) -> list[list[int]]:
+    """Longest-processing-time-first: biggest item to the lightest bin.  Deterministic."""
+    if bins <= 0:
+        raise ValueError("need at least one bin")
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap = [(0.0, b) for b in range(bins)]
+    out: list[list[int]] = [[] for _ in range(bins)]
+    for i in order:
+        load, b = heapq.heappop(heap)
+        out[b].append(i)
+        heapq.heappush(heap, (load + costs[i], b))
+    return [sorted(bin_) for bin_ in out]
+
+
+def split_data_parallel(lengths: Sequence[int], dp_size: int, dp_rank: int) -> list[int]:
+    """Indices of the sequences this data-parallel rank processes (balanced by cost)."""
+    if len(lengths) < dp_size:
+        raise DataError(
+            "batch", len(lengths), f"a batch of {len(lengths)} sequences cannot be split over {dp_size} data-parallel ranks",
+            "use at least as many sequences per step as data-parallel ranks",
+        )
+    if dp_size == 1:
+        return list(range(len(lengths)))
+    return lpt_partition([sequence_cost(n) for n in lengths], dp_size)[dp_rank]
+
+
+def _local_tokens(lengths: Sequence[int], members: Sequence[int], align: int, cp: int, packed: bool) -> int:
+    if not members:
+        return 0
+    if packed:
+        return sum(align_to(lengths[i], align) for i in members) // cp
+    return align_to(max(lengths[i] for i in members), align) * len(members) // cp
+
+
+def plan_microbatches(
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    *,
+    max_tokens_per_rank: Optional[int],
+    micro_batch_size: int,
+    cp: int,
+    align: int,
+    packed: bool,
+    dp_group=None,
+    multiple_of: int = 1,
+) -> list[list[int]]:
+    """Group ``indices`` (this rank's sequences) into micro-batches.
+
+    Without a token budget: ``ceil(n / micro_batch_size)`` balanced groups.  With one: the fewest
+    micro-batches whose local token count stays within the budget.  The count is agreed (max)
+    over the data-parallel group and rounded up to ``multiple_of`` (the interleaved pipeline
+    schedule needs a multiple of the pipeline size).
+    """
+    indices = list(indices)
+    if not indices:
+        return []
+    if max_tokens_per_rank:
+        for i in indices:
+            local = _local_tokens(lengths, [i], align, cp, packed)
+            if local > max_tokens_per_rank:
+                raise DataError(
+                    "batch.max_tokens_per_rank", max_tokens_per_rank,
+                    f"a sequence of {lengths[i]} tokens needs {local} tokens per rank at cp={cp}, over the budget",
+                    f"raise batch.max_tokens_per_rank to >= {local}, raise parallel.cp, or cap the response length",
+                )
+        total = _local_tokens(lengths, indices, align, cp, packed=True)
+        count = max(1, -(-total // max_tokens_per_rank))
+        while count < len(indices) and not _fits(lengths, _balanced(lengths, indices, count), align, cp,
+                                                packed, max_tokens_per_rank):
+            count += 1
+    else:
+        count = -(-len(indices) // micro_batch_size)
+    count = _agree_max(count, dp_group)
+    if multiple_of > 1:
+        count = -(-count // multiple_of) * multiple_of
+        if count > len(indices):
+            raise DataError(
+                "batch", len(indices),
+                f"the interleaved pipeline schedule needs a multiple of {multiple_of} micro-batches, but a "
+                f"data-parallel rank has only {len(indices)} sequences",
+                f"use at least {multiple_of} sequences per data-parallel rank per step, or parallel.vpp=null",
+            )
+    count = min(count, len(indices))
+    if max_tokens_per_rank:
+        return _balanced(lengths, indices, count)
+    return [sorted(b) for b in _even_chunks(indices, count)]
+
+
+def _fits(lengths, bins, align, cp, packed, budget) -> bool:
+    return all(_local_tokens(lengths, b, align, cp, packed) <= budget for b in bins)
+
+
+def _balanced(lengths, indices, count: int) -> list[list[int]]:
+    count = min(count, len(indices))
+    parts = lpt_partition([sequence_cost(lengths[i]) for i in indices], count)
+    return [[indices[j] for j in part] for part in parts if part]
+
+
+def _even_chunks(items: list, count: int) -> list[list]:
+    count = min(count, len(items))
+    base, extra = divmod(len(items), count)
+    out, start = [], 0
+    for c in range(count):
+        size = base + (1 if c < extra else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out
+
+
+def _agree_max(count: int, group) -> int:
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())

@@ -1,0 +1,167 @@
+"""Turn a few sequences into one micro-batch, *as this rank holds it*, on the host.
+
+Each sequence is a dict of 1-D host tensors aligned with its input positions: ``tokens`` plus any
+per-position fields (``loss_mask``, ``old_logprob``, ``advantages``...).  Position ``t`` of a
+field belongs to the prediction of token ``t+1``; labels are built here by shifting ``tokens``
+*before* anything is split, so every rank's labels line up with its inputs.
+
+Two layouts:
+
+* packed (THD): sequences are concatenated into one row, each padded to a multiple of the
+  alignment (``2*cp``, times ``tp`` under sequence parallelism); attention never crosses
+  sequences (``cu_seqlens``), and RoPE positions restart per sequence;
+* unpacked (BSHD): one row per sequence, right-padded to the longest (aligned) length.
+
+With context parallelism every sequence (packed) or row (unpacked) is cut into ``2*cp`` chunks and
+this rank keeps chunks ``r`` and ``2*cp-1-r`` -- all on the host, so only ``1/cp`` of the tokens
+ever reach this rank's device.  :meth:`Microbatch.gather_sequences` undoes the split for
+per-token outputs (log-probs, values) after gathering them over the CP group as ``[T]`` vectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.ops import zigzag
+
+
+def align_to(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def alignment(cp: int, tp: int, sequence_parallel: bool) -> int:
+    """Padding multiple for one sequence: ``2*cp`` for the zigzag split, ``x tp`` under SP."""
+    return (2 * cp if cp > 1 else 1) * (tp if sequence_parallel else 1)
+
+
+@dataclasses.dataclass
+class Microbatch:
+    seq_indices: list[int]
+    lengths: list[int]
+    padded_lengths: list[int]
+    packed: bool
+    cp_size: int
+    cp_rank: int
+    tensors: dict  # name -> host tensor, [1, T_local] packed or [B, S_local] unpacked
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def local_tokens(self) -> int:
+        return int(self.tensors["tokens"].numel())
+
+    def to(self, device: torch.device, names: Optional[Iterable[str]] = None) -> dict:
+        """This rank's shard of the named tensors on ``device`` (all of them by default)."""
+        names = self.tensors.keys() if names is None else names
+        return {n: self.tensors[n].to(device, non_blocking=True) for n in names}
+
+    def packed_seq_params(self, device: torch.device):
+        if not self.packed:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu_pad = torch.tensor([0] + list(_cumsum(self.padded_lengths)), dtype=torch.int32, device=device)
+        cu = torch.tensor([0] + list(_cumsum(self.lengths)), dtype=torch.int32, device=device)
+        # Real lengths sit at the start of their padded slots: TransformerEngine reads both,
+        # our local attention and megatron's RoPE use the padded offsets.
+        longest = max(self.padded_lengths)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu_pad,
+            cu_seqlens_kv_padded=cu_pad,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+
+    def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Split a per-token local output (shape of ``tokens``) into per-sequence local pieces."""
+        if self.packed:
+            sizes = [p // self.cp_size for p in self.padded_lengths]
+            return list(torch.split(local.reshape(-1), sizes))
+        return [row for row in local]
+
+    def gather_sequences(self, local: torch.Tensor, cp_group=None) -> list[torch.Tensor]:
+        """Full per-sequence vectors ``[length]`` from a per-token output of this micro-batch.
+
+        Only ``[T]`` vectors travel over the CP group (never logits)."""
+        local = local.detach().float().contiguous()
+        if self.cp_size > 1:
+            shards = [torch.empty_like(local) for _ in range(self.cp_size)]
+            dist.all_gather(shards, local, group=cp_group)
+        else:
+            shards = [local]
+        per_rank = [self._split_like_self(s) for s in shards]
+        out = []
+        for i, length in enumerate(self.lengths):
+            full = zigzag.unshard([pieces[i] for pieces in per_rank], dim=0)
+            out.append(full[:length].cpu())
+        return out
+
+    def _split_like_self(self, local: torch.Tensor) -> list[torch.Tensor]:
+        return self.local_pieces(local)
+
+
+def _cumsum(values: Sequence[int]):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def build_microbatch(
+    seqs: Sequence[dict],
+    seq_indices: Sequence[int],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    align: int = 1,
+    packed: bool = True,
+    pad_id: int = 0,
+) -> Microbatch:
+    """Pad, (pack,) shift labels and take this CP rank's zigzag shard, all on the host."""
+    if not seqs:
+        raise ValueError("a micro-batch needs at least one sequence")
+    names = [n for n in seqs[0] if n != "tokens"]
+    lengths = [int(s["tokens"].numel()) for s in seqs]
+    if packed:
+        padded = [align_to(n, align) for n in lengths]
+    else:
+        row = align_to(max(lengths), align)
+        padded = [row] * len(seqs)
+
+    def prepared(seq: dict, padded_len: int) -> dict:
+        tokens = seq["tokens"].long()
+        n = tokens.numel()
+        out = {
+            "tokens": _pad(tokens, padded_len, pad_id),
+            "labels": _pad(torch.cat([tokens[1:], tokens.new_full((1,), pad_id)]), padded_len, pad_id),
+            "position_ids": torch.arange(padded_len),
+        }
+        for name in names:
+            value = seq[name]
+            if value.numel() != n:
+                raise ValueError(f"field {name!r} has {value.numel()} entries for a {n}-token sequence")
+            out[name] = _pad(value, padded_len, 0)
+        return {k: zigzag.shard(v, cp_size, cp_rank, dim=0) for k, v in out.items()}
+
+    pieces = [prepared(s, p) for s, p in zip(seqs, padded)]
+    keys = pieces[0].keys()
+    if packed:
+        tensors = {k: torch.cat([p[k] for p in pieces]).unsqueeze(0) for k in keys}
+    else:
+        tensors = {k: torch.stack([p[k] for p in pieces]) for k in keys}
+    return Microbatch(list(seq_indices), lengths, padded, packed, cp_size, cp_rank, tensors)
+
+
+def _pad(x: torch.Tensor, length: int, value) -> torch.Tensor:
+    if x.numel() == length:
+        return x
+    return torch.cat([x, x.new_full((length - x.numel(),), value)])

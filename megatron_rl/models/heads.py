@@ -1,0 +1,82 @@
+"""What each RL model computes from the decoder's final hidden states.
+
+* :class:`LogProbHead` (actor, reference): log-prob of the next token and the entropy of the
+  distribution at each position, from vocab-parallel output weights in chunks (never
+  ``[tokens, vocab]``).
+* :class:`ValueHead` (critic): ``Linear(hidden, 1)`` in fp32 on the last pipeline stage.  Under
+  sequence parallelism each TP rank sees a different slice of the sequence, so its parameters
+  are marked ``sequence_parallel`` and megatron sums their gradients over TP; without that mark
+  the head drifts apart between TP ranks.
+
+Both return per-token tensors shaped like the micro-batch's ``tokens`` (``[B, S]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from megatron_rl.ops.logprob import DEFAULT_CHUNK_SIZE, vocab_parallel_logprobs
+
+
+class ValueHead(torch.nn.Module):
+    def __init__(self, hidden_size: int, sequence_parallel: bool):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden_size, 1, dtype=torch.float32)
+        torch.nn.init.zeros_(self.linear.weight)
+        torch.nn.init.zeros_(self.linear.bias)
+        for param in self.linear.parameters():
+            setattr(param, "sequence_parallel", sequence_parallel)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/tp), b, h]`` hidden states -> ``[b, s]`` fp32 values."""
+        values = self.linear(hidden.float()).squeeze(-1)
+        if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            # Every TP rank computes the loss on the full sequence: the gather's backward keeps
+            # only this rank's slice of the gradient (no sum), exactly once per token.
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values.transpose(0, 1)
+
+
+def attach_value_head(chunks: list) -> list:
+    """Give the last-stage chunk a value head and freeze its (unused) LM output layer."""
+    for chunk in chunks:
+        if chunk.post_process:
+            chunk.value_head = ValueHead(chunk.config.hidden_size, chunk.config.sequence_parallel).to(
+                next(chunk.parameters()).device
+            )
+            if not chunk.share_embeddings_and_output_weights:
+                chunk.output_layer.weight.requires_grad_(False)
+    return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class LogProbHead:
+    temperature: float = 1.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    with_entropy: bool = True
+    outputs = ("logprob", "entropy")
+
+    def __call__(self, model, hidden: torch.Tensor, tensors: dict) -> dict:
+        logp, entropy = vocab_parallel_logprobs(
+            hidden, model.output_weight(), tensors["labels"],
+            true_vocab_size=model.true_vocab_size, temperature=self.temperature,
+            chunk_size=self.chunk_size, sequence_parallel=model.config.sequence_parallel,
+            with_entropy=self.with_entropy,
+        )
+        out = {"logprob": logp}
+        if self.with_entropy:
+            out["entropy"] = entropy
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueOutput:
+    outputs = ("value",)
+
+    def __call__(self, model, hidden: torch.Tensor, tensors: dict) -> dict:
+        return {"value": model.value_head(hidden)}

@@ -1,0 +1,250 @@
+"""Hugging Face safetensors <-> Megatron model chunks on any TP / PP / VPP layout.
+
+Import reads, on every rank, only the slices of the HF tensors that rank's shards need
+(``safetensors`` slicing: the layers of its pipeline stages, the rows or columns of its tensor-
+parallel shard), so no rank ever loads the whole model.  Export gathers the canonical weights and
+writes HF names, shapes and dtypes; HF -> Megatron -> HF gives back the same tensors, bit for bit.
+
+Name mapping (canonical <- HF) for layer ``i``::
+
+    input_layernorm            <- model.layers.i.input_layernorm
+    self_attention.linear_qkv  <- q_proj, k_proj, v_proj   (fused per KV group: q.., k, v)
+    self_attention.q/k_layernorm <- self_attn.q_norm / k_norm   (Qwen3)
+    self_attention.linear_proj <- self_attn.o_proj
+    pre_mlp_layernorm          <- post_attention_layernorm
+    mlp.linear_fc1             <- gate_proj, up_proj        ([gate; up])
+    mlp.linear_fc2             <- down_proj
+    value_head.linear          <- score                     (critic / reward model, optional)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_rl.config.errors import CheckpointError
+from megatron_rl.models.canonical import VOCAB_PARALLEL, gather_canonical, global_named_parameters, unwrap
+
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_TOP_DIRECT = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+    "value_head.linear.weight": "score.weight",
+    "value_head.linear.bias": "score.bias",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
+
+
+class HFReader:
+    """Lazy, slice-wise access to the tensors of a local HF safetensors checkpoint."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        self.dir = hf_dir
+        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as fh:
+                self.weight_map = json.load(fh)["weight_map"]
+        elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+            with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointError("model.hf_path", hf_dir, "no model.safetensors or model.safetensors.index.json",
+                                  "save the HF model with safe_serialization=True (the default)")
+        self._open = safe_open
+        self._files: dict = {}
+        self.bytes_read = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def _file(self, name: str):
+        if name not in self.weight_map:
+            raise CheckpointError("model.hf_path", self.dir, f"tensor {name!r} is missing",
+                                  "check that the checkpoint matches its config.json")
+        fname = self.weight_map[name]
+        if fname not in self._files:
+            self._files[fname] = self._open(os.path.join(self.dir, fname), "pt")
+        return self._files[fname]
+
+    def read(self, name: str, rows: Optional[tuple] = None, cols: Optional[tuple] = None) -> torch.Tensor:
+        piece = self._file(name).get_slice(name)
+        if rows is not None and cols is not None:
+            out = piece[rows[0]:rows[1], cols[0]:cols[1]]
+        elif rows is not None:
+            out = piece[rows[0]:rows[1]]
+        elif cols is not None:
+            out = piece[:, cols[0]:cols[1]]
+        else:
+            out = piece[:]
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._file(name).get_slice(name).get_shape())
+
+
+def _range(total: int, rank: int, size: int) -> tuple[int, int]:
+    per = total // size
+    return rank * per, (rank + 1) * per
+
+
+def _read_shard(reader: HFReader, name: str, model, param, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's shard of canonical tensor ``name``, read slice-wise from HF tensors."""
+    cfg = model.config
+    is_tp = bool(getattr(param, "tensor_model_parallel", False))
+    dim = int(getattr(param, "partition_dim", 0))
+    m = _LAYER.match(name)
+    if m is None:
+        hf_name = _TOP_DIRECT[name]
+        if name == "value_head.linear.bias" and not reader.has(hf_name):
+            return torch.zeros(1)
+        if name in VOCAB_PARALLEL:
+            vocab = reader.shape(hf_name)[0]
+            lo, hi = _range(param.shape[0] * tp_size, tp_rank, tp_size)
+            rows = reader.read(hf_name, rows=(min(lo, vocab), min(hi, vocab)))
+            pad = rows.new_zeros((hi - lo - rows.shape[0], rows.shape[1]))
+            return torch.cat([rows, pad])
+        return reader.read(hf_name)
+    layer, rest = m.group(1), m.group(2)
+    prefix = f"model.layers.{layer}."
+    if rest in _LAYER_DIRECT:
+        hf_name = prefix + _LAYER_DIRECT[rest]
+        if not is_tp or tp_size == 1:
+            return reader.read(hf_name)
+        total = reader.shape(hf_name)[dim]
+        span = _range(total, tp_rank, tp_size)
+        return reader.read(hf_name, rows=span) if dim == 0 else reader.read(hf_name, cols=span)
+    if rest.startswith("self_attention.linear_qkv."):
+        kind = rest.rsplit(".", 1)[1]  # weight | bias
+        groups = cfg.num_query_groups or cfg.num_attention_heads
+        per_group = cfg.num_attention_heads // groups
+        head = cfg.kv_channels
+        g0, g1 = _range(groups, tp_rank, tp_size)
+        q = reader.read(f"{prefix}self_attn.q_proj.{kind}", rows=(g0 * per_group * head, g1 * per_group * head))
+        k = reader.read(f"{prefix}self_attn.k_proj.{kind}", rows=(g0 * head, g1 * head))
+        v = reader.read(f"{prefix}self_attn.v_proj.{kind}", rows=(g0 * head, g1 * head))
+        n = g1 - g0
+        q = q.reshape(n, per_group * head, *q.shape[1:])
+        k = k.reshape(n, head, *k.shape[1:])
+        v = v.reshape(n, head, *v.shape[1:])
+        return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+    if rest == "mlp.linear_fc1.weight":
+        span = _range(reader.shape(f"{prefix}mlp.gate_proj.weight")[0], tp_rank, tp_size)
+        gate = reader.read(f"{prefix}mlp.gate_proj.weight", rows=span)
+        up = reader.read(f"{prefix}mlp.up_proj.weight", rows=span)
+        return torch.cat([gate, up])
+    raise CheckpointError("model.hf_path", reader.dir, f"no HF source for parameter {name!r}",
+                          "this architecture variant is not supported by the bridge")
+
+
+@torch.no_grad()
+def load_hf_weights(chunks: list, hf_dir: str) -> int:
+    """Fill this rank's shards from ``hf_dir``; returns the bytes this rank read."""
+    reader = HFReader(hf_dir)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for name, param in global_named_parameters(model):
+            if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+                name = "embedding.word_embeddings.weight"
+            if name.startswith("value_head.") and not reader.has("score.weight"):
+                continue  # a critic started from a policy checkpoint keeps its zero-initialised head
+            piece = _read_shard(reader, name, model, param, tp_rank, tp_size)
+            if tuple(piece.shape) != tuple(param.shape):
+                raise CheckpointError("model.hf_path", hf_dir,
+                                      f"{name}: HF gives {tuple(piece.shape)}, the model expects {tuple(param.shape)}",
+                                      "check that the config matches the checkpoint")
+            param.copy_(piece.to(param.dtype))
+    return reader.bytes_read
+
+
+def canonical_to_hf(canonical: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Canonical tensors -> HF names and shapes (used by export)."""
+    out: dict[str, torch.Tensor] = {}
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    per_group = cfg.num_attention_heads // groups
+    head = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    for name, tensor in canonical.items():
+        m = _LAYER.match(name)
+        if m is None:
+            out[_TOP_DIRECT[name]] = tensor
+            continue
+        prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+        if rest in _LAYER_DIRECT:
+            out[prefix + _LAYER_DIRECT[rest]] = tensor
+        elif rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]
+            fused = tensor.reshape(groups, (per_group + 2) * head, *tensor.shape[1:])
+            q, k, v = fused.split([per_group * head, head, head], dim=1)
+            out[f"{prefix}self_attn.q_proj.{kind}"] = q.reshape(-1, *tensor.shape[1:])
+            out[f"{prefix}self_attn.k_proj.{kind}"] = k.reshape(-1, *tensor.shape[1:])
+            out[f"{prefix}self_attn.v_proj.{kind}"] = v.reshape(-1, *tensor.shape[1:])
+        elif rest == "mlp.linear_fc1.weight":
+            gate, up = tensor.chunk(2)
+            out[f"{prefix}mlp.gate_proj.weight"] = gate
+            out[f"{prefix}mlp.up_proj.weight"] = up
+        else:
+            raise ValueError(f"no HF name for {name}")
+    return out
+
+
+def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir: Optional[str] = None,
+              max_shard_bytes: int = 5 * 2**30) -> Optional[str]:
+    """Write ``out_dir`` as an HF model directory (rank 0 writes; every rank must call)."""
+    from safetensors.torch import save_file
+
+    canonical = gather_canonical(chunks)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        str(hf_config.get("torch_dtype", hf_config.get("dtype", "float32"))).replace("torch.", ""), torch.float32)
+    tensors = {k: v.to(dtype).contiguous() for k, v in canonical_to_hf(canonical, model_cfg).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                       "weight_map": weight_map}, fh, indent=2)
+    with open(os.path.join(out_dir, "config.json"), "w") as fh:
+        json.dump(hf_config, fh, indent=2)
+    if source_dir:
+        for fname in _TOKENIZER_FILES:
+            src = os.path.join(source_dir, fname)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(out_dir, fname))
+    return out_dir

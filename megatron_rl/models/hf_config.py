@@ -1,0 +1,94 @@
+"""Hugging Face ``config.json`` -> our :class:`ModelConfig` (Llama 2/3, Qwen2/2.5, Qwen3, Mistral).
+
+Anything the Megatron model cannot reproduce exactly (a RoPE scaling other than Llama-3's with
+megatron-core's fixed factors, biases megatron has no slot for, sliding-window attention) is a
+clear config error, never a silent approximation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from megatron_rl.config.errors import ConfigError
+from megatron_rl.config.schema import ModelConfig
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError("model.hf_path", hf_dir, "no config.json in this directory",
+                          "point model.hf_path (or --hf-model) at a local Hugging Face model directory")
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or None
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if params and params.get("rope_type", "default") != "default":
+        scaling = params
+    return float(theta), scaling
+
+
+def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConfig:
+    """Architecture fields from ``hf``; everything else (impl, recompute, dtype...) from ``base``."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError("model.hf_path", kind, "unsupported architecture",
+                          f"use one of {', '.join(SUPPORTED)} (see docs/feature_matrix.md)")
+    if hf.get("mlp_bias"):
+        raise ConfigError("model.hf_path", kind, "MLP biases are not supported", "use a model without mlp_bias")
+    qkv_bias = kind == "qwen2" or bool(hf.get("attention_bias"))
+    if kind in ("llama", "mistral") and hf.get("attention_bias"):
+        raise ConfigError("model.hf_path", kind, "attention_bias adds an o_proj bias megatron cannot hold",
+                          "use a checkpoint without attention_bias")
+    if hf.get("use_sliding_window") or (kind == "mistral" and hf.get("sliding_window")):
+        window = hf.get("sliding_window")
+        if window is not None and window < hf.get("max_position_embeddings", 0):
+            raise ConfigError("model.hf_path", f"sliding_window={window}",
+                              "sliding-window attention is not implemented",
+                              "use a checkpoint without a sliding window (e.g. Mistral v0.2+), "
+                              "or set sliding_window >= max_position_embeddings in its config.json")
+    theta, scaling = _rope(hf)
+    factor = None
+    if scaling:
+        kind_s = scaling.get("rope_type", scaling.get("type"))
+        fixed = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+        if kind_s != "llama3" or any(float(scaling.get(k, v)) != v for k, v in fixed.items()):
+            raise ConfigError("model.hf_path", f"rope_scaling={scaling}",
+                              "only Llama-3 RoPE scaling with low/high frequency factors 1/4 and "
+                              "original length 8192 is supported (megatron-core's fixed values)",
+                              "use a model with default or Llama-3.1 style RoPE")
+        factor = float(scaling["factor"])
+    heads = hf["num_attention_heads"]
+    base = base or ModelConfig()
+    return dataclasses.replace(
+        base,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", base.max_position_embeddings),
+        normalization="RMSNorm",
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        activation="swiglu" if hf.get("hidden_act", "silu") == "silu" else _bad_act(hf),
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        qk_layernorm=kind == "qwen3",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rotary_base=theta,
+        rope_scaling_factor=factor,
+    )
+
+
+def _bad_act(hf: dict):
+    raise ConfigError("model.hf_path", f"hidden_act={hf.get('hidden_act')}", "unsupported activation",
+                      "use a SwiGLU (silu) model")

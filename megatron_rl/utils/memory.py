@@ -1,0 +1,86 @@
+"""Measure tensor memory on any device, CPU included.
+
+CUDA has allocator statistics; the CPU does not.  :class:`TensorMemoryTracker` is a
+``TorchDispatchMode`` that sees every tensor an operator creates, counts the bytes of each new
+storage while any tensor still refers to it, and records the peak -- the live-tensor high-water
+mark of the code inside the ``with`` block (tensors that existed before are not counted).
+:func:`saved_for_backward_bytes` counts what autograd keeps for the backward pass.  Both are
+what the memory benchmarks, the memory planner checks and the log-prob op tests report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, list] = {}  # storage key -> [nbytes, live tensor count]
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:
+            return
+        entry = self._refs.get(key)
+        if entry is None:
+            entry = self._refs[key] = [storage.nbytes(), 0]
+            self.current += entry[0]
+            self.peak = max(self.peak, self.current)
+        entry[1] += 1
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self._refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                if id(t.untyped_storage()) in inputs and t.untyped_storage().data_ptr() not in self._refs:
+                    continue  # a view or in-place result on a tensor from before the block
+                self._track(t)
+        return out
+
+
+@contextlib.contextmanager
+def track_peak_memory():
+    """``with track_peak_memory() as mem: ...; mem.peak`` -- peak bytes of new live tensors."""
+    tracker = TensorMemoryTracker()
+    with tracker:
+        yield tracker
+
+
+@contextlib.contextmanager
+def saved_for_backward():
+    """``with saved_for_backward() as saved: loss = f(x)`` -- ``saved.bytes`` kept for backward."""
+
+    class Saved:
+        bytes = 0
+        _seen: set = set()
+
+    def pack(t: torch.Tensor):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in Saved._seen:
+            Saved._seen.add(key)
+            Saved.bytes += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield Saved

@@ -1,0 +1,118 @@
+"""The chunked vocab-parallel log-prob / entropy op against the naive full-logits computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.ops.logprob import naive_logprobs, vocab_parallel_logprobs
+from megatron_rl.testing.harness import run_distributed
+from megatron_rl.utils.memory import track_peak_memory
+
+
+def _case(tokens=96, hidden=32, vocab=101, padded=128, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # float64 so that the comparison measures the algorithm, not fp32 rounding.
+    h = torch.randn(tokens, batch, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(padded, hidden, generator=g, dtype=torch.float64) * 0.3
+    w[vocab:] = 0.0  # TP padding rows
+    labels = torch.randint(0, vocab, (batch, tokens), generator=g)
+    coef = (torch.randn(batch, tokens, generator=g, dtype=torch.float64),
+            torch.randn(batch, tokens, generator=g, dtype=torch.float64))
+    return h, w, labels, coef
+
+
+def _naive(h, w, labels, vocab, temperature):
+    logits = (h.transpose(0, 1) @ w[:vocab].t())
+    return naive_logprobs(logits, labels, temperature)
+
+
+@pytest.mark.parametrize("temperature,chunk", [(1.0, 7), (0.7, 1000)])
+def test_matches_naive_forward_and_gradients(temperature, chunk):
+    h, w, labels, (a, b) = _case()
+    vocab = 101
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, ent = vocab_parallel_logprobs(h1, w1, labels, true_vocab_size=vocab, temperature=temperature,
+                                        chunk_size=chunk)
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref_logp, ref_ent = _naive(h2, w2, labels, vocab, temperature)
+    ((ref_logp * a).sum() + (ref_ent * b).sum()).backward()
+    diffs = {
+        "logp": (logp - ref_logp).abs().max().item(),
+        "entropy": (ent - ref_ent).abs().max().item(),
+        "grad_hidden": (h1.grad - h2.grad).abs().max().item(),
+        "grad_weight": (w1.grad - w2.grad).abs().max().item(),
+    }
+    print(diffs)
+    assert diffs["logp"] <= 1e-6 and diffs["entropy"] <= 1e-6
+    assert diffs["grad_hidden"] <= 1e-6 and diffs["grad_weight"] <= 1e-6
+    # Padded vocabulary rows get no gradient and no probability mass.
+    assert float(w1.grad[vocab:].abs().max()) == 0.0
+
+
+def test_padded_vocab_never_leaks():
+    h, w, labels, _ = _case()
+    w[101:] = 5.0  # padding rows that would dominate the softmax if they were not masked
+    logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=101)
+    ref_logp, ref_ent = _naive(h, w, labels, 101, 1.0)
+    assert (logp - ref_logp).abs().max() <= 1e-5 and (ent - ref_ent).abs().max() <= 1e-5
+
+
+def _tp_body(temperature):
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.testing.layouts import use_layout
+
+    use_layout(tp=2)
+    h, w, labels, (a, b) = _case(vocab=101, padded=128)
+    rank = ps.get_tensor_model_parallel_rank()
+    shard = w.chunk(2)[rank].clone().requires_grad_()
+    hh = h.clone().requires_grad_()
+    logp, ent = vocab_parallel_logprobs(hh, shard, labels, true_vocab_size=101, temperature=temperature,
+                                        chunk_size=17)
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    return logp.detach(), ent.detach(), hh.grad, shard.grad
+
+
+def test_tensor_parallel_shards_match_naive():
+    results = run_distributed(2, _tp_body, 0.9)
+    h, w, labels, (a, b) = _case(vocab=101, padded=128)
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref_logp, ref_ent = _naive(h2, w2, labels, 101, 0.9)
+    ((ref_logp * a).sum() + (ref_ent * b).sum()).backward()
+    for logp, ent, grad_h, _ in results:
+        assert (logp - ref_logp).abs().max() <= 1e-5 and (ent - ref_ent).abs().max() <= 1e-5
+        # copy_to_tensor_model_parallel_region sums the partial hidden grads over TP.
+        assert (grad_h - h2.grad).abs().max() <= 1e-6
+    grad_w = torch.cat([r[3] for r in results])
+    assert (grad_w - w2.grad).abs().max() <= 1e-6
+
+
+def _peak(fn) -> int:
+    with track_peak_memory() as mem:
+        fn()
+    return mem.peak
+
+
+def test_extra_memory_below_a_quarter_of_naive_at_2k_tokens():
+    tokens, hidden, vocab = 2048, 64, 16384
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(tokens, 1, hidden, generator=g) * 0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.1).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+
+    def op():
+        logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=vocab, chunk_size=256)
+        (logp.sum() + ent.sum()).backward()
+
+    def naive():
+        logp, ent = naive_logprobs(h.transpose(0, 1) @ w.t(), labels)
+        (logp.sum() + ent.sum()).backward()
+
+    op_bytes, naive_bytes = _peak(op), _peak(naive)
+    ratio = op_bytes / naive_bytes
+    print(f"peak extra memory at {tokens} tokens x {vocab} vocab: op {op_bytes / 2**20:.1f} MiB, "
+          f"naive {naive_bytes / 2**20:.1f} MiB, ratio {ratio:.3f}")
+    assert naive_bytes > tokens * vocab * 4  # the naive path really holds [tokens, vocab] fp32
+    assert ratio < 0.25
