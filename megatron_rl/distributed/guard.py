@@ -44,18 +44,39 @@ def report_failure(exc: BaseException, code: int) -> None:
         print(f"[rank {rank}] {text}" if not isinstance(exc, UserInputError) else text, file=sys.stderr, flush=True)
 
 
+def _reap_children() -> None:
+    """Stop helper processes this rank started (e.g. megatron's checkpoint-writer queue manager).
+
+    ``os._exit`` skips the interpreter's exit handlers that would stop them; left alone they
+    outlive the job and keep its output pipes open."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+        for child in children:
+            child.terminate()
+        _, alive = psutil.wait_procs(children, timeout=3)
+        for child in alive:
+            child.kill()
+    except Exception:  # psutil missing or processes already gone
+        pass
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _reap_children()
+    os._exit(code)
+
+
 def run_guarded(fn: Callable[[], int | None]) -> None:
     """Call ``fn``; exit with its code, or report and ``os._exit`` on any exception."""
     try:
         code = fn() or 0
     except UserInputError as exc:
         report_failure(exc, EXIT_BAD_INPUT)
-        sys.stdout.flush()
-        os._exit(EXIT_BAD_INPUT)
+        _exit(EXIT_BAD_INPUT)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the rank
         report_failure(exc, 1)
-        sys.stdout.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        _exit(1)
+    _exit(code)

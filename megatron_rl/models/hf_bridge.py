@@ -209,11 +209,13 @@ def canonical_to_hf(canonical: dict[str, torch.Tensor], cfg) -> dict[str, torch.
 
 
 def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir: Optional[str] = None,
-              max_shard_bytes: int = 5 * 2**30) -> Optional[str]:
+              max_shard_bytes: int = 5 * 2**30, drop_lm_head: bool = False) -> Optional[str]:
     """Write ``out_dir`` as an HF model directory (rank 0 writes; every rank must call)."""
     from safetensors.torch import save_file
 
     canonical = gather_canonical(chunks)
+    if drop_lm_head:
+        canonical.pop("output_layer.weight", None)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(

@@ -3,6 +3,7 @@
     megatron-rl train    --config configs/demo_cpu.yaml [--nproc N] [key=value ...]
     megatron-rl smoke    [--nproc N] [key=value ...]
     megatron-rl score    --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
+    megatron-rl convert  --hf-model DIR --out CKPT_ROOT | --checkpoint CKPT --hf-out DIR [--part critic]
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
     megatron-rl features [--markdown]
 
@@ -19,7 +20,7 @@ import warnings
 
 from megatron_rl.config.errors import EXIT_BAD_INPUT, UserInputError
 
-DISTRIBUTED_COMMANDS = ("train", "smoke", "score")
+DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +37,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="JSONL to write, one line per input line")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--config", help="YAML config file (parallel layout, batch)")
+    p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p = sub.add_parser("convert", help="Hugging Face <-> megatron_rl checkpoints")
+    p.add_argument("--hf-model", help="HF model directory to convert into a megatron_rl checkpoint")
+    p.add_argument("--out", help="checkpoint root to write (with --hf-model)")
+    p.add_argument("--checkpoint", help="megatron_rl checkpoint directory (step_XXXXXXXX) to export")
+    p.add_argument("--hf-out", help="HF directory to write (with --checkpoint)")
+    p.add_argument("--part", default="actor", help="which model of the checkpoint: actor (default) or critic")
+    p.add_argument("--config", help="YAML config file (parallel layout)")
     p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p = sub.add_parser("validate", help="check a config without starting anything")
@@ -108,7 +118,17 @@ def _score(cfg, args) -> int:
     return run_score(cfg, args.hf_model, args.input, args.output, args.temperature)
 
 
-_COMMANDS = {"train": _train, "smoke": _smoke, "score": _score}
+def _convert(cfg, args) -> int:
+    from megatron_rl.tools import convert
+
+    if args.hf_model and args.out:
+        convert.hf_to_megatron(cfg, args.hf_model, args.out)
+    else:
+        convert.megatron_to_hf(cfg, args.checkpoint, args.hf_out, args.part)
+    return 0
+
+
+_COMMANDS = {"train": _train, "smoke": _smoke, "score": _score, "convert": _convert}
 
 
 def _features(args) -> int:
@@ -139,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             return _features(args)
         if args.command == "validate":
             return _validate(args)
+        if args.command == "convert" and not ((args.hf_model and args.out) or (args.checkpoint and args.hf_out)):
+            raise UserInputError("convert", None, "needs --hf-model with --out, or --checkpoint with --hf-out",
+                                 "e.g. megatron-rl convert --hf-model ./Qwen2.5-0.5B --out ./ckpt")
         if _under_launcher():
             return _rank_main(args)
         # Launcher side: validate for the world we are about to start, then start it.

@@ -1,0 +1,1 @@
+"""Process groups (NCCL/gloo), Megatron parallel_state, the local launcher and failure handling."""

@@ -1,0 +1,267 @@
+"""Checkpoints: Megatron ``dist_checkpointing``, written atomically, loadable into any layout.
+
+Layout of a checkpoint directory::
+
+    <root>/step_00000012/
+        meta.json              step, format, model configs, which parts it holds; written last
+        actor/  critic/ ...    one dist_checkpointing directory per model (+ optimizer, scheduler)
+        trainer_state.pt       run state shared by all ranks (data position, KL controller, ...)
+        rng/rank_00003.pt      each rank's RNG states
+    <root>/latest              name of the newest complete checkpoint
+
+Everything is written into ``step_XXXXXXXX.tmp`` and renamed only after every rank finished and
+``meta.json`` is on disk, so a crash (or a full disk) mid-save never touches the last good
+checkpoint.  :func:`find_latest` skips incomplete or corrupt checkpoints with a warning and
+falls back to the previous good one.  Tensors are stored sharded by their global names, so a
+checkpoint saved on one TP/PP/VPP layout loads into another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.errors import CheckpointError
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+log = logging.getLogger("megatron_rl.checkpoint")
+
+
+@dataclasses.dataclass
+class ModelPart:
+    """One model to checkpoint: its chunks (DDP-wrapped or not) and optional optimizer/scheduler."""
+
+    chunks: list
+    optimizer: Any = None
+    scheduler: Any = None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _inner(chunk):
+    from megatron_rl.models.canonical import unwrap
+
+    return unwrap(chunk)
+
+
+def _model_sharded(chunks: list) -> dict:
+    if len(chunks) == 1:
+        return {"model": _inner(chunks[0]).sharded_state_dict()}
+    return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def _part_sharded(part: ModelPart, with_optimizer: bool) -> dict:
+    state = _model_sharded(part.chunks)
+    if with_optimizer and part.optimizer is not None:
+        state["optimizer"] = part.optimizer.sharded_state_dict(state)
+    if with_optimizer and part.scheduler is not None:
+        state["scheduler"] = part.scheduler.state_dict()
+    return state
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _write_json(path: str, payload: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    try:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        state["tracker"] = get_cuda_rng_tracker().get_states()
+    except Exception:  # tracker not initialised
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "tracker" in state:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(
+    root: str,
+    step: int,
+    parts: dict[str, ModelPart],
+    *,
+    trainer_state: Optional[dict] = None,
+    meta: Optional[dict] = None,
+    keep_last: int = 0,
+    with_optimizer: bool = True,
+) -> str:
+    """Save atomically; every rank must call.  Returns the final directory."""
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, step_dir_name(step))
+    tmp = final + ".tmp"
+    start = time.perf_counter()
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(tmp, "rng"))
+        for name in parts:
+            os.makedirs(os.path.join(tmp, name))
+    _barrier()
+    for name, part in parts.items():
+        dist_checkpointing.save(_part_sharded(part, with_optimizer), os.path.join(tmp, name))
+    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
+    if _rank() == 0 and trainer_state is not None:
+        torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+    _barrier()
+    if _rank() == 0:
+        info = dict(meta or {})
+        info.update(format=FORMAT_VERSION, step=step, parts=sorted(parts), with_optimizer=with_optimizer,
+                    world_size=dist.get_world_size() if dist.is_initialized() else 1, complete=True)
+        _write_json(os.path.join(tmp, "meta.json"), info)
+        _fsync_dir(tmp)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        with open(os.path.join(root, "latest.tmp"), "w") as fh:
+            fh.write(step_dir_name(step) + "\n")
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        if keep_last > 0:
+            _prune(root, keep_last)
+        log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep_last: int) -> None:
+    steps = sorted(d for d in os.listdir(root) if _STEP_DIR.match(d))
+    for name in steps[:-keep_last]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def check_checkpoint(path: str) -> dict:
+    """Return meta.json of a complete checkpoint, or raise CheckpointError saying what is wrong."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isdir(path):
+        raise CheckpointError("checkpoint", path, "no such directory", "give the path of a step_XXXXXXXX directory")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError("checkpoint", path, "meta.json is missing (the save did not finish)",
+                              "use an earlier checkpoint") from None
+    except ValueError:
+        raise CheckpointError("checkpoint", path, "meta.json is corrupt", "use an earlier checkpoint") from None
+    if not meta.get("complete") or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError("checkpoint", path, f"incomplete or unknown format {meta.get('format')}",
+                              "use an earlier checkpoint")
+    for name in meta.get("parts", []):
+        part_dir = os.path.join(path, name)
+        if not os.path.isfile(os.path.join(part_dir, "metadata.json")):
+            raise CheckpointError("checkpoint", path, f"part {name!r} has no metadata.json", "use an earlier checkpoint")
+        if not any(f.endswith(".distcp") for f in os.listdir(part_dir)):
+            raise CheckpointError("checkpoint", path, f"part {name!r} has no tensor files", "use an earlier checkpoint")
+    return meta
+
+
+def list_checkpoints(root: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, d) for d in sorted(os.listdir(root)) if _STEP_DIR.match(d)]
+
+
+def find_latest(root: str) -> Optional[str]:
+    """Newest checkpoint under ``root`` that passes :func:`check_checkpoint` (warns about others)."""
+    for path in reversed(list_checkpoints(root)):
+        try:
+            check_checkpoint(path)
+            return path
+        except CheckpointError as err:
+            log.warning("skipping %s: %s", path, err)
+    return None
+
+
+def load_checkpoint(
+    path: str,
+    parts: dict[str, ModelPart],
+    *,
+    with_optimizer: bool = True,
+    load_rng: bool = True,
+) -> dict:
+    """Load ``parts`` from ``path`` into whatever layout they are built on; returns the meta."""
+    from megatron.core import dist_checkpointing
+
+    meta = check_checkpoint(path)
+    for name, part in parts.items():
+        if name not in meta["parts"]:
+            raise CheckpointError("checkpoint", path, f"has no part {name!r} (it has {meta['parts']})",
+                                  "load a checkpoint written by the same kind of run")
+        want_opt = with_optimizer and meta.get("with_optimizer", True)
+        request = _part_sharded(part, want_opt)
+        try:
+            loaded = dist_checkpointing.load(request, os.path.join(path, name))
+        except Exception as err:  # truncated tensor files, mismatched shapes
+            raise CheckpointError("checkpoint", path, f"part {name!r} could not be read ({type(err).__name__}: "
+                                  f"{str(err).splitlines()[0][:200]})", "use an earlier checkpoint") from None
+        keys = ["model"] if len(part.chunks) == 1 else [f"model{i}" for i in range(len(part.chunks))]
+        for key, chunk in zip(keys, part.chunks):
+            _inner(chunk).load_state_dict(loaded[key], strict=True)
+        if want_opt and part.optimizer is not None:
+            part.optimizer.load_state_dict(loaded["optimizer"])
+        if want_opt and part.scheduler is not None:
+            part.scheduler.load_state_dict(loaded["scheduler"])
+    if load_rng:
+        rng_path = os.path.join(path, "rng", f"rank_{_rank():05d}.pt")
+        if os.path.isfile(rng_path) and meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
+            set_rng_state(torch.load(rng_path, weights_only=False))
+    return meta
+
+
+def load_trainer_state(path: str) -> Optional[dict]:
+    state_path = os.path.join(path, "trainer_state.pt")
+    if not os.path.isfile(state_path):
+        return None
+    return torch.load(state_path, weights_only=False)

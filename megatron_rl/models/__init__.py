@@ -1,0 +1,1 @@
+"""Megatron-Core GPT models for actor, reference and critic: specs, heads, HF bridge, canonical weights."""

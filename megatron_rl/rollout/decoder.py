@@ -1,0 +1,343 @@
+"""A plain-PyTorch decoder that runs the actor's canonical weights for generation.
+
+Training may shard the actor over any TP/PP/VPP/CP layout, and megatron's forward is built for
+whole sequences.  Generation wants the opposite: one token at a time, a KV cache, and no
+collectives.  So the trainer gathers the canonical state dict (TP=1/PP=1 names and shapes, true
+vocabulary size; see :mod:`megatron_rl.models.canonical`) and this module runs it.  Its module
+tree mirrors the canonical names, so loading is a key-for-key copy and nothing here depends on
+the training layout or on megatron-core.
+
+The math follows megatron-core's GPT with the local layer spec exactly (checked by the tests
+against the megatron model to 1e-4): pre-norm blocks; norms in fp32; fused QKV grouped per KV
+group; q/k norm per head before RoPE; rotate-half RoPE (with Llama-3 scaling when configured);
+causal GQA attention with scale 1/sqrt(head_dim); SwiGLU or gelu MLP.
+
+Batches are left-padded.  ``attention_mask`` marks the real tokens of the new input; pad keys
+are never attended, and positions are given per row (counting from the row's first real token),
+so a padded row computes what the same row computes alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rl.config.schema import ModelConfig
+
+# megatron's Llama-3 RoPE scaling constants (RotaryEmbedding._apply_scaling defaults).
+_LLAMA3_LOW_FREQ_FACTOR = 1.0
+_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+_LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
+
+# TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer, so a
+# canonical dict gathered from a TE model names them differently.  Same tensors, other names.
+_TE_ALIASES = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".self_attention.linear_qkv.layer_norm_bias": ".input_layernorm.bias",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_bias": ".pre_mlp_layernorm.bias",
+}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``ModelConfig.params_dtype`` -> torch dtype, with the builder's ``auto`` rule."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling_factor: Optional[float]) -> torch.Tensor:
+    """fp32 inverse frequencies, computed on the CPU the way megatron's ``RotaryEmbedding`` is."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    if scaling_factor is None:
+        return inv_freq
+    # Llama-3: keep high frequencies, divide low ones by the factor, blend in between.
+    low_wavelen = _LLAMA3_ORIGINAL_MAX_POSITIONS / _LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = _LLAMA3_ORIGINAL_MAX_POSITIONS / _LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling_factor, inv_freq)
+    smooth = (_LLAMA3_ORIGINAL_MAX_POSITIONS / wavelen - _LLAMA3_LOW_FREQ_FACTOR) / (
+        _LLAMA3_HIGH_FREQ_FACTOR - _LLAMA3_LOW_FREQ_FACTOR
+    )
+    blended = (1 - smooth) * scaled / scaling_factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache:
+    """Preallocated keys/values ``[layers, batch, kv_heads, max_len, head_dim]``.
+
+    All rows share one write offset (``length``): a left-padded batch advances in lock step, and
+    ``valid[b, t]`` records whether slot ``t`` of row ``b`` holds a real token.  Decoding writes
+    into slices, so no step reallocates; only :meth:`keep` (dropping finished rows) copies.
+    """
+
+    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device):
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model: "TorchDecoder", batch: int, max_len: int) -> "KVCache":
+        p = model.embedding.word_embeddings.weight
+        return cls(model.num_layers, batch, model.num_kv_heads, max_len, model.head_dim, p.dtype, p.device)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.size(3)
+
+    @property
+    def batch(self) -> int:
+        return self.k.size(1)
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only batch ``rows`` (in that order), freeing the others."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+        self.valid = self.valid.index_select(0, rows)
+
+
+class _Norm(nn.Module):
+    """RMSNorm / LayerNorm computed in fp32 and cast back, like the trainer's norms."""
+
+    def __init__(self, size: int, kind: str, eps: float, dtype):
+        super().__init__()
+        if kind not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization {kind!r} is not supported")
+        self.rms, self.eps = kind == "RMSNorm", eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, x = x.dtype, x.float()
+        if self.rms:
+            y = self.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        else:
+            y = F.layer_norm(x, (x.size(-1),), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, heads: int, groups: int, head_dim: int, dtype):
+        super().__init__()
+        self.heads, self.groups, self.head_dim = heads, groups, head_dim
+        qkv_out = (heads + 2 * groups) * head_dim
+        self.linear_qkv = nn.Linear(
+            cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias, dtype=dtype
+        )
+        if cfg.qk_layernorm:
+            self.q_layernorm = _Norm(head_dim, cfg.normalization, cfg.norm_epsilon, dtype)
+            self.k_layernorm = _Norm(head_dim, cfg.normalization, cfg.norm_epsilon, dtype)
+        else:
+            self.q_layernorm = self.k_layernorm = None
+        self.linear_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.add_bias_linear, dtype=dtype)
+
+    def forward(self, x, cos, sin, mask, cache: Optional[KVCache], layer: int):
+        b, s, _ = x.shape
+        per_group = self.heads // self.groups
+        qkv = self.linear_qkv(x).view(b, s, self.groups, (per_group + 2) * self.head_dim)
+        q, k, v = qkv.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q = q.reshape(b, s, self.heads, self.head_dim)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        # [b, s, n, d] -> [b, n, s, d]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            start = cache.length
+            cache.k[layer, :, :, start : start + s] = k
+            cache.v[layer, :, :, start : start + s] = v
+            k, v = cache.k[layer, :, :, : start + s], cache.v[layer, :, :, : start + s]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.head_dim**-0.5,
+            enable_gqa=self.heads != self.groups,
+        )
+        return self.linear_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        super().__init__()
+        if cfg.activation not in ("swiglu", "gelu"):
+            raise ValueError(f"activation {cfg.activation!r} is not supported")
+        self.gated = cfg.activation == "swiglu"
+        fc1_out = cfg.ffn_hidden_size * (2 if self.gated else 1)
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear, dtype=dtype)
+        self.linear_fc2 = nn.Linear(
+            cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear, dtype=dtype
+        )
+
+    def forward(self, x):
+        h = self.linear_fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg, heads, groups, head_dim, dtype):
+        super().__init__()
+        self.input_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
+        self.self_attention = _Attention(cfg, heads, groups, head_dim, dtype)
+        self.pre_mlp_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
+        self.mlp = _MLP(cfg, dtype)
+
+    def forward(self, x, cos, sin, mask, cache, layer):
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask, cache, layer)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class TorchDecoder(nn.Module):
+    """The actor as a plain ``nn.Module`` whose ``state_dict`` keys are the canonical names."""
+
+    def __init__(self, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        cfg = self.cfg = model_cfg
+        heads = cfg.num_attention_heads
+        groups = cfg.num_query_groups or heads
+        head_dim = cfg.kv_channels or cfg.hidden_size // heads
+        if heads % groups:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_query_groups={groups}")
+        if head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, groups, head_dim
+        self.embedding = nn.Module()
+        self.embedding.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(
+            _Layer(cfg, heads, groups, head_dim, dtype) for _ in range(cfg.num_layers)
+        )
+        self.decoder.final_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
+        self.output_layer = None
+        if not cfg.tie_word_embeddings:
+            self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        # Same base value the trainer's builder hands to megatron (an int).  Kept off the module's
+        # buffers so that ``.to(bfloat16)`` can never round it.
+        self._inv_freq_cpu = rope_inv_freq(head_dim, int(cfg.rotary_base), cfg.rope_scaling_factor)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    # -- weights -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_canonical(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy a canonical state dict in (cast to this module's dtype and device); strict."""
+        state = {_te_to_local(name): t for name, t in state.items()}
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise KeyError(
+                f"canonical state does not match the model config: missing {missing}, unexpected {unexpected}"
+            )
+        bad = [
+            f"{n}: {tuple(state[n].shape)} != {tuple(p.shape)}"
+            for n, p in expected.items()
+            if tuple(state[n].shape) != tuple(p.shape)
+        ]
+        if bad:
+            raise ValueError("canonical tensor shapes do not match the model config: " + "; ".join(bad))
+        self.load_state_dict(state, strict=True)
+
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer is None:  # tied embeddings
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    # -- forward -----------------------------------------------------------------------------
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            inv = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
+        freqs = positions.float()[..., None] * inv  # [b, s, d/2], fp32 like megatron
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def _mask(attention_mask, cache: Optional[KVCache], b: int, s: int, device) -> Optional[torch.Tensor]:
+        """``[b, 1, s, keys]`` boolean: causal, real keys only, and always the query itself.
+
+        The diagonal keeps an all-pad query row finite; no real token ever attends to it.
+        """
+        past = cache.length if cache is not None else 0
+        if attention_mask is None:
+            new_valid = torch.ones(b, s, dtype=torch.bool, device=device)
+        else:
+            new_valid = attention_mask.bool()
+        if cache is not None:
+            if past + s > cache.max_len:
+                raise ValueError(f"KV cache full: {past} + {s} tokens > max_len {cache.max_len}")
+            cache.valid[:, past : past + s] = new_valid
+            keys_valid = cache.valid[:, : past + s]
+        elif attention_mask is None:
+            return None  # plain causal attention
+        else:
+            keys_valid = new_valid
+        key_pos = torch.arange(past + s, device=device)
+        query_pos = torch.arange(past, past + s, device=device)[:, None]
+        mask = (keys_valid[:, None, :] & (key_pos <= query_pos)) | (key_pos == query_pos)
+        return mask[:, None]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: Optional[KVCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """fp32 logits ``[b, s, vocab]`` (``[b, 1, vocab]`` with ``last_only``).
+
+        ``input_ids``/``positions``: ``[b, s]``; ``attention_mask``: ``[b, s]``, true for real
+        tokens of this input (cached slots keep their own validity).  With ``kv_cache`` the new
+        keys/values are written at ``kv_cache.length`` and the cache advances by ``s``.
+        """
+        b, s = input_ids.shape
+        x = self.embedding.word_embeddings(input_ids)
+        cos, sin = self._rope(positions, x.dtype)
+        mask = self._mask(attention_mask, kv_cache, b, s, input_ids.device)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, cos, sin, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.length += s
+        if last_only:
+            x = x[:, -1:]
+        x = self.decoder.final_layernorm(x)
+        return F.linear(x, self.output_weight()).float()
+
+
+def _te_to_local(name: str) -> str:
+    for te, local in _TE_ALIASES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def random_canonical(model_cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """A seeded random canonical state dict (fp32, CPU) for tests and benchmarks."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in TorchDecoder(model_cfg).state_dict().items()}
+    state = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen)
+        if "layernorm" in name and name.endswith(".weight"):
+            state[name] = 1.0 + 0.1 * noise
+        elif name.endswith(".bias"):
+            state[name] = 0.1 * noise
+        else:
+            state[name] = std * noise
+    return state

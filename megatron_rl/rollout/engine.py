@@ -1,0 +1,171 @@
+"""Rollout engines: the interface the trainer talks to, and the plain-PyTorch engine.
+
+The trainer only ever hands an engine a canonical state dict and asks for samples, so engines
+are interchangeable (the registry picks one by name) and none needs to know the training layout.
+
+:class:`TorchRolloutEngine` runs :class:`~megatron_rl.rollout.decoder.TorchDecoder` on the rank's
+device: left-padded prompts are prefilled in one batched forward, then every unfinished row
+advances one token per step through a preallocated KV cache.  A finished row stops growing; once
+at most half of the rows are still running, the finished ones are dropped from the batch so late
+steps do not pay for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.rollout.decoder import KVCache, TorchDecoder, resolve_dtype
+from megatron_rl.rollout.sampling import SamplingParams, sample
+
+
+@dataclass
+class RolloutBatch:
+    """One entry per sample, in parallel lists: sample ``j`` of prompt ``i`` is at ``i * n + j``.
+
+    ``response_ids`` includes the stop token / stop sequence that ended a sample.
+    ``response_logprobs[k][t]`` is the fp32 log-prob of ``response_ids[k][t]`` under the
+    temperature-scaled full distribution (before top-k/top-p), the trainer's definition.
+    ``finish_reason`` is ``"stop"`` or ``"length"``.
+    """
+
+    prompt_index: list[int]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+    finish_reason: list[str]
+
+    def __post_init__(self):
+        sizes = {len(self.prompt_index), len(self.prompt_ids), len(self.response_ids),
+                 len(self.response_logprobs), len(self.finish_reason)}
+        if len(sizes) != 1:
+            raise ValueError(f"RolloutBatch fields have different lengths: {sorted(sizes)}")
+
+    def __len__(self) -> int:
+        return len(self.prompt_index)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every rollout engine implements."""
+
+    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Replace the engine's weights with a canonical state dict (see models.canonical)."""
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
+        """``len(prompt_ids) * params.n`` samples; the same seed reproduces them on one device."""
+
+
+def _stopped(response: list[int], params: SamplingParams) -> bool:
+    if response[-1] in params.stop_token_ids:
+        return True
+    return any(
+        len(response) >= len(seq) and tuple(response[-len(seq):]) == seq for seq in params.stop_sequences
+    )
+
+
+class TorchRolloutEngine:
+    """KV-cached generation with :class:`TorchDecoder`; ``max_batch_size`` rows per pass."""
+
+    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        dtype = dtype or resolve_dtype(model_cfg.params_dtype, self.device)
+        # Built without initialising weights: load_weights() provides every tensor.
+        with torch.device("meta"):
+            model = TorchDecoder(model_cfg, dtype=dtype)
+        self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
+        self._loaded = False
+
+    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        self.model.load_canonical(canonical)
+        self._loaded = True
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
+        if not self._loaded:
+            raise RuntimeError("TorchRolloutEngine.generate called before load_weights")
+        vocab = self.model.cfg.vocab_size
+        for i, prompt in enumerate(prompt_ids):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        samples = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        responses, logprobs, reasons = [], [], []
+        for start in range(0, len(samples), self.max_batch_size):
+            prompts = [p for _, p in samples[start : start + self.max_batch_size]]
+            r, lp, why = self._generate_batch(prompts, params, generator)
+            responses += r
+            logprobs += lp
+            reasons += why
+        return RolloutBatch(
+            prompt_index=[i for i, _ in samples],
+            prompt_ids=[p for _, p in samples],
+            response_ids=responses,
+            response_logprobs=logprobs,
+            finish_reason=reasons,
+        )
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator):
+        b, longest, dev = len(prompts), max(len(p) for p in prompts), self.device
+        ids = torch.zeros(b, longest, dtype=torch.long)
+        mask = torch.zeros(b, longest, dtype=torch.bool)
+        for r, p in enumerate(prompts):  # left padding: the last token of every row is real
+            ids[r, longest - len(p):] = torch.tensor(p)
+            mask[r, longest - len(p):] = True
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.long().cumsum(1) - 1).clamp_min(0)  # from each row's first real token
+        cache = KVCache.for_model(self.model, b, longest + params.max_new_tokens)
+        logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
+        next_pos = mask.sum(1)
+
+        responses: list[list[int]] = [[] for _ in range(b)]
+        logprobs: list[list[float]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        rows = list(range(b))  # batch row -> sample; shrinks when finished rows are dropped
+        for step in range(params.max_new_tokens):
+            tokens, token_logp = sample(logits, params, generator)
+            running = []
+            for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
+                if reasons[s] == "stop":
+                    continue
+                responses[s].append(tok)
+                logprobs[s].append(lp)
+                if _stopped(responses[s], params):
+                    reasons[s] = "stop"
+                else:
+                    running.append(r)
+            if not running or step + 1 == params.max_new_tokens:
+                break
+            if 2 * len(running) <= len(rows):
+                keep = torch.tensor(running, device=dev)
+                cache.keep(keep)
+                tokens, next_pos = tokens[keep], next_pos[keep]
+                rows = [rows[r] for r in running]
+                step_mask = None
+            else:
+                step_mask = torch.zeros(len(rows), 1, dtype=torch.bool)
+                step_mask[running] = True
+                step_mask = step_mask.to(dev)
+            logits = self.model(tokens[:, None], next_pos[:, None], cache, step_mask, last_only=True)[:, -1]
+            next_pos = next_pos + 1
+        return responses, logprobs, reasons
+
+
+ENGINES = {"torch": TorchRolloutEngine}
+
+
+def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
+    """Build the engine registered as ``name`` (e.g. ``make_engine("torch", model_cfg, device)``)."""
+    try:
+        cls = ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}") from None
+    return cls(*args, **kwargs)

@@ -1,0 +1,97 @@
+"""Sampling parameters and the token sampler shared by rollout engines.
+
+The sampler returns, with each token, its log-probability under the temperature-scaled *full*
+distribution (before top-k / top-p).  That is what the trainer recomputes from the same weights
+(``megatron_rl.ops.logprob`` divides logits by the temperature and never truncates), so the two
+can be compared and their mismatch logged.  Filtering only shapes which token is drawn.
+
+Randomness comes from an explicit ``torch.Generator``: the same seed on the same device, with
+the same inputs, draws the same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to draw responses.  ``temperature == 0`` or ``greedy=True`` means argmax."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 128
+    n: int = 1  # samples per prompt
+    stop_token_ids: tuple[int, ...] = ()  # e.g. EOS; the stop token is kept in the response
+    stop_sequences: tuple[tuple[int, ...], ...] = ()  # token-id sequences, kept in the response
+    greedy: bool = False
+
+    def __post_init__(self):
+        # Accept lists from configs; store hashable tuples.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        sequences = tuple(tuple(int(t) for t in seq) for seq in self.stop_sequences)
+        object.__setattr__(self, "stop_sequences", sequences)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1 or self.n < 1:
+            raise ValueError(f"max_new_tokens and n must be >= 1, got {self.max_new_tokens}, {self.n}")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop_sequences must not contain an empty sequence")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the reported log-probs: the sampling one, or 1 for greedy at T=0."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Set everything below the k-th largest logit of each row to -inf (k=0: unchanged)."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``p`` (nucleus)."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already reach p; the top one always stays.
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled logits with top-k then top-p applied."""
+    scaled = logits.float() / params.logprob_temperature
+    return top_p_filter(top_k_filter(scaled, params.top_k), params.top_p)
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``[b, vocab]`` logits: ``(tokens [b], logprobs [b] fp32)``."""
+    logits = logits.float()
+    logp_full = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
+    if params.is_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = torch.softmax(filter_logits(logits, params), dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, without a host sync.
+        race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
+        tokens = (probs / race).argmax(dim=-1)
+    return tokens, logp_full.gather(-1, tokens[:, None]).squeeze(-1)
