@@ -109,17 +109,23 @@ def _wait(reqs) -> None:
         req.wait()
 
 
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """fp32 for fp32/bf16/fp16 inputs; float64 stays float64 (what exactness tests feed in)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: Layout, group, scale: float):
         cp, rank = group.size(), group.rank()
         kv_heads, d = k.size(1), k.size(-1)
-        qf = _group_heads(q.float(), kv_heads)  # [b, h, g, sq, d]
+        dtype = _compute_dtype(q)
+        qf = _group_heads(q.to(dtype), kv_heads)  # [b, h, g, sq, d]
         pos_q, seg_q = (t.to(q.device) for t in layout(rank))
 
         acc_o = torch.zeros_like(qf)
-        acc_m = torch.full(qf.shape[:-1], float("-inf"), device=q.device)
-        acc_l = torch.zeros(qf.shape[:-1], device=q.device)
+        acc_m = torch.full(qf.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+        acc_l = torch.zeros(qf.shape[:-1], dtype=dtype, device=q.device)
         kv = torch.cat([k, v], dim=-1).contiguous()
         for step in range(cp):
             reqs = []
@@ -129,7 +135,7 @@ class RingAttention(torch.autograd.Function):
             pos_k, seg_k = (t.to(q.device) for t in layout(src))
             mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
             if bool(mask.any()):
-                kb, vb = kv[..., :d].float(), kv[..., d:].float()
+                kb, vb = kv[..., :d].to(dtype), kv[..., d:].to(dtype)
                 s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kb) * scale
                 s = s.masked_fill(~mask, float("-inf"))
                 new_m = torch.maximum(acc_m, s.amax(-1))
@@ -155,20 +161,21 @@ class RingAttention(torch.autograd.Function):
         layout, group, scale = ctx.layout, ctx.group, ctx.scale
         cp, rank = group.size(), group.rank()
         kv_heads, d = k.size(1), k.size(-1)
-        qf = _group_heads(q.float(), kv_heads)
-        do = _group_heads(grad_out.float(), kv_heads)
+        dtype = _compute_dtype(q)
+        qf = _group_heads(q.to(dtype), kv_heads)
+        do = _group_heads(grad_out.to(dtype), kv_heads)
         delta = (do * out).sum(-1)  # [b, h, g, sq]
         pos_q, seg_q = (t.to(q.device) for t in layout(rank))
 
         dq = torch.zeros_like(qf)
         kv = torch.cat([k, v], dim=-1).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         for step in range(cp):
             src = (rank - step) % cp
             pos_k, seg_k = (t.to(q.device) for t in layout(src))
             mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
             if bool(mask.any()):
-                kb, vb = kv[..., :d].float(), kv[..., d:].float()
+                kb, vb = kv[..., :d].to(dtype), kv[..., d:].to(dtype)
                 s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kb) * scale
                 s = s.masked_fill(~mask, float("-inf"))
                 p = torch.exp(s - lse[..., None])
@@ -180,7 +187,7 @@ class RingAttention(torch.autograd.Function):
                 dkv += torch.cat([dk, dv], dim=-1)
             # Pass the block and its accumulated gradient on; after cp sends it is home again.
             if step < cp - 1:
-                both = torch.cat([kv.float(), dkv], dim=-1)
+                both = torch.cat([kv.to(dtype), dkv], dim=-1)
                 recv, reqs = _ring_exchange(both, group)
                 _wait(reqs)
                 kv = recv[..., : 2 * d].to(k.dtype)

@@ -1,0 +1,454 @@
+"""Context parallelism computes what one process computes.
+
+A sequence split over ``cp`` ranks (zigzag, on the host) must give the same per-token log-probs,
+entropy, critic values and parameter gradients as the whole sequence on one process, on every
+layout that combines CP with TP (+SP) and PP -- including sequences shorter than ``2*cp`` chunks,
+which are mostly padding, and packed batches of mixed lengths.  The two CP attention strategies
+(ring ``p2p`` and ``all_gather``) must agree with each other and with plain attention, and each
+rank must only ever see its ``1/cp`` of the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from megatron_rl.testing.harness import run_distributed
+
+TOL = 1e-5
+MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+             num_query_groups=2, vocab_size=100, params_dtype="float32")
+# Odd lengths, several shorter than 2*cp chunks (1..3 tokens), so padding and empty chunks occur.
+LENGTHS = (13, 1, 30, 2, 7, 3, 21)
+
+
+def make_sequences(lengths=LENGTHS, vocab=MODEL["vocab_size"], seed=11) -> list[dict]:
+    """Token ids plus per-token loss coefficients; fields pad with 0, which masks the padding."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"tokens": torch.randint(0, vocab, (n,), generator=g),
+             "coef_logp": torch.randn(n, generator=g),
+             "coef_entropy": torch.randn(n, generator=g),
+             "target": torch.randn(n, generator=g),
+             "mask": torch.ones(n)} for n in lengths]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorCriticHead:
+    """Log-probs, entropy and values from one forward, so one run checks all three."""
+
+    outputs = ("logprob", "entropy", "value")
+
+    def __call__(self, model, hidden, tensors):
+        from megatron_rl.models.heads import LogProbHead, ValueOutput
+
+        out = LogProbHead(chunk_size=16)(model, hidden, tensors)
+        out.update(ValueOutput()(model, hidden, tensors))
+        return out
+
+
+def _build(layout, weights):
+    """The model with a (non-zero) value head; canonical ``weights`` loaded, or gathered if None."""
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import gather_canonical, load_canonical
+    from megatron_rl.models.heads import attach_value_head
+
+    chunks = attach_value_head(build_gpt_chunks(ModelConfig(**MODEL), layout, torch.device("cpu")))
+    for chunk in chunks:
+        if chunk.post_process:
+            # The value head freezes the LM output layer; this test wants its gradient too.
+            chunk.output_layer.weight.requires_grad_(True)
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                chunk.value_head.linear.weight.copy_(torch.randn(1, MODEL["hidden_size"], generator=g) * 0.2)
+                chunk.value_head.linear.bias.fill_(0.3)
+    if weights is None:
+        weights = gather_canonical(chunks)
+    else:
+        load_canonical(chunks, weights, strict=False)
+    return chunks, weights
+
+
+def train_body(layout_kw: dict, weights, lengths, plan_kw: dict, forward_only: bool = False):
+    """One forward+backward of the actor/critic loss through ``run_sequences`` on this layout."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import OptimConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.models.canonical import gather_canonical
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    chunks, weights = _build(layout, weights)
+    trainable = make_trainable(chunks, OptimConfig(), total_steps=1)
+    seqs = make_sequences(lengths)
+    total = float(sum(lengths))
+
+    def loss_fn(outs, tensors, mb):
+        per_token = (outs["logprob"] * tensors["coef_logp"] + outs["entropy"] * tensors["coef_entropy"]
+                     + tensors["mask"] * (outs["value"] - tensors["target"]) ** 2)
+        return per_token.sum() / total, {}
+
+    trainable.zero_grad()
+    stats: dict = {}
+    outs, _ = run_sequences(trainable.chunks, seqs, ActorCriticHead(), BatchPlan(**plan_kw), torch.device("cpu"),
+                            loss_fn=None if forward_only else loss_fn, forward_only=forward_only, stats=stats)
+    result = {"outs": outs, "weights": weights, "local_tokens": stats["local_tokens"]}
+    if not forward_only:
+        result["grads"] = gather_canonical(trainable.chunks, "grad")
+    return result if dist.get_rank() == 0 else stats["local_tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(lengths=LENGTHS):
+    """CP=1 on one process, whole sequences."""
+    return run_distributed(1, train_body, {}, None, lengths, dict(micro_batch_size=3))[0]
+
+
+def _max_diff_outputs(got: list[dict], ref: list[dict]) -> dict:
+    worst = {}
+    for a, b in zip(got, ref, strict=True):
+        for name in b:
+            assert a[name].shape == b[name].shape, name
+            worst[name] = max(worst.get(name, 0.0), float((a[name] - b[name]).abs().max()))
+    return worst
+
+
+def _max_diff_grads(got: dict, ref: dict) -> float:
+    assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
+    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
+
+
+def check_against_reference(world, layout_kw, plan_kw, lengths=LENGTHS):
+    ref = reference(lengths)
+    got = run_distributed(world, train_body, layout_kw, ref["weights"], lengths, plan_kw)[0]
+    outs = _max_diff_outputs(got["outs"], ref["outs"])
+    grad = _max_diff_grads(got["grads"], ref["grads"])
+    print(f"{layout_kw} {plan_kw}: max|d| {outs} grads {grad:.2e}")
+    assert all(v <= TOL for v in outs.values()), outs
+    assert grad <= TOL
+    # The comparison means something: gradients reach every parameter.
+    assert all(float(g.abs().max()) > 0 for g in ref["grads"].values())
+    return got
+
+
+CP_LAYOUTS = {
+    "cp2": (2, dict(cp=2)),
+    "cp2_all_gather": (2, dict(cp=2, cp_comm_type="all_gather")),
+    "cp4": (4, dict(cp=4)),
+    "tp2_cp2_sp": (4, dict(tp=2, cp=2, sp=True)),
+    "pp2_cp2": (4, dict(pp=2, cp=2)),
+    "dp2_cp2": (4, dict(cp=2)),  # four ranks at cp=2: two data-parallel replicas
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_packed_matches_one_process(layout):
+    world, layout_kw = CP_LAYOUTS[layout]
+    check_against_reference(world, layout_kw, dict(micro_batch_size=3))
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_unpacked_matches_one_process(layout):
+    """Padded BSHD rows: each row (not each sequence) is cut into 2*cp chunks."""
+    world, layout_kw = CP_LAYOUTS[layout]
+    check_against_reference(world, layout_kw, dict(micro_batch_size=2, packed=False))
+
+
+# ----------------------------------------------------------------------------- against HF transformers
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    """A tiny random Llama (GQA) as a local HF checkpoint, with odd-length inputs and HF's log-probs."""
+    import json
+    import os
+
+    from tests.test_hf_models import COMMON, hf_logprobs, make_hf_model
+
+    path = str(tmp_path_factory.mktemp("hf_cp") / "llama")
+    model = make_hf_model("llama", path)
+    g = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (45, 1, 2, 3, 16, 29)]
+    with open(os.path.join(path, "in.jsonl"), "w") as fh:
+        for ids in sequences:
+            fh.write(json.dumps({"input_ids": ids}) + "\n")
+    return path, [hf_logprobs(model, ids) for ids in sequences]
+
+
+HF_LAYOUTS = {
+    "cp2": (2, ["parallel.cp=2", "batch.micro_batch_size=3"]),
+    "cp2_all_gather_unpacked": (2, ["parallel.cp=2", "parallel.cp_comm_type=all_gather", "batch.packing=false",
+                                    "batch.micro_batch_size=2"]),
+    "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                       "batch.max_tokens_per_rank=32"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(HF_LAYOUTS))
+def test_score_matches_hf_transformers(hf_llama, layout, tmp_path):
+    from tests.test_hf_models import check_scores, score_body
+
+    hf_dir, reference_logprobs = hf_llama
+    world, overrides = HF_LAYOUTS[layout]
+    out = str(tmp_path / "out.jsonl")
+    run_distributed(world, score_body, hf_dir, overrides, out)
+    worst = check_scores(out, reference_logprobs)
+    print(f"llama {layout}: max |logprob - HF| = {worst:.2e}")
+    assert worst <= 1e-4
+
+
+# ----------------------------------------------------------------------------- ring vs all_gather
+
+
+# (batch, query heads, kv heads, head dim, sequence lengths); one length = an unpacked [b, n, s, d]
+# batch, several = a packed THD row of those (padded) sequences.  Lengths are multiples of 8 so
+# the same case splits over 2 and 4 ranks.
+ATTENTION_CASES = {
+    "bshd_gqa": (2, 4, 2, 8, (24,)),
+    "bshd_mha": (1, 2, 2, 16, (16,)),
+    "thd_gqa": (1, 6, 2, 8, (8, 24, 8, 16)),
+    "thd_mqa": (1, 4, 1, 8, (16, 8)),
+}
+
+
+def _attention_case(name: str, seed: int = 0):
+    b, n, kv, d, lengths = ATTENTION_CASES[name]
+    total = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+    q, do = (torch.randn(b, n, total, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, kv, total, d, generator=g, dtype=torch.float64) for _ in range(2))
+    cu = [0]
+    for n_tokens in lengths:
+        cu.append(cu[-1] + n_tokens)
+    return q, k, v, do, cu
+
+
+def _local(x: torch.Tensor, cu: list[int], cp: int, rank: int) -> torch.Tensor:
+    """This rank's zigzag shard of every sequence of a packed (or single-sequence) row, dim 2."""
+    from megatron_rl.ops import zigzag
+
+    return torch.cat([zigzag.shard(x[:, :, s:e], cp, rank, dim=2) for s, e in zip(cu[:-1], cu[1:])], dim=2)
+
+
+def _reference_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+    """Plain float64 causal attention per sequence on the whole (unsplit) tensors."""
+    out = []
+    group = q.size(1) // k.size(1)
+    for s, e in zip(cu[:-1], cu[1:]):
+        kk = k[:, :, s:e].repeat_interleave(group, dim=1)
+        vv = v[:, :, s:e].repeat_interleave(group, dim=1)
+        scores = q[:, :, s:e] @ kk.transpose(-1, -2) * scale
+        causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        out.append(torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ vv)
+    return torch.cat(out, dim=2)
+
+
+def attention_body(case: str):
+    """Both strategies on this rank's shards; returns {strategy: (out, dq, dk, dv)} and the reference."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.ops.cp_attention import context_parallel_attention
+    from megatron_rl.ops.zigzag import local_positions_bshd, local_positions_thd
+    from megatron_rl.testing.layouts import use_layout
+
+    cp = dist.get_world_size()
+    use_layout(cp=cp)
+    group, rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
+    q, k, v, do, cu = _attention_case(case)
+    scale = q.size(-1) ** -0.5
+    if len(cu) == 2:  # unpacked rows, as LocalCoreAttention describes them
+        layout = lambda r: local_positions_bshd(cu[-1], cp, r)  # noqa: E731
+    else:
+        layout = lambda r: local_positions_thd(cu, cp, r)  # noqa: E731
+    results = {}
+    for comm in ("p2p", "all_gather"):
+        leaves = [_local(x, cu, cp, rank).clone().requires_grad_() for x in (q, k, v)]
+        out = context_parallel_attention(*leaves, layout, group, scale, comm)
+        out.backward(_local(do, cu, cp, rank))
+        results[comm] = (out.detach(), *(x.grad for x in leaves))
+    # The same on the whole tensors in one process, cut to this rank's shard.
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out = _reference_attention(*full, cu, scale)
+    ref_out.backward(do)
+    results["reference"] = tuple(_local(x, cu, cp, rank) for x in (ref_out.detach(), *(f.grad for f in full)))
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_ring_and_all_gather_attention_agree(cp, case):
+    names = ("out", "dq", "dk", "dv")
+    for rank, res in enumerate(run_distributed(cp, attention_body, case)):
+        for name, ring, gathered, ref in zip(names, res["p2p"], res["all_gather"], res["reference"]):
+            assert ring.dtype == gathered.dtype == torch.float64
+            between = float((ring - gathered).abs().max())
+            to_ref = max(float((ring - ref).abs().max()), float((gathered - ref).abs().max()))
+            print(f"cp={cp} {case} rank {rank} {name}: |p2p - all_gather| {between:.1e}, vs reference {to_ref:.1e}")
+            # float64 all the way (the ring accumulates in the input's precision when that is
+            # float64), so the two agree to rounding -- far inside the 1e-6 bound.
+            assert between <= 1e-10, (name, between)
+            assert to_ref <= 1e-10, (name, to_ref)
+
+
+# ----------------------------------------------------------------------------- host-side sharding
+
+
+def test_zigzag_layout_by_hand():
+    """Rank r keeps chunks r and 2cp-1-r; shard/unshard round-trip."""
+    from megatron_rl.ops import zigzag
+
+    x = torch.arange(16)
+    assert zigzag.shard(x, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert zigzag.shard(x, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert zigzag.shard(x, 4, 1).tolist() == [2, 3, 12, 13]
+    assert zigzag.shard(x, 4, 3).tolist() == [6, 7, 8, 9]
+    for cp in (2, 4, 8):
+        assert torch.equal(zigzag.unshard([zigzag.shard(x, cp, r) for r in range(cp)]), x)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp"):
+        zigzag.zigzag_index(10, 4, 0)
+
+
+def sharding_body(layout_kw: dict, plan_kw: dict):
+    """Record what reaches this rank's embedding and what ``Microbatch.to`` puts on the device."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.data.microbatch import Microbatch
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    chunks = build_gpt_chunks(ModelConfig(**MODEL), layout, torch.device("cpu"))
+    embedded: list[torch.Tensor] = []
+    moved: list[tuple[int, int, dict]] = []
+
+    def record_embedding(module, args, kwargs):
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        embedded.append(ids.detach().clone())
+
+    hooks = [c.embedding.register_forward_pre_hook(record_embedding, with_kwargs=True)
+             for c in chunks if c.pre_process]
+    original_to = Microbatch.to
+
+    def recording_to(self, device, names=None):
+        out = original_to(self, device, names)
+        moved.append((sum(self.padded_lengths), self.cp_size, {n: t.numel() for n, t in out.items()}))
+        return out
+
+    Microbatch.to = recording_to
+    try:
+        with torch.no_grad():
+            run_sequences(chunks, make_sequences(), LogProbHead(), BatchPlan(**plan_kw), torch.device("cpu"))
+    finally:
+        Microbatch.to = original_to
+        for h in hooks:
+            h.remove()
+    return {"embedded": embedded, "moved": moved, "cp_rank": ps.get_context_parallel_rank(),
+            "first_stage": any(c.pre_process for c in chunks)}
+
+
+@pytest.mark.parametrize("world,layout_kw", [(2, dict(cp=2)), (4, dict(cp=4)), (4, dict(tp=2, cp=2, sp=True)),
+                                             (4, dict(pp=2, cp=2))], ids=["cp2", "cp4", "tp2_cp2_sp", "pp2_cp2"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_each_rank_receives_one_cp_th_of_the_tokens(world, layout_kw, packed):
+    from megatron_rl.data.batching import plan_microbatches
+    from megatron_rl.data.microbatch import align_to, alignment
+    from megatron_rl.ops import zigzag
+
+    cp, tp = layout_kw["cp"], layout_kw.get("tp", 1)
+    align = alignment(cp, tp, layout_kw.get("sp", False))
+    plan_kw = dict(micro_batch_size=3, packed=packed)
+    seqs = make_sequences()
+    results = run_distributed(world, sharding_body, layout_kw, plan_kw)
+    groups = plan_microbatches(LENGTHS, range(len(LENGTHS)), max_tokens_per_rank=None, micro_batch_size=3,
+                               cp=cp, align=align, packed=packed)
+    if packed:
+        padded_total = sum(align_to(n, align) for n in LENGTHS)
+    else:  # each row is padded to the longest sequence of its micro-batch
+        padded_total = sum(align_to(max(LENGTHS[i] for i in g), align) * len(g) for g in groups)
+    for res in results:
+        # Every tensor a rank moves to its device is its shard: 1/cp of the micro-batch's padded tokens.
+        assert res["moved"]
+        for mb_padded, mb_cp, sizes in res["moved"]:
+            assert mb_cp == cp
+            assert set(sizes.values()) == {mb_padded // cp}, sizes
+        if not res["first_stage"]:
+            assert not res["embedded"]
+            continue
+        seen = sum(t.numel() for t in res["embedded"])
+        assert seen * cp == padded_total, (seen, padded_total)
+        # ... and exactly the zigzag chunks r and 2cp-1-r of each (padded) sequence.
+        if packed:
+            tokens = torch.cat([t.reshape(-1) for t in res["embedded"]])
+            order = [i for g in groups for i in g]
+            expected = torch.cat([zigzag.shard(_pad(seqs[i]["tokens"], align_to(LENGTHS[i], align)), cp,
+                                               res["cp_rank"]) for i in order])
+            assert torch.equal(tokens, expected)
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(n - x.numel())])
+
+
+# ----------------------------------------------------------------------------- token budgets
+
+
+BUDGET_PLANS = [dict(max_tokens_per_rank=16), dict(max_tokens_per_rank=24), dict(max_tokens_per_rank=40),
+                dict(max_tokens_per_rank=4096), dict(micro_batch_size=1), dict(micro_batch_size=7)]
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2_cp2"])
+def test_token_budget_does_not_change_logprobs_or_gradients(world):
+    ref = reference()
+    counts = []
+    for plan_kw in BUDGET_PLANS:
+        results = run_distributed(world, train_body, dict(cp=2), ref["weights"], LENGTHS, plan_kw)
+        got = results[0]
+        outs = _max_diff_outputs(got["outs"], ref["outs"])
+        grad = _max_diff_grads(got["grads"], ref["grads"])
+        assert all(v <= TOL for v in outs.values()) and grad <= TOL, (plan_kw, outs, grad)
+        budget = plan_kw.get("max_tokens_per_rank")
+        local = [got["local_tokens"]] + results[1:]
+        if budget:
+            assert all(n <= budget for per_rank in local for n in per_rank), (plan_kw, local)
+        counts.append(len(got["local_tokens"]))
+    print(f"micro-batches per rank for {BUDGET_PLANS}: {counts}")
+    assert len(set(counts)) > 2  # the plans really cut the batch differently
+
+
+def test_sequences_up_to_budget_times_cp_fit():
+    """At cp=2 a 16-token budget takes a 32-token sequence: each rank holds 16 of its tokens."""
+    lengths = (32, 3, 17, 32)
+    ref = reference(lengths)
+    results = run_distributed(2, train_body, dict(cp=2), ref["weights"], lengths, dict(max_tokens_per_rank=16))
+    got = results[0]
+    assert max(got["local_tokens"]) == 16 and max(results[1]) == 16
+    assert all(v <= TOL for v in _max_diff_outputs(got["outs"], ref["outs"]).values())
+    assert _max_diff_grads(got["grads"], ref["grads"]) <= TOL
+
+
+def over_budget_body(lengths, budget):
+    from megatron_rl.config.errors import DataError
+
+    try:
+        train_body(dict(cp=2), None, lengths, dict(max_tokens_per_rank=budget), forward_only=True)
+    except DataError as err:
+        return str(err)
+    return None
+
+
+def test_sequence_longer_than_budget_times_cp_is_a_data_error():
+    messages = run_distributed(2, over_budget_body, (5, 33), 16)
+    for message in messages:
+        assert message is not None
+        assert message.startswith("data error: batch.max_tokens_per_rank=16:"), message
+        assert "33 tokens" in message and "cp=2" in message
+        assert "raise batch.max_tokens_per_rank to >= 18" in message
