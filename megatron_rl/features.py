@@ -28,6 +28,7 @@ Check = Callable[[object, Optional[int]], Optional[tuple]]
 class Constraint:
     text: str  # shown in the matrix
     check: Check
+    key: str = ""  # the config key its error names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ def _need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Calla
             return None
         return key, _get(cfg, key), problem.format(c=cfg, w=world), fix.format(c=cfg, w=world)
 
-    return Constraint(text, check)
+    return Constraint(text, check, key)
 
 
 def _mp(cfg) -> int:
@@ -283,6 +284,141 @@ FEATURES += [
         "Megatron dist_checkpointing (torch_dist), atomic rename, loadable into another TP/PP/VPP layout.",
         ("tests/test_hf_models.py::test_convert_command_both_directions",),
         config="megatron-rl convert; trainer.save_every",
+    ),
+]
+
+
+def _alg(cfg):
+    return cfg.algorithm
+
+
+FEATURES += [
+    Feature(
+        "PPO with a critic (GAE)", "algorithms", TESTED_CPU,
+        "Clipped surrogate (asymmetric clip_low/clip_high), GAE with optional whitening, clipped value loss.",
+        ("tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts", "tests/test_algorithms.py::test_gae_discounted"),
+        (
+            _need("algorithm.advantage", lambda c, w: c.algorithm.advantage in ("gae", "grpo", "rloo"),
+                  "unknown advantage estimator", "use gae, grpo or rloo", "advantage in {gae, grpo, rloo}"),
+        ),
+        config="algorithm.advantage=gae",
+    ),
+    Feature(
+        "GRPO (no critic)", "algorithms", TESTED_CPU,
+        "Group-normalised scores (unbiased std), no value model.",
+        ("tests/test_ppo.py::test_grpo_runs_without_a_critic",),
+        (
+            _need("rollout.n", lambda c, w: c.rollout.n >= 2, "GRPO needs several samples per prompt",
+                  "set rollout.n >= 2", "rollout.n >= 2", when=lambda c: c.algorithm.advantage == "grpo"),
+        ),
+        config="algorithm.advantage=grpo",
+    ),
+    Feature(
+        "RLOO (no critic)", "algorithms", TESTED_CPU,
+        "Leave-one-out baseline over the samples of a prompt.",
+        ("tests/test_algorithms.py::test_rloo_hand_case",),
+        (
+            _need("rollout.n", lambda c, w: c.rollout.n >= 2, "RLOO needs at least 2 samples per prompt",
+                  "set rollout.n >= 2", "rollout.n >= 2", when=lambda c: c.algorithm.advantage == "rloo"),
+        ),
+        config="algorithm.advantage=rloo",
+    ),
+    Feature(
+        "Dual clip", "algorithms", TESTED_CPU,
+        "Bound the loss of negative-advantage tokens at dual_clip * |A|.",
+        ("tests/test_algorithms.py::test_policy_loss_batch_with_dual_clip",),
+        (
+            _need("algorithm.dual_clip", lambda c, w: c.algorithm.dual_clip > 1, "dual_clip must be > 1",
+                  "use e.g. 3.0, or null", "dual_clip > 1", when=lambda c: c.algorithm.dual_clip is not None),
+        ),
+        config="algorithm.dual_clip",
+    ),
+    Feature(
+        "KL penalty (loss or reward; k1/k2/k3; fixed/adaptive)", "algorithms", TESTED_CPU,
+        "KL to a frozen reference model as a loss term or a per-token reward penalty, fixed or adaptive coefficient.",
+        ("tests/test_algorithms.py::test_adaptive_controller_update_and_state",
+         "tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts"),
+        (
+            _need("algorithm.kl_kind", lambda c, w: c.algorithm.kl_kind in ("k1", "k2", "k3", "low_var_kl", "mse"),
+                  "unknown KL estimator", "use k1, k2 or k3", "kl_kind in {k1, k2, k3}"),
+            _need("algorithm.kl_controller", lambda c, w: c.algorithm.kl_controller in ("fixed", "adaptive"),
+                  "unknown KL controller", "use fixed or adaptive", "kl_controller in {fixed, adaptive}"),
+            _need("algorithm.kl_target", lambda c, w: c.algorithm.kl_target is not None and c.algorithm.kl_horizon is not None,
+                  "the adaptive controller needs kl_target and kl_horizon", "set algorithm.kl_target and algorithm.kl_horizon",
+                  "adaptive needs kl_target and kl_horizon", when=lambda c: c.algorithm.kl_controller == "adaptive"),
+        ),
+        config="algorithm.kl_coef, kl_kind, kl_in_reward, kl_controller",
+    ),
+    Feature(
+        "Entropy bonus", "algorithms", TESTED_CPU,
+        "coef * entropy subtracted from the policy loss, same aggregation and denominator.",
+        ("tests/test_algorithms.py::test_entropy_bonus_shares_the_policy_denominator",),
+        config="algorithm.entropy_coef",
+    ),
+    Feature(
+        "Loss aggregation with global normalisation", "algorithms", TESTED_CPU,
+        "token-mean, seq-mean-token-sum, seq-mean-token-mean; divided once by the mini-batch's global count, so gradients do not depend on micro-batches, DP or CP.",
+        ("tests/test_ppo.py::test_gradients_do_not_depend_on_how_the_batch_is_cut",),
+        (
+            _need("algorithm.loss_agg", lambda c, w: c.algorithm.loss_agg in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+                  "unknown loss aggregation", "use token-mean, seq-mean-token-sum or seq-mean-token-mean",
+                  "loss_agg in {token-mean, seq-mean-token-sum, seq-mean-token-mean}"),
+        ),
+        config="algorithm.loss_agg",
+    ),
+    Feature(
+        "Rollout with KV cache", "rollout", TESTED_CPU,
+        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; weights gathered from any training layout; rollout vs recomputed log-prob mismatch logged.",
+        ("tests/test_rollout.py::test_kv_cache_greedy_equals_recompute",
+         "tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts"),
+        (
+            _need("rollout.engine", lambda c, w: c.rollout.engine == "torch", "unknown rollout engine",
+                  "use torch", "engine in {torch}"),
+        ),
+        config="rollout.*",
+    ),
+    Feature(
+        "Prompt data (JSONL / Parquet, chat templates)", "data", TESTED_CPU,
+        "prompt / answer / messages records; over-long prompts dropped and counted; seeded, resumable sampling.",
+        ("tests/test_prompts.py::test_sampler_exact_resume", "tests/test_prompts.py::test_long_prompts_dropped_and_logged"),
+        config="data.*",
+    ),
+    Feature(
+        "Reward functions (registry, verifiable math)", "data", TESTED_CPU,
+        "Built-in math_answer (GSM8K ####, \\boxed{}), format, exact_match, digit_sum; any package.module:function; a failing or malformed reward stops the run naming the prompt.",
+        ("tests/test_rewards.py::test_raising_fn_names_the_prompt_index",
+         "tests/test_ppo.py::test_reward_function_that_raises_stops_the_run_with_the_prompt_index"),
+        config="reward.fn, reward.kwargs",
+    ),
+    Feature(
+        "Checkpoint and exact resume", "checkpointing", TESTED_CPU,
+        "Actor, critic, reference, optimizers, schedulers, RNG, data position, KL controller; atomic; keep last K; resume=auto; resumes into another layout.",
+        ("tests/test_ppo.py::test_resume_same_layout_is_bit_identical", "tests/test_ppo.py::test_resume_gives_identical_metrics",
+         "tests/test_ppo.py::test_failed_save_leaves_previous_checkpoint_loadable",
+         "tests/test_ppo.py::test_truncated_checkpoint_is_detected_and_previous_used"),
+        (
+            _need("trainer.keep_last", lambda c, w: c.trainer.keep_last >= 1, "must keep at least one checkpoint",
+                  "set trainer.keep_last >= 1", "keep_last >= 1"),
+        ),
+        config="trainer.save_every, keep_last, resume",
+    ),
+    Feature(
+        "Preemption (SIGTERM / SIGUSR1)", "checkpointing", TESTED_CPU,
+        "A signal on any rank: every rank stops after the same step, checkpoints and exits 0.",
+        ("tests/test_ppo.py::test_sigterm_checkpoints_then_resume_continues",),
+        config="(always on)",
+    ),
+    Feature(
+        "Metrics, plot, TensorBoard, W&B", "runtime", TESTED_CPU,
+        "metrics.jsonl per step (reward, lengths, losses, KL, entropy, clipfrac, grad norms, explained variance, timings, throughput, memory), console progress, plot.png; TensorBoard/W&B optional.",
+        ("tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts", "tests/test_ppo.py::test_run_ppo_sh_demo_learns"),
+        config="trainer.tensorboard, trainer.wandb, trainer.plot",
+    ),
+    Feature(
+        "CPU demo that learns", "runtime", TESTED_CPU,
+        "./run_ppo.sh without a GPU: PPO (GAE + KL) on add_small, TP2xPP2 on 4 gloo ranks; reward rises by more than 0.3 in about 5 minutes on 2 cores.",
+        ("tests/test_ppo.py::test_run_ppo_sh_demo_learns",),
+        config="configs/demo_cpu.yaml",
     ),
 ]
 

@@ -18,9 +18,9 @@ def _error(overrides, world=None, path=None) -> str:
 
 
 def test_overrides_are_typed_and_applied():
-    cfg = load_config(None, ["parallel.tp=2", "optim.lr=3e-4", "parallel.sequence_parallel=true",
+    cfg = load_config(None, ["parallel.tp=2", "actor.optim.lr=3e-4", "parallel.sequence_parallel=true",
                              "model.recompute.modules=[core_attn]"])
-    assert cfg.parallel.tp == 2 and cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.parallel.tp == 2 and cfg.actor.optim.lr == pytest.approx(3e-4)
     assert cfg.parallel.sequence_parallel is True
     assert cfg.model.recompute.modules == ["core_attn"]
 
@@ -82,7 +82,7 @@ def test_yaml_file_errors_name_the_file_key(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config("configs/demo_cpu.yaml", ["optim.lr=0.01"])
+    cfg = load_config("configs/demo_cpu.yaml", ["actor.optim.lr=0.01"])
     path = tmp_path / "config.yaml"
     save_config(cfg, str(path))
     assert load_config(str(path)) == cfg

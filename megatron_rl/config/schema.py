@@ -107,7 +107,89 @@ class OptimConfig:
 
 
 @dataclass
+class DataConfig:
+    train_path: str = _f("task:digit_sum", "Prompt file (JSONL/Parquet) or a built-in task (task:digit_sum).")
+    tokenizer: Optional[str] = _f(None, "'char', or a local HF tokenizer dir; null = model.hf_path, else 'char'.")
+    max_prompt_tokens: int = _f(512, "Longer prompts are dropped (and counted in the log).")
+    prompt_key: str = _f("prompt", "Record key of the prompt text.")
+    answer_key: str = _f("answer", "Record key of the reference answer (for verifiable rewards).")
+    messages_key: str = _f("messages", "Record key of chat messages (rendered with the chat template).")
+    shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded, resumable).")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("torch", "Generation engine: torch (KV-cache decoder on the actor's gathered weights).")
+    n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).")
+    max_new_tokens: int = _f(64, "Longest response.")
+    temperature: float = _f(1.0, "Sampling temperature (also used to recompute log-probs).")
+    top_p: float = _f(1.0, "Nucleus sampling; 1 = off.")
+    top_k: int = _f(0, "Top-k sampling; 0 = off.")
+    stop: list = _f([], "Extra stop strings (EOS always stops).")
+    max_batch_size: int = _f(64, "Sequences generated together.")
+
+
+@dataclass
+class RewardConfig:
+    fn: str = _f("digit_sum", "Registered reward name or 'package.module:function'.")
+    kwargs: dict = _f({}, "Keyword arguments passed to the reward function.")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = _f("gae", "Advantage estimator: gae (PPO with a critic), grpo, rloo.")
+    gamma: float = _f(1.0, "GAE discount.")
+    lam: float = _f(0.95, "GAE lambda.")
+    whiten_advantages: bool = _f(True, "Whiten GAE advantages over the batch.")
+    norm_by_std: bool = _f(True, "GRPO: divide by the group's std.")
+    clip_low: float = _f(0.2, "PPO ratio clip below 1.")
+    clip_high: float = _f(0.2, "PPO ratio clip above 1 (asymmetric clipping when != clip_low).")
+    dual_clip: Optional[float] = _f(None, "Dual-clip bound for negative advantages (e.g. 3); null = off.")
+    value_clip: Optional[float] = _f(0.2, "Critic value clipping around the old values; null = off.")
+    loss_agg: str = _f("token-mean", "token-mean, seq-mean-token-sum, seq-mean-token-mean.")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    kl_coef: float = _f(0.0, "KL(actor || reference) coefficient; 0 = no reference model.")
+    kl_kind: str = _f("k3", "KL estimator: k1, k2, k3 (low_var_kl).")
+    kl_in_reward: bool = _f(False, "Subtract the KL from the token rewards instead of adding it to the loss.")
+    kl_controller: str = _f("fixed", "fixed or adaptive (in-reward KL only).")
+    kl_target: Optional[float] = _f(None, "Adaptive controller target KL.")
+    kl_horizon: Optional[float] = _f(None, "Adaptive controller horizon.")
+    ppo_epochs: int = _f(1, "Passes over each rollout batch.")
+    mini_batches: int = _f(1, "Optimizer steps per pass (the batch is cut into this many mini-batches).")
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    init_checkpoint: Optional[str] = _f(None, "megatron_rl checkpoint (step dir) to start from instead of model.hf_path.")
+
+
+@dataclass
+class CriticConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    hf_path: Optional[str] = _f(None, "Reward-model / value checkpoint for the critic; null = start from the actor's weights.")
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = _f(20, "PPO steps (rollout + update).")
+    prompts_per_step: int = _f(16, "Prompts per step (each sampled rollout.n times).")
+    sft_warmup_steps: int = _f(0, "Supervised steps on prompt+answer before RL (teaches a tiny model the format).")
+    sft_lr: float = _f(1e-3, "Learning rate of the supervised warm-up.")
+    sft_answers: str = _f("true", "Warm-up targets: true (the answers), shuffled (other prompts' answers: format only).")
+    save_every: int = _f(0, "Checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1).")
+    keep_last: int = _f(2, "Checkpoints kept.")
+    resume: str = _f("auto", "auto (latest checkpoint in the run dir), never, or a checkpoint path.")
+    log_every: int = _f(1, "Console progress every N steps.")
+    plot: bool = _f(True, "Write plot.png (reward, KL, losses) at the end; needs matplotlib.")
+    tensorboard: bool = _f(False, "Also log to TensorBoard (<run_dir>/tb).")
+    wandb: bool = _f(False, "Also log to Weights & Biases.")
+
+
+@dataclass
 class SmokeConfig:
+    """The smoke job trains with actor.optim."""
+
     steps: int = _f(8, "Optimizer steps of the smoke job.")
     seq_length: int = _f(64, "Tokens per sequence.")
     micro_batch_size: int = _f(2, "Sequences per micro-batch.")
@@ -121,7 +203,13 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     smoke: SmokeConfig = field(default_factory=SmokeConfig)
 
 

@@ -25,3 +25,17 @@ def reduce_sum_count(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(totals)
     return {n: float(totals[i, 0] / totals[i, 1]) if totals[i, 1] > 0 else float("nan") for i, n in enumerate(names)}
+
+
+def reduce_sums(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable[str]) -> dict[str, float]:
+    """Job-wide sums of scalar logs (e.g. loss pieces already divided by a global denominator)."""
+    names = list(names)
+    totals = torch.zeros(len(names), dtype=torch.float64)
+    if ps.get_tensor_model_parallel_rank() == 0:
+        for log in logs:
+            for i, name in enumerate(names):
+                if name in log:
+                    totals[i] += float(log[name].detach().double().sum())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    return {n: float(totals[i]) for i, n in enumerate(names)}

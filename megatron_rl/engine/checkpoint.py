@@ -69,10 +69,12 @@ def _model_sharded(chunks: list) -> dict:
     return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-def _part_sharded(part: ModelPart, with_optimizer: bool) -> dict:
+def _part_sharded(part: ModelPart, with_optimizer: bool, loading: bool = False) -> dict:
     state = _model_sharded(part.chunks)
     if with_optimizer and part.optimizer is not None:
-        state["optimizer"] = part.optimizer.sharded_state_dict(state)
+        # is_loading creates Adam's moment tensors before the first step; without them nothing
+        # of the optimizer state would be requested, and a resumed run would silently restart Adam.
+        state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
     if with_optimizer and part.scheduler is not None:
         state["scheduler"] = part.scheduler.state_dict()
     return state
@@ -87,6 +89,15 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+def _file_sizes(root: str) -> dict[str, int]:
+    sizes = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            sizes[os.path.relpath(full, root)] = os.path.getsize(full)
+    return sizes
 
 
 def _write_json(path: str, payload: dict) -> None:
@@ -159,7 +170,8 @@ def save_checkpoint(
     if _rank() == 0:
         info = dict(meta or {})
         info.update(format=FORMAT_VERSION, step=step, parts=sorted(parts), with_optimizer=with_optimizer,
-                    world_size=dist.get_world_size() if dist.is_initialized() else 1, complete=True)
+                    world_size=dist.get_world_size() if dist.is_initialized() else 1, complete=True,
+                    files=_file_sizes(tmp))
         _write_json(os.path.join(tmp, "meta.json"), info)
         _fsync_dir(tmp)
         if os.path.exists(final):
@@ -198,6 +210,13 @@ def check_checkpoint(path: str) -> dict:
     if not meta.get("complete") or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError("checkpoint", path, f"incomplete or unknown format {meta.get('format')}",
                               "use an earlier checkpoint")
+    for rel, size in meta.get("files", {}).items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError("checkpoint", path, f"file {rel} is missing", "use an earlier checkpoint")
+        if os.path.getsize(full) != size:
+            raise CheckpointError("checkpoint", path, f"file {rel} is truncated or altered "
+                                  f"({os.path.getsize(full)} bytes, {size} written)", "use an earlier checkpoint")
     for name in meta.get("parts", []):
         part_dir = os.path.join(path, name)
         if not os.path.isfile(os.path.join(part_dir, "metadata.json")):
@@ -240,7 +259,7 @@ def load_checkpoint(
             raise CheckpointError("checkpoint", path, f"has no part {name!r} (it has {meta['parts']})",
                                   "load a checkpoint written by the same kind of run")
         want_opt = with_optimizer and meta.get("with_optimizer", True)
-        request = _part_sharded(part, want_opt)
+        request = _part_sharded(part, want_opt, loading=True)
         try:
             loaded = dist_checkpointing.load(request, os.path.join(path, name))
         except Exception as err:  # truncated tensor files, mismatched shapes

@@ -9,7 +9,7 @@ data/context-parallel ranks.  The result does not depend on how the batch was cu
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -18,6 +18,13 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.config.schema import OptimConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    ok: bool
+    grad_norm: float
+    reason: str = ""
 
 
 @dataclasses.dataclass
@@ -31,11 +38,17 @@ class Trainable:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self) -> tuple[bool, float, Optional[int]]:
-        ok, grad_norm, num_zeros = self.optimizer.step()
-        if ok:
-            self.scheduler.step(increment=1)
-        return bool(ok), float(grad_norm if grad_norm is not None else 0.0), num_zeros
+    def step(self) -> StepResult:
+        """One optimizer step; skipped (and reported) when the gradients are not finite."""
+        found_inf = self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(norm):
+            return StepResult(False, norm, "non-finite gradients: update skipped")
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            return StepResult(False, norm, "optimizer reported overflow: update skipped")
+        self.scheduler.step(increment=1)
+        return StepResult(True, float(grad_norm) if grad_norm else norm)
 
     @property
     def lr(self) -> float:
@@ -63,8 +76,13 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool = False) -> list:
 
 def make_trainable(chunks: list, optim: OptimConfig, total_steps: int) -> Trainable:
     """Wrap ``chunks`` in DDP and build the optimizer and LR schedule."""
-    wrapped = wrap_ddp(chunks, optim.use_distributed_optimizer)
-    config = chunks[0].config
+    return fresh_optimizer(wrap_ddp(chunks, optim.use_distributed_optimizer), optim, total_steps)
+
+
+def fresh_optimizer(wrapped: list, optim: OptimConfig, total_steps: int) -> Trainable:
+    """A new optimizer and schedule for already DDP-wrapped chunks (wrapping twice would register
+    megatron's gradient hooks twice and double every gradient)."""
+    config = wrapped[0].module.config
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,

@@ -53,6 +53,7 @@ def register_reward(name: str, *aliases: str):
 def _load_builtins() -> None:
     import megatron_rl.rewards.format  # noqa: F401  (registers on import)
     import megatron_rl.rewards.math_answer  # noqa: F401
+    import megatron_rl.rewards.tasks  # noqa: F401
 
 
 def list_rewards() -> list[str]:

@@ -108,8 +108,10 @@ def _smoke(cfg, args) -> int:
 
 
 def _train(cfg, args) -> int:
-    # The PPO trainer replaces this; until then `train` runs the parallel smoke job.
-    return _smoke(cfg, args)
+    from megatron_rl.trainer.ppo import run_ppo
+
+    run_ppo(cfg, log=lambda line: print(line, flush=True))
+    return 0
 
 
 def _score(cfg, args) -> int:

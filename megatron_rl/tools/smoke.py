@@ -83,7 +83,7 @@ def run_smoke(cfg: Config, log=print) -> list[float]:
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
     chunks = build_gpt_chunks(cfg.model, layout, device)
-    trainable = make_trainable(chunks, cfg.optim, cfg.smoke.steps)
+    trainable = make_trainable(chunks, cfg.actor.optim, cfg.smoke.steps)
     sm = cfg.smoke
     step_fn = lm_forward_step(device)
     losses = []
@@ -100,7 +100,7 @@ def run_smoke(cfg: Config, log=print) -> list[float]:
         trainable.zero_grad()
         logs = run_microbatches(trainable.chunks, mbs, step_fn, forward_only=False,
                                 seq_length=sm.seq_length // layout.cp, micro_batch_size=sm.micro_batch_size)
-        ok, grad_norm, _ = trainable.step()
+        grad_norm = trainable.step().grad_norm
         loss = reduce_sum_count(logs, ["lm_loss"])["lm_loss"]
         losses.append(loss)
         if dist.get_rank() == 0:

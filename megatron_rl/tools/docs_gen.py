@@ -1,0 +1,141 @@
+"""Generate the docs that must never drift from the code.
+
+    python -m megatron_rl.tools.docs_gen --write     # rewrite them
+    python -m megatron_rl.tools.docs_gen --check     # exit 1 if any is stale (what the tests do)
+
+* ``docs/feature_matrix.md`` -- from the feature registry;
+* ``docs/config.md`` -- every config key with type, default and meaning, from the schema;
+* ``docs/troubleshooting.md`` -- every error config validation can raise (from the registry's
+  constraints) with its fix, plus the runtime errors, from this module's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from megatron_rl.config.schema import Config, iter_fields
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Errors raised after validation, while reading data, checkpoints or running user code.
+RUNTIME_ERRORS = [
+    ("data error: <file>:<line>: ...", "A prompt or score input line is malformed (bad JSON, missing prompt/messages, "
+     "wrong type, token id outside the vocabulary).", "Fix that line; the message names the key."),
+    ("data error: batch.max_tokens_per_rank=...: a sequence of N tokens needs M tokens per rank at cp=K",
+     "One sequence does not fit the token budget even split over the CP group.",
+     "Raise `batch.max_tokens_per_rank`, raise `parallel.cp`, or lower `rollout.max_new_tokens`."),
+    ("data error: batch=...: the interleaved pipeline schedule needs a multiple of P micro-batches",
+     "Virtual pipeline parallelism needs at least `pp` micro-batches per step on every DP rank.",
+     "Use more sequences per step (`trainer.prompts_per_step` x `rollout.n`) or `parallel.vpp=null`."),
+    ("data error: max_prompt_tokens=...: all N prompts ... are longer", "Every prompt exceeds `data.max_prompt_tokens`.",
+     "Raise `data.max_prompt_tokens` or shorten the prompts."),
+    ("reward error: reward.fn=<name>: raised <Error> on prompt index N", "The reward function failed on that prompt.",
+     "Fix the function or the data line N; the run stops before any update uses the bad reward."),
+    ("reward error: reward.fn=<name>: returned N values for M responses / a non-finite value",
+     "The reward function's output has the wrong length or NaN/inf.", "Return one finite number per response."),
+    ("checkpoint error: checkpoint=<dir>: meta.json is missing (the save did not finish)",
+     "A save was interrupted; the directory was never renamed into place.",
+     "Nothing to do: `trainer.resume=auto` skips it and uses the previous checkpoint."),
+    ("checkpoint error: checkpoint=<dir>: file ... is truncated or altered",
+     "A checkpoint file is shorter than when it was written (disk or copy problem).",
+     "`trainer.resume=auto` falls back to the previous good checkpoint; or pass another path."),
+    ("checkpoint error: model.hf_path=<dir>: tensor ... is missing / HF gives (..) the model expects (..)",
+     "The HF checkpoint does not match its config.json.", "Re-download or re-save the model."),
+    ("config error: model.hf_path=...: unsupported architecture / rope_scaling / sliding_window",
+     "The HF model uses something the Megatron model cannot reproduce exactly.",
+     "Use a supported architecture (see the feature matrix)."),
+    ("config error: model.vocab_size=...: smaller than the tokenizer's vocabulary",
+     "Token ids would fall outside the embedding.", "Raise `model.vocab_size`."),
+    ("megatron-rl: rank N failed (exit code 1); stopped the other K rank(s)",
+     "A rank raised; its traceback follows, printed once.", "Read the traceback; it is the first failure."),
+    ("rank N waited longer than distributed.timeout_s for a collective",
+     "Another rank is hung or dead, or a step takes longer than the timeout.",
+     "Look at the other ranks' logs; raise `distributed.timeout_s` only if steps are genuinely that slow."),
+    ("megatron-rl: rank N died (signal 9) without a Python traceback",
+     "The rank was killed, usually by the out-of-memory killer.",
+     "Lower memory per rank: `batch.max_tokens_per_rank`, recompute, more parallelism (`megatron-rl plan`)."),
+]
+
+
+def config_markdown() -> str:
+    lines = ["# Configuration reference", "",
+             "Generated from `megatron_rl/config/schema.py` by `python -m megatron_rl.tools.docs_gen --write`;",
+             "do not edit by hand. Set keys in a YAML file (`--config FILE`) or on the command line",
+             "(`key=value`, e.g. `parallel.tp=2 actor.optim.lr=1e-6`). Unknown keys and wrong types are",
+             "rejected with a one-line error naming the key (exit code 2).", ""]
+    section = None
+    for key, field, default in iter_fields(Config):
+        top = key.split(".")[0]
+        if top != section:
+            section = top
+            lines += [f"## `{section}`", "", "| Key | Type | Default | Meaning |", "|---|---|---|---|"]
+        kind = str(field.type).replace("Optional[", "").rstrip("]")
+        if str(field.type).startswith("Optional"):
+            kind += " or null"
+        value = default if isinstance(default, str) else json.dumps(default)
+        lines.append(f"| `{key}` | {kind} | `{value}` | {field.metadata.get('help', '')} |")
+        if key == list(k for k, _, _ in iter_fields(Config) if k.startswith(section + "."))[-1]:
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def troubleshooting_markdown() -> str:
+    from megatron_rl.features import FEATURES
+
+    lines = ["# Troubleshooting", "",
+             "Generated by `python -m megatron_rl.tools.docs_gen --write` from the feature registry and the",
+             "runtime error table in `megatron_rl/tools/docs_gen.py`. Every error below is one line, names the",
+             "key and says the fix; bad input exits with code 2. Check a config without starting anything:",
+             "`megatron-rl validate CONFIG --world-size N`.", "",
+             "## Config validation (before any process starts)", "",
+             "| Feature (matrix row) | Rule | Key in the error |", "|---|---|---|"]
+    for feat in FEATURES:
+        for con in feat.constraints:
+            lines.append(f"| {feat.name} | {con.text} | `{con.key}` |")
+    lines += ["", "## Errors while running", "", "| Message starts with | Meaning | Fix |", "|---|---|---|"]
+    for message, meaning, fix in RUNTIME_ERRORS:
+        lines.append(f"| `{message}` | {meaning} | {fix} |")
+    return "\n".join(lines) + "\n"
+
+
+def generated() -> dict[str, str]:
+    from megatron_rl.tools.features_cmd import matrix_markdown
+
+    return {
+        "docs/feature_matrix.md": matrix_markdown(),
+        "docs/config.md": config_markdown(),
+        "docs/troubleshooting.md": troubleshooting_markdown(),
+    }
+
+
+def stale() -> list[str]:
+    out = []
+    for rel, text in generated().items():
+        path = os.path.join(ROOT, rel)
+        if not os.path.isfile(path) or open(path).read() != text:
+            out.append(rel)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    if args.write:
+        for rel, text in generated().items():
+            with open(os.path.join(ROOT, rel), "w") as fh:
+                fh.write(text)
+            print(f"wrote {rel}")
+        return 0
+    bad = stale()
+    for rel in bad:
+        print(f"stale: {rel} (run python -m megatron_rl.tools.docs_gen --write)", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The PPO loop: rollout, rewards, experience, actor/critic updates, checkpoints, metrics."""

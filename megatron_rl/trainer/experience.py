@@ -1,0 +1,125 @@
+"""From rollouts to training data: sequences, rewards, old/ref log-probs, values, advantages.
+
+A sample is ``prompt + response``.  Position ``t`` of a sequence predicts token ``t+1``, so the
+response tokens are predicted at positions ``P-1 .. P+R-2`` (``P`` prompt tokens, ``R``
+response tokens); every per-token quantity here (``[B, R]`` tensors) lives at those positions.
+All of it is built on the host, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from megatron_rl.algorithms import advantages as adv
+from megatron_rl.algorithms import kl as kl_mod
+
+
+@dataclasses.dataclass
+class Samples:
+    prompt_index: list[int]        # position of the prompt in the step's prompt batch
+    dataset_index: list[int]       # index in the PromptSet
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    rollout_logprob: list[list[float]]
+    finish_reason: list[str]
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def sequences(self) -> list[dict]:
+        """One dict per sample for :func:`megatron_rl.engine.forward.run_sequences`."""
+        return [{"tokens": torch.tensor(p + r, dtype=torch.long)} for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    def response_slice(self, i: int) -> slice:
+        p, r = len(self.prompt_ids[i]), len(self.response_ids[i])
+        return slice(p - 1, p + r - 1)
+
+    def pad_responses(self, per_seq: list[torch.Tensor]) -> torch.Tensor:
+        """``[B, R_max]`` from per-sequence full-length vectors (response positions only)."""
+        width = max(len(r) for r in self.response_ids)
+        out = torch.zeros(len(self), width)
+        for i, vec in enumerate(per_seq):
+            piece = vec[self.response_slice(i)]
+            out[i, : piece.numel()] = piece
+        return out
+
+    def response_mask(self) -> torch.Tensor:
+        width = max(len(r) for r in self.response_ids)
+        mask = torch.zeros(len(self), width)
+        for i, r in enumerate(self.response_ids):
+            mask[i, : len(r)] = 1.0
+        return mask
+
+
+@dataclasses.dataclass
+class Experience:
+    samples: Samples
+    scores: torch.Tensor           # [B] reward of each sample
+    mask: torch.Tensor             # [B, R]
+    old_logprob: torch.Tensor      # [B, R]
+    entropy: torch.Tensor          # [B, R]
+    ref_logprob: Optional[torch.Tensor]
+    values: Optional[torch.Tensor]
+    token_rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: Optional[torch.Tensor]
+    kl: Optional[torch.Tensor]
+
+    def full_length(self, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """Row ``i`` of a ``[B, R]`` tensor placed at its response positions of the full sequence."""
+        n = len(self.samples.prompt_ids[i]) + len(self.samples.response_ids[i])
+        out = torch.zeros(n)
+        s = self.samples.response_slice(i)
+        out[s] = rows[i, : s.stop - s.start]
+        return out
+
+    def training_sequences(self, fields: dict[str, torch.Tensor]) -> list[dict]:
+        """Sequences with per-position fields (e.g. old_logprob, advantages) for the update pass."""
+        seqs = self.samples.sequences()
+        for i, seq in enumerate(seqs):
+            seq["loss_mask"] = self.full_length(i, self.mask)
+            for name, rows in fields.items():
+                seq[name] = self.full_length(i, rows)
+        return seqs
+
+
+def token_rewards_from_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sequence reward on each sample's last response token, zero elsewhere."""
+    rewards = torch.zeros_like(mask)
+    last = mask.sum(-1).long() - 1
+    rows = torch.arange(mask.size(0))
+    rewards[rows, last.clamp(min=0)] = scores * (last >= 0).float()
+    return rewards
+
+
+def compute_advantages(
+    kind: str,
+    scores: torch.Tensor,
+    group_index: torch.Tensor,
+    mask: torch.Tensor,
+    token_rewards: torch.Tensor,
+    values: Optional[torch.Tensor],
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool,
+    norm_by_std: bool,
+):
+    """Returns ``(advantages, returns)`` (returns only for GAE)."""
+    if kind == "gae":
+        advantages, returns = adv.compute_gae(token_rewards, values, mask, gamma, lam)
+        if whiten:
+            advantages = adv.whiten(advantages, mask)
+        return advantages, returns
+    if kind == "grpo":
+        return adv.compute_grpo(scores, group_index, mask, norm_by_std=norm_by_std), None
+    if kind == "rloo":
+        return adv.compute_rloo(scores, group_index, mask), None
+    raise ValueError(f"unknown advantage estimator {kind!r}")
+
+
+def kl_per_token(old_logprob, ref_logprob, mask, kind: str) -> torch.Tensor:
+    return kl_mod.estimate(old_logprob, ref_logprob, kind) * mask

@@ -1,0 +1,133 @@
+"""Where the numbers go: ``metrics.jsonl`` (one JSON line per step), a console progress line,
+optional TensorBoard / Weights & Biases, and ``plot.png`` at the end.  Rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+KEY_FIGURES = {"reward/mean": "reward", "actor/kl": "kl", "actor/pg_loss": "pg_loss", "critic/vf_loss": "vf_loss",
+               "actor/entropy": "entropy", "response_length/mean": "resp_len", "actor/grad_norm": "grad_norm"}
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, enabled: bool, total_steps: int, tensorboard: bool = False,
+                 wandb: bool = False, run_name: str = "megatron_rl", config: Optional[dict] = None):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._tb = None
+        self._wandb = None
+        self._start = time.time()
+        if not enabled:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            except ImportError:
+                print("metrics: tensorboard is not installed (pip install tensorboard); skipping it", file=sys.stderr)
+        if wandb:
+            try:
+                import wandb as wb
+
+                self._wandb = wb.init(project="megatron_rl", name=run_name, config=config or {}, dir=run_dir)
+            except ImportError:
+                print("metrics: wandb is not installed (pip install wandb); skipping it", file=sys.stderr)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop lines of steps after ``step`` (a resumed run redoes them)."""
+        if not self.enabled or not os.path.isfile(self.path):
+            return
+        with open(self.path) as fh:
+            keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            fh.writelines(keep)
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+
+    def progress(self, step: int, metrics: dict) -> str:
+        width = 20
+        done = int(width * step / max(1, self.total_steps))
+        bar = "#" * done + "-" * (width - done)
+        parts = [f"step {step:>4}/{self.total_steps} [{bar}]"]
+        for key, label in KEY_FIGURES.items():
+            if key in metrics and metrics[key] is not None and not _is_nan(metrics[key]):
+                parts.append(f"{label} {metrics[key]:.4g}")
+        parts.append(f"{metrics.get('timing/step_s', 0.0):.1f}s/step")
+        line = "  ".join(parts)
+        if self.enabled:
+            print(line, flush=True)
+        return line
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def plot_metrics(metrics_path: str, out_path: str) -> Optional[str]:
+    """reward, KL and losses against the step; returns the path, or None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    panels = [("reward/mean", "mean reward"), ("actor/kl", "KL(actor || reference)"),
+              ("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss")]
+    panels = [(k, t) for k, t in panels if any(k in r and not _is_nan(r[k]) for r in rows)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False)
+    for ax, (key, title) in zip(axes[:, 0], panels):
+        xs = [r["step"] for r in rows if key in r and not _is_nan(r[key])]
+        ys = [r[key] for r in rows if key in r and not _is_nan(r[key])]
+        ax.plot(xs, ys, marker="o", markersize=2)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path
+
+
+def _is_nan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def _clean(value):
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    return value

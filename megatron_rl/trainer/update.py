@@ -1,0 +1,101 @@
+"""Actor and critic loss functions for one micro-batch, normalised by the whole mini-batch.
+
+Each loss function returns ``numerator / denominator`` where the denominator -- valid tokens
+(``token-mean``) or sequences (``seq-mean-*``) of the *whole mini-batch* -- is known on the host
+before the step.  Summed over micro-batches and over data- and context-parallel ranks (megatron
+DDP sums when ``calculate_per_token_loss`` is on), the gradients are those of the mini-batch
+loss, whatever the micro-batch, DP or CP split.  Packed micro-batches are turned back into one
+row per sequence first, so the sequence-level aggregations see sequences, not packs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from megatron_rl.algorithms import kl as kl_mod
+from megatron_rl.algorithms import losses
+from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.data.microbatch import Microbatch
+
+
+def per_sequence_rows(mb: Microbatch, x: torch.Tensor) -> torch.Tensor:
+    """``[num_seqs, local_len]`` rows (differentiable) from a micro-batch's per-token tensor."""
+    if not mb.packed:
+        return x
+    return pad_sequence(mb.local_pieces(x), batch_first=True)
+
+
+def loss_denominator(agg: str, valid_lengths: Sequence[int]) -> float:
+    if agg == "token-mean":
+        return float(max(1, sum(valid_lengths)))
+    return float(max(1, sum(1 for n in valid_lengths if n > 0)))
+
+
+def _renamed(prefix: str, metrics: dict) -> dict:
+    return {f"{prefix}/{k}": v.detach() for k, v in metrics.items()}
+
+
+def actor_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequence[int],
+                  kl_loss_coef: float) -> Callable:
+    """PPO clipped surrogate (+ entropy bonus, + KL loss) for ``run_sequences``."""
+
+    def loss_fn(outs: dict, t: dict, mb: Microbatch):
+        rows = lambda x: per_sequence_rows(mb, x)  # noqa: E731
+        mask = rows(t["loss_mask"])
+        lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
+        logp = rows(outs["logprob"])
+        num, _, metrics = losses.policy_loss_parts(
+            logp, rows(t["old_logprob"]), rows(t["advantages"]), mask, alg.clip_low, alg.clip_high,
+            alg.dual_clip, alg.loss_agg, seq_lengths=lengths,
+        )
+        logs = _renamed("actor", metrics)
+        logs["actor/pg_loss"] = (num / denominator).detach()
+        total = num
+        if alg.entropy_coef:
+            ent_num, _ = losses.entropy_bonus_parts(rows(outs["entropy"]), mask, alg.loss_agg, seq_lengths=lengths)
+            total = total - alg.entropy_coef * ent_num
+            logs["actor/entropy_loss"] = (ent_num / denominator).detach()
+        if kl_loss_coef:
+            kl_tok = kl_mod.estimate(logp, rows(t["ref_logprob"]), alg.kl_kind)
+            kl_num, _ = losses.aggregate_parts(kl_tok, mask, alg.loss_agg, seq_lengths=lengths)
+            total = total + kl_loss_coef * kl_num
+            logs["actor/kl_loss"] = (kl_num / denominator).detach()
+        return total / denominator, logs
+
+    return loss_fn
+
+
+def critic_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequence[int]) -> Callable:
+    """Clipped value loss for ``run_sequences``."""
+
+    def loss_fn(outs: dict, t: dict, mb: Microbatch):
+        rows = lambda x: per_sequence_rows(mb, x)  # noqa: E731
+        mask = rows(t["loss_mask"])
+        lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
+        num, _, metrics = losses.value_loss_parts(
+            rows(outs["value"]), rows(t["old_value"]), rows(t["returns"]), mask, alg.value_clip,
+            alg.loss_agg, seq_lengths=lengths,
+        )
+        logs = _renamed("critic", metrics)
+        logs["critic/vf_loss"] = (num / denominator).detach()
+        return num / denominator, logs
+
+    return loss_fn
+
+
+def mini_batches(num_samples: int, count: int, seed: Optional[int]) -> list[list[int]]:
+    """Split sample indices into ``count`` mini-batches (shuffled with ``seed`` unless None)."""
+    order = list(range(num_samples))
+    if seed is not None:
+        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    count = max(1, min(count, num_samples))
+    size, extra = divmod(num_samples, count)
+    out, start = [], 0
+    for c in range(count):
+        n = size + (1 if c < extra else 0)
+        out.append(sorted(order[start : start + n]))
+        start += n
+    return out
