@@ -94,3 +94,8 @@ def test_every_preset_validates():
     for path in sorted(glob.glob("configs/*.yaml")):
         cfg = load_config(path)
         validate(cfg, cfg.distributed.nproc if "cpu" in path else None)
+
+
+def test_string_overrides_stay_strings():
+    cfg = load_config(None, ["run.name=on", "data.tokenizer=null", "reward.fn=no", "run.dir=123"])
+    assert cfg.run.name == "on" and cfg.data.tokenizer is None and cfg.reward.fn == "no" and cfg.run.dir == "123"

@@ -248,12 +248,20 @@ def _reference_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
     return torch.cat(out, dim=2)
 
 
-def attention_body(case: str):
-    """Both strategies on this rank's shards; returns {strategy: (out, dq, dk, dv)} and the reference."""
+def attention_body(case: str, max_block_elements: int = 0):
+    """Both strategies on this rank's shards; returns {strategy: (out, dq, dk, dv)} and the reference.
+
+    ``max_block_elements`` > 0 shrinks the ring's score-block cap so that every ring step is cut
+    into several query tiles (what long sequences do)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from megatron_rl.ops import cp_attention
     from megatron_rl.ops.cp_attention import context_parallel_attention
+
+    saved_cap = cp_attention._MAX_BLOCK_ELEMENTS
+    if max_block_elements:
+        cp_attention._MAX_BLOCK_ELEMENTS = max_block_elements
     from megatron_rl.ops.zigzag import local_positions_bshd, local_positions_thd
     from megatron_rl.testing.layouts import use_layout
 
@@ -277,14 +285,16 @@ def attention_body(case: str):
     ref_out = _reference_attention(*full, cu, scale)
     ref_out.backward(do)
     results["reference"] = tuple(_local(x, cu, cp, rank) for x in (ref_out.detach(), *(f.grad for f in full)))
+    cp_attention._MAX_BLOCK_ELEMENTS = saved_cap
     return results
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["one_tile", "query_tiles"])
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
-def test_ring_and_all_gather_attention_agree(cp, case):
+def test_ring_and_all_gather_attention_agree(cp, case, tiles):
     names = ("out", "dq", "dk", "dv")
-    for rank, res in enumerate(run_distributed(cp, attention_body, case)):
+    for rank, res in enumerate(run_distributed(cp, attention_body, case, 64 if tiles else 0)):
         for name, ring, gathered, ref in zip(names, res["p2p"], res["all_gather"], res["reference"]):
             assert ring.dtype == gathered.dtype == torch.float64
             between = float((ring - gathered).abs().max())

@@ -10,6 +10,7 @@ virtualenv, torchrun under srun.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -17,7 +18,7 @@ import textwrap
 
 import pytest
 
-from megatron_rl.testing.slurm import LocalSlurm, SlurmUnavailable, run_log_path
+from megatron_rl.testing.slurm import TERMINAL_STATES, LocalSlurm, SlurmUnavailable, run_log_path
 
 pytestmark = pytest.mark.slow
 
@@ -172,13 +173,65 @@ def test_usr1_checkpoints_and_requeues_with_stub_trainer(slurm, tmp_path):
     assert slurm.job_info(dependent)["StartTime"] >= slurm.job_info(job)["EndTime"]
 
 
-def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
-    """Preempt a real PPO job and check the requeued job resumes without losing or repeating a step.
+PPO_STEPS = 8
 
-    Plan, with the helpers that exist now: submit COMMAND=train with a tiny PPO config and
-    metrics.jsonl in the run dir; ``slurm.wait_for_text(run_log_path(...), "step 3")``;
-    ``slurm.scancel(job, signal="USR1", batch=True)``; ``slurm.wait_for_state(job, ["PENDING"])``;
-    ``slurm.release(job)``; ``slurm.wait(job, restarts=1)`` -> COMPLETED/0; then the steps in
-    metrics.jsonl are 1..N exactly once and the restart-1 log names the checkpoint it resumed from.
-    """
-    pytest.skip("needs trainer checkpoints")
+
+def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
+    """The whole preemption path with the real PPO trainer (tiny CPU model, 1 node x 2 gloo ranks):
+    USR1 to the batch shell -> every rank checkpoints after the same step and exits 0 -> the
+    script requeues -> the restart resumes (trainer.resume=auto, passed by the script) and
+    finishes, with every step in metrics.jsonl exactly once.
+
+    ``trainer.save_every=0``: the only checkpoint before the end is the one the signal asked
+    for, so resuming after step N proves the signal path wrote it."""
+    from tests.test_ppo import TINY  # imports torch: only here, not when the file is collected
+
+    overrides = [*TINY, f"trainer.steps={PPO_STEPS}", "trainer.save_every=0",
+                 "distributed.device=cpu", "distributed.backend=gloo"]
+    knobs = _knobs(tmp_path, COMMAND="train", CONFIG="", NPROC_PER_NODE="2", RUN_NAME="ppo",
+                   OVERRIDES=" ".join(overrides))
+    run_dir = os.path.join(tmp_path, "ppo")
+    job = slurm.sbatch(SCRIPT, f"--output={tmp_path}/slurm-%j.out", env=knobs, cwd=REPO)
+    first, second = run_log_path(run_dir, job), run_log_path(run_dir, job, restart=1)
+
+    def logs() -> str:
+        return (_job_output(tmp_path, job, "ppo") + "\n--- restart 1 ---\n" + _read(second)
+                + "\n--- metrics.jsonl ---\n" + _read(os.path.join(run_dir, "metrics.jsonl")))
+
+    # MetricsWriter.progress on rank 0: "step    2/8 [#####---...]": the training loop (and with
+    # it the trainer's signal handler) is running, and steps are left to be cut short.
+    slurm.wait_for_text(first, f"step {2:>4}/{PPO_STEPS} ", timeout=JOB_TIMEOUT, job_id=job)
+    slurm.scancel(job, signal="USR1", batch=True)  # what --signal=B:USR1 does at preemption
+    # PENDING once requeued; a terminal state means it was not (fail now, not after the timeout).
+    slurm.wait_for_state(job, ["PENDING", *TERMINAL_STATES], timeout=JOB_TIMEOUT)
+    requeued = slurm.job_info(job)
+    assert (requeued["JobState"], requeued["Restarts"], requeued["ExitCode"]) == ("PENDING", "1", "0:0"), \
+        (requeued, logs())
+    slurm.release(job)
+    state, code = slurm.wait(job, timeout=JOB_TIMEOUT, restarts=1)
+    assert (state, code) == ("COMPLETED", 0), logs() + "\n" + slurm.daemon_logs()
+
+    # First run: "trainer.resume=auto" from the script, one checkpoint line (rank 0), exit 0, requeue.
+    log1, log2 = _read(first), _read(second)
+    assert "trainer.resume=auto" in log1, logs()
+    stops = re.findall(r"^signal (?:10|on another rank): checkpoint after step (\d+) at (\S+); exiting$", log1, re.M)
+    assert len(stops) == 1, logs()
+    stop_step, stop_path = int(stops[0][0]), stops[0][1]
+    assert 2 <= stop_step < PPO_STEPS, logs()
+    assert stop_path == os.path.join(run_dir, "checkpoints", f"step_{stop_step:08d}"), logs()
+    assert "training command exited with 0" in log1, logs()
+    assert f"requeued: job {job} starts again as restart 1" in log1, logs()
+    # Restart: resumed from exactly that checkpoint, ran the rest, no second signal.
+    assert f"resumed after step {stop_step} from {stop_path}\n" in log2, logs()
+    assert f"step {PPO_STEPS:>4}/{PPO_STEPS} " in log2 and "checkpoint after step" not in log2, logs()
+    assert f"step {stop_step:>4}/{PPO_STEPS} " not in log2, logs()  # not redone
+    # No step lost, none repeated.
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        steps = [json.loads(line)["step"] for line in fh if line.strip()]
+    assert steps == list(range(1, PPO_STEPS + 1)), logs()
+    # The checkpoint directory ends at the final step.
+    ckpts = os.path.join(run_dir, "checkpoints")
+    assert _read(os.path.join(ckpts, "latest")).strip() == f"step_{PPO_STEPS:08d}", sorted(os.listdir(ckpts))
+    with open(os.path.join(ckpts, f"step_{PPO_STEPS:08d}", "meta.json")) as fh:
+        meta = json.load(fh)
+    assert (meta["step"], meta["complete"], meta["world_size"]) == (PPO_STEPS, True, 2), meta

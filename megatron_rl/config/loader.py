@@ -7,6 +7,7 @@ that name the key and suggest the nearest valid one.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 from typing import Iterable, Optional
 
@@ -76,6 +77,9 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
             if group:
                 raise ConfigError(key, value, "is a group of keys, not a value", f"set one key, e.g. {group}=...")
             raise ConfigError(key, value, "unknown key (from the command line)", _nearest_key(key))
+        if _KEY_TYPES[key] in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
+            # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.
+            value = json.dumps(value)
         dotlist.append(f"{key}={value}")
     try:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))

@@ -182,6 +182,7 @@ class TrainerConfig:
     resume: str = _f("auto", "auto (latest checkpoint in the run dir), never, or a checkpoint path.")
     log_every: int = _f(1, "Console progress every N steps.")
     plot: bool = _f(True, "Write plot.png (reward, KL, losses) at the end; needs matplotlib.")
+    offload: bool = _f(False, "Keep models not used by the running phase (weights, grads, optimizer) in host memory.")
     tensorboard: bool = _f(False, "Also log to TensorBoard (<run_dir>/tb).")
     wandb: bool = _f(False, "Also log to Weights & Biases.")
 

@@ -71,15 +71,37 @@ class _GatherAlongSeq(torch.autograd.Function):
         return out.permute(1, 2, 0, 3), None
 
 
+_MASKS: dict = {}
+
+
+def _additive_mask(layout: Layout, cp: int, rank: int, dtype, device) -> torch.Tensor:
+    """``[local, full]`` additive mask (0 / -inf), one tensor per layout shared by all layers.
+
+    SDPA keeps the mask it is given for backward; handing every layer the same tensor keeps one
+    copy instead of one per layer.  The layout functions return cached tensors, whose identity
+    keys this cache."""
+    pos_q, seg_q = layout(rank)
+    per_rank = [layout(r) for r in range(cp)]
+    key = (id(pos_q), id(seg_q), tuple(id(p) for p, _ in per_rank), dtype, str(device))
+    entry = _MASKS.get(key)
+    mask = entry[0] if entry is not None else None
+    if mask is None:
+        pos_k = torch.cat([p for p, _ in per_rank])
+        seg_k = torch.cat([s for _, s in per_rank])
+        visible = visibility_mask(pos_q, seg_q, pos_k, seg_k).to(device)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        if len(_MASKS) > 8:
+            _MASKS.clear()
+        # Holding the position tensors keeps their ids from being reused while the entry lives.
+        _MASKS[key] = (mask, (pos_q, seg_q, per_rank))
+    return mask
+
+
 def _all_gather_attention(q, k, v, layout: Layout, group, scale):
     cp, rank = group.size(), group.rank()
     k_all = _GatherAlongSeq.apply(k, group)
     v_all = _GatherAlongSeq.apply(v, group)
-    pos_q, seg_q = layout(rank)
-    per_rank = [layout(r) for r in range(cp)]
-    pos_k = torch.cat([p for p, _ in per_rank])
-    seg_k = torch.cat([s for _, s in per_rank])
-    mask = visibility_mask(pos_q, seg_q, pos_k, seg_k).to(q.device)
+    mask = _additive_mask(layout, cp, rank, q.dtype, q.device)
     return F.scaled_dot_product_attention(
         q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1)
     )
@@ -114,6 +136,53 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+# Largest score block (elements) one query tile may create per ring step: the transient
+# [b, heads, tile, S/cp] fp32 scores stay near 64 MiB however long the sequence is.
+_MAX_BLOCK_ELEMENTS = 1 << 24
+
+
+def _query_tiles(qf: torch.Tensor, sk: int):
+    """Query ranges ``(start, end)`` so one tile's score block stays under the cap."""
+    b, h, g, sq, _ = qf.shape
+    tile = max(16, min(sq, _MAX_BLOCK_ELEMENTS // max(1, b * h * g * sk)))
+    return [(a, min(sq, a + tile)) for a in range(0, sq, tile)]
+
+
+def _block_forward(qf, kb, vb, mask, scale, acc_o, acc_m, acc_l) -> None:
+    """Merge one K/V block into the running (output, max, sum) of each query tile, in place."""
+    for a, e in _query_tiles(qf, kb.size(2)):
+        tile_mask = mask[a:e]
+        if not bool(tile_mask.any()):
+            continue
+        s = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., a:e, :], kb) * scale
+        s = s.masked_fill(~tile_mask, float("-inf"))
+        m_old = acc_m[..., a:e]
+        new_m = torch.maximum(m_old, s.amax(-1))
+        safe_m = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
+        p = torch.exp(s - safe_m[..., None])
+        alpha = torch.exp(m_old - safe_m)
+        acc_l[..., a:e] = acc_l[..., a:e] * alpha + p.sum(-1)
+        acc_o[..., a:e, :] = acc_o[..., a:e, :] * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vb)
+        acc_m[..., a:e] = new_m
+
+
+def _block_backward(qf, do, delta, lse, kb, vb, mask, scale, dq, dkv, d: int) -> None:
+    """Add one K/V block's contribution to dq (in place) and to the block's dk/dv (in dkv)."""
+    for a, e in _query_tiles(qf, kb.size(2)):
+        tile_mask = mask[a:e]
+        if not bool(tile_mask.any()):
+            continue
+        q_t, do_t = qf[..., a:e, :], do[..., a:e, :]
+        s = torch.einsum("bhgqd,bhkd->bhgqk", q_t, kb) * scale
+        s = s.masked_fill(~tile_mask, float("-inf"))
+        p = torch.exp(s - lse[..., a:e, None])
+        dkv[..., d:] += torch.einsum("bhgqk,bhgqd->bhkd", p, do_t)
+        dp = torch.einsum("bhgqd,bhkd->bhgqk", do_t, vb)
+        ds = p * (dp - delta[..., a:e, None])
+        dq[..., a:e, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
+        dkv[..., :d] += torch.einsum("bhgqk,bhgqd->bhkd", ds, q_t) * scale
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout: Layout, group, scale: float):
@@ -135,16 +204,7 @@ class RingAttention(torch.autograd.Function):
             pos_k, seg_k = (t.to(q.device) for t in layout(src))
             mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
             if bool(mask.any()):
-                kb, vb = kv[..., :d].to(dtype), kv[..., d:].to(dtype)
-                s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kb) * scale
-                s = s.masked_fill(~mask, float("-inf"))
-                new_m = torch.maximum(acc_m, s.amax(-1))
-                safe_m = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
-                p = torch.exp(s - safe_m[..., None])
-                alpha = torch.exp(acc_m - safe_m)
-                acc_l = acc_l * alpha + p.sum(-1)
-                acc_o = acc_o * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vb)
-                acc_m = new_m
+                _block_forward(qf, kv[..., :d].to(dtype), kv[..., d:].to(dtype), mask, scale, acc_o, acc_m, acc_l)
             if step < cp - 1:
                 _wait(reqs)
                 kv = next_kv
@@ -175,16 +235,8 @@ class RingAttention(torch.autograd.Function):
             pos_k, seg_k = (t.to(q.device) for t in layout(src))
             mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
             if bool(mask.any()):
-                kb, vb = kv[..., :d].to(dtype), kv[..., d:].to(dtype)
-                s = torch.einsum("bhgqd,bhkd->bhgqk", qf, kb) * scale
-                s = s.masked_fill(~mask, float("-inf"))
-                p = torch.exp(s - lse[..., None])
-                dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-                dp = torch.einsum("bhgqd,bhkd->bhgqk", do, vb)
-                ds = p * (dp - delta[..., None])
-                dq += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
-                dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, qf) * scale
-                dkv += torch.cat([dk, dv], dim=-1)
+                _block_backward(qf, do, delta, lse, kv[..., :d].to(dtype), kv[..., d:].to(dtype), mask, scale,
+                                dq, dkv, d)
             # Pass the block and its accumulated gradient on; after cp sends it is home again.
             if step < cp - 1:
                 both = torch.cat([kv.to(dtype), dkv], dim=-1)

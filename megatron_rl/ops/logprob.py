@@ -55,19 +55,24 @@ class _VocabParallelLogProb(torch.autograd.Function):
         mean_z = torch.empty_like(logp)
         for start in range(0, tokens, chunk_size):
             end = min(start + chunk_size, tokens)
-            z, _ = _chunk_logits(hidden[start:end], weight, vocab_start, true_vocab, temperature)
+            # At most two [chunk, vocab/TP] buffers live at once: the logits and their exp.
+            z, valid = _chunk_logits(hidden[start:end], weight, vocab_start, true_vocab, temperature)
             m = z.amax(dim=-1)
             if tp_size > 1:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            e = torch.exp(z - m[:, None])
             lab = labels[start:end]
             local = (lab >= vocab_start) & (lab < vocab_start + vocab_local)
             idx = (lab - vocab_start).clamp(0, vocab_local - 1)
             target = torch.where(local, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(m))
-            stats = [e.sum(-1), target]
+            z.sub_(m[:, None])
+            e = torch.exp(z)
+            sum_e = e.sum(-1)
+            stats = [sum_e, target]
             if with_entropy:
-                zf = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
-                stats.append((e * zf).sum(-1))
+                if not bool(valid.all()):
+                    z.masked_fill_(~valid, 0.0)  # padded columns: e == 0 there, avoid 0 * -inf
+                # sum(e * z) = sum(e * (z - m)) + m * sum(e)
+                stats.append(e.mul_(z).sum(-1) + m * sum_e)
             stats = torch.stack(stats)
             if tp_size > 1:
                 dist.all_reduce(stats, group=group)
@@ -95,23 +100,29 @@ class _VocabParallelLogProb(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk_size):
             end = min(start + chunk_size, hidden.size(0))
             h = hidden[start:end]
-            z, _ = _chunk_logits(h, weight, vocab_start, true_vocab, temperature)
-            p = torch.exp(z - log_z[start:end, None])  # 0 on padded columns
-            # d logp / dz = onehot - p
-            g = -p * grad_logp[start:end, None]
+            grad_a = grad_logp[start:end, None]
+            z, valid = _chunk_logits(h, weight, vocab_start, true_vocab, temperature)
+            z.sub_(log_z[start:end, None])
+            p = torch.exp(z)  # softmax; 0 on padded columns
+            if with_entropy:
+                # g = a (onehot - p) - b p (z - E_p[z]) = p * (-a - b (z - E_p[z])) + a onehot
+                if not bool(valid.all()):
+                    z.masked_fill_(~valid, 0.0)
+                z.add_((log_z[start:end] - mean_z[start:end])[:, None])  # z - E_p[z]
+                g = z.mul_(-grad_entropy[start:end, None]).sub_(grad_a).mul_(p)
+                del p
+            else:
+                del z
+                g = p.mul_(-grad_a)
             lab = labels[start:end]
             local = (lab >= vocab_start) & (lab < vocab_start + vocab_local)
             rows = torch.nonzero(local).squeeze(1)
             g[rows, lab[rows] - vocab_start] += grad_logp[start:end][rows]
-            if with_entropy:
-                # d H / dz = -p * (z - E_p[z])
-                zf = torch.where(torch.isfinite(z), z, torch.zeros_like(z))
-                g -= grad_entropy[start:end, None] * p * (zf - mean_z[start:end, None])
             if temperature != 1.0:
-                g = g / temperature
+                g.div_(temperature)
             grad_hidden[start:end] = (g @ weight.to(dtype)).to(hidden.dtype)
-            grad_weight += g.t() @ h.to(dtype)
-            del z, p, g
+            grad_weight.addmm_(g.t(), h.to(dtype))
+            del g
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 

@@ -4,6 +4,7 @@
     megatron-rl smoke    [--nproc N] [key=value ...]
     megatron-rl score    --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
     megatron-rl convert  --hf-model DIR --out CKPT_ROOT | --checkpoint CKPT --hf-out DIR [--part critic]
+    megatron-rl plan     --model qwen2.5-7b --response-len 32768 --nodes 1 --gpus-per-node 8 --gpu-memory 80
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
     megatron-rl features [--markdown]
 
@@ -52,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("--world-size", type=int, help="number of ranks the job will have (default: --nproc / distributed.nproc)")
     p.add_argument("overrides", nargs="*")
+    p = sub.add_parser("plan", help="per-GPU memory of a PPO job and the layouts that fit")
+    from megatron_rl.tools.plan import add_arguments
+
+    add_arguments(p)
     p = sub.add_parser("features", help="print the feature matrix and the installed versions")
     p.add_argument("--markdown", action="store_true", help="print docs/feature_matrix.md")
     return parser
@@ -161,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
             return _features(args)
         if args.command == "validate":
             return _validate(args)
+        if args.command == "plan":
+            from megatron_rl.tools.plan import run_plan
+
+            return run_plan(args)
         if args.command == "convert" and not ((args.hf_model and args.out) or (args.checkpoint and args.hf_out)):
             raise UserInputError("convert", None, "needs --hf-model with --out, or --checkpoint with --hf-out",
                                  "e.g. megatron-rl convert --hf-model ./Qwen2.5-0.5B --out ./ckpt")

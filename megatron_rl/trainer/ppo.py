@@ -35,6 +35,7 @@ from megatron_rl.distributed.metrics import reduce_sum_count, reduce_sums
 from megatron_rl.distributed.runtime import Layout, init_model_parallel, resolve_device
 from megatron_rl.engine import checkpoint as ckpt
 from megatron_rl.engine.forward import BatchPlan, run_sequences
+from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, fresh_optimizer, make_trainable
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
@@ -96,6 +97,25 @@ class PPOTrainer:
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name)
         self.start_step = self._resume_or_init()
+        self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
+
+    # ------------------------------------------------------------------ offload
+
+    def _make_offloaders(self) -> dict:
+        out = {"actor": Offloader(self.actor.chunks, self.actor.optimizer)}
+        if self.critic is not None:
+            out["critic"] = Offloader(self.critic.chunks, self.critic.optimizer)
+        if self.reference is not None:
+            out["reference"] = Offloader(self.reference)
+        return out
+
+    def _phase(self, active: Optional[str]) -> None:
+        """Keep ``active`` on the device and the other models in host memory (None: all on device)."""
+        for name, offloader in self._offloaders.items():
+            if active is None or name == active:
+                offloader.onload()
+            else:
+                offloader.offload()
 
     # ------------------------------------------------------------------ setup
 
@@ -268,16 +288,19 @@ class PPOTrainer:
         head = LogProbHead(temperature=temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
         t0 = time.perf_counter()
         with torch.no_grad():
+            self._phase("actor")
             old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
             timings["timing/old_logprob_s"] = time.perf_counter() - t0
             ref = values = None
             if self.reference is not None:
                 t0 = time.perf_counter()
+                self._phase("reference")
                 ref, _ = run_sequences(self.reference, seqs, dataclasses.replace(head, with_entropy=False),
                                        self.plan, self.device)
                 timings["timing/ref_logprob_s"] = time.perf_counter() - t0
             if self.critic is not None:
                 t0 = time.perf_counter()
+                self._phase("critic")
                 values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
                 timings["timing/values_s"] = time.perf_counter() - t0
         old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
@@ -317,6 +340,7 @@ class PPOTrainer:
                 lengths = [valid[i] for i in members]
                 den = loss_denominator(alg.loss_agg, lengths)
                 t0 = time.perf_counter()
+                self._phase("actor")
                 self.actor.zero_grad()
                 _, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
                                         loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef), forward_only=False)
@@ -325,6 +349,7 @@ class PPOTrainer:
                 t_actor += time.perf_counter() - t0
                 if self.critic is not None:
                     t0 = time.perf_counter()
+                    self._phase("critic")
                     self.critic.zero_grad()
                     _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
                                             loss_fn=critic_loss_fn(alg, den, lengths), forward_only=False)
@@ -369,6 +394,7 @@ class PPOTrainer:
                 due = cfg.trainer.save_every and step % cfg.trainer.save_every == 0
                 stopping = stop.agreed()
                 if due or stopping or step == cfg.trainer.steps:
+                    self._phase(None)
                     path = self.save(step)
                     if stopping:
                         self.log(f"signal {stop.signum or 'on another rank'}: checkpoint after step {step} at {path}; exiting")
@@ -385,6 +411,7 @@ class PPOTrainer:
         alg = self.cfg.algorithm
         t_step = time.perf_counter()
         t0 = time.perf_counter()
+        self._phase("actor")
         self.engine.load_weights(gather_canonical(self.actor.chunks))
         t_sync = time.perf_counter() - t0
         batch = self.sampler.next_batch()

@@ -1,0 +1,1 @@
+"""The memory planner: per-GPU memory by component, and layouts that fit."""

@@ -1,0 +1,202 @@
+"""Per-GPU memory of a PPO job, by component, for one parallel layout.
+
+The activation accounting follows what the layers actually keep for backward, counted tensor by
+tensor from our local layer spec (checked against measurement in ``tests/test_planner.py``).
+Per transformer layer and per token on this rank, in elements:
+
+* ``7 h`` hidden-sized tensors (norm inputs and outputs, attention output, residual branches),
+  sharded over TP under sequence parallelism;
+* ``4 F / tp`` MLP tensors (fc1 output halves, the SwiGLU input and output);
+* ``2 (q + kv) / tp`` attention inputs and output, ``q_heads / tp`` log-sum-exp values;
+* ``2 / tp_sp`` norm statistics and ``4 d`` rotary factors.
+
+Full recompute keeps only each layer's input plus one layer's activations while recomputing;
+``all_gather`` context parallelism additionally keeps each layer's gathered K/V (full length).
+Everything outside the layers -- the final norm, the log-prob path (hidden states plus two
+``[chunk, vocab/TP]`` fp32 buffers), labels -- is counted once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from megatron_rl.config.schema import ModelConfig
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = True
+    recompute: Optional[str] = None  # None | "selective" | "full"
+    offload: bool = False
+    distributed_optimizer: bool = False
+    cp_comm_type: str = "p2p"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def overrides(self) -> list[str]:
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}",
+               f"parallel.sequence_parallel={'true' if self.sequence_parallel and self.tp > 1 else 'false'}"]
+        if self.cp > 1:
+            out.append(f"parallel.cp_comm_type={self.cp_comm_type}")
+        if self.recompute:
+            out.append(f"model.recompute.granularity={self.recompute}")
+        if self.distributed_optimizer:
+            out += ["actor.optim.use_distributed_optimizer=true", "critic.optim.use_distributed_optimizer=true"]
+        if self.offload:
+            out.append("trainer.offload=true")
+        return out
+
+
+def _heads(cfg: ModelConfig) -> tuple[int, int, int]:
+    d = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, d
+
+
+def layer_params(cfg: ModelConfig) -> int:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    nq, nkv, d = _heads(cfg)
+    qkv = h * (nq + 2 * nkv) * d + ((nq + 2 * nkv) * d if cfg.add_qkv_bias else 0)
+    proj = nq * d * h
+    mlp = h * f * (2 if cfg.activation == "swiglu" else 1) + f * h
+    norms = 2 * h + (2 * d if cfg.qk_layernorm else 0)
+    return qkv + proj + mlp + norms
+
+
+def total_params(cfg: ModelConfig) -> int:
+    embed = cfg.vocab_size * cfg.hidden_size
+    return cfg.num_layers * layer_params(cfg) + embed * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+
+
+def params_per_gpu(cfg: ModelConfig, layout: Layout) -> float:
+    """Parameters on the most loaded pipeline stage (the one with the embedding or output layer)."""
+    per_stage_layers = cfg.num_layers / layout.pp * layer_params(cfg)
+    embed = cfg.vocab_size * cfg.hidden_size
+    extra = embed if (layout.pp == 1 and not cfg.tie_word_embeddings) else 0
+    return (per_stage_layers + embed + extra) / layout.tp
+
+
+def activation_elems_per_token_layer(cfg: ModelConfig, layout: Layout) -> float:
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    nq, nkv, d = _heads(cfg)
+    tp = layout.tp
+    sp = tp if (layout.sequence_parallel and tp > 1) else 1
+    ffn_terms = 4 * f if cfg.activation == "swiglu" else 2 * f
+    return 7 * h / sp + ffn_terms / tp + (2 * nq * d + 2 * nkv * d + nq) / tp + 2 / sp + 4 * d
+
+
+def activation_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int,
+                     seq_len: Optional[int] = None) -> float:
+    """Bytes kept for backward by the decoder layers of one stage for ``tokens_local`` tokens.
+
+    ``seq_len`` (the full sequence length) matters for ``all_gather`` CP only."""
+    layers = cfg.num_layers / layout.pp
+    per_layer = activation_elems_per_token_layer(cfg, layout) * tokens_local * bytes_per
+    nq, nkv, d = _heads(cfg)
+    shared = 0.0
+    if layout.cp > 1 and layout.cp_comm_type == "all_gather":
+        # Each layer keeps the gathered K/V of the whole sequence; the additive attention mask
+        # [local, full] is built once per forward and shared by the layers.
+        full = seq_len or tokens_local * layout.cp
+        per_layer += (2 * nkv * d / layout.tp) * (full - tokens_local) * bytes_per
+        shared = tokens_local * full * bytes_per
+    # 1F1B keeps up to pp micro-batches in flight on the first stage: pp x (L/pp) layers' worth.
+    in_flight = layout.pp
+    if layout.recompute == "full":
+        sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+        inputs = cfg.hidden_size / sp * tokens_local * bytes_per
+        return layers * inputs * in_flight + per_layer + shared
+    if layout.recompute == "selective":
+        per_layer -= (nq * d + nq) / layout.tp * tokens_local * bytes_per  # attention output + lse recomputed
+    return layers * per_layer * in_flight + shared
+
+
+def head_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
+    """Outside the layers: saved for backward, and the log-prob path's transient chunk buffers."""
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    h = cfg.hidden_size
+    saved = tokens_local * bytes_per * (2 * h / sp + h + 1 / sp) + tokens_local * (4 * 2 + 8 * 2)
+    vocab_local = -(-cfg.vocab_size // layout.tp)
+    # Two fp32 [chunk, vocab/TP] buffers, the fp32 output-weight gradient, the hidden gradient.
+    transient = 2 * min(chunk, tokens_local) * vocab_local * 4 + vocab_local * h * 4 + tokens_local * h * bytes_per
+    return {"saved": saved, "logprob_chunks": transient}
+
+
+def naive_logits_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int) -> float:
+    """What the full-logits path holds at its peak: five fp32 [tokens, vocab/TP] tensors (logits,
+    log-softmax, probabilities, the entropy product, the logits gradient), as measured."""
+    vocab_local = -(-cfg.vocab_size // layout.tp)
+    return 5 * tokens_local * vocab_local * 4
+
+
+def kv_cache_bytes(cfg: ModelConfig, sequences: int, length: int, bytes_per: int = 2) -> float:
+    _, nkv, d = _heads(cfg)
+    return 2 * cfg.num_layers * nkv * d * sequences * length * bytes_per
+
+
+@dataclasses.dataclass
+class Breakdown:
+    components: dict
+    total: float
+    rollout_batch: int = 0  # sequences the rollout can generate together within the budget
+
+    def gib(self) -> dict:
+        return {k: v / GiB for k, v in self.components.items()}
+
+
+def estimate(
+    cfg: ModelConfig,
+    layout: Layout,
+    *,
+    prompt_len: int,
+    response_len: int,
+    tokens_per_microbatch: int,
+    budget_bytes: float,
+    max_rollout_batch: int = 256,
+    with_critic: bool = True,
+    with_reference: bool = True,
+    param_bytes: int = 2,
+) -> Breakdown:
+    """Peak per-GPU bytes over the phases of a PPO step (bf16 weights, fp32 grads and Adam).
+
+    The rollout generates as many sequences at once as the memory left beside the resident
+    models allows (up to ``max_rollout_batch``); ``rollout_batch`` says how many."""
+    p_gpu = params_per_gpu(cfg, layout)
+    shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    weights = p_gpu * param_bytes
+    grads = p_gpu * 4
+    optim = p_gpu * 12 / shard
+    trainable = weights + grads + optim
+    seq_len = prompt_len + response_len
+    acts = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
+    head = head_bytes(cfg, layout, tokens_per_microbatch, param_bytes)
+    models = {"actor weights": weights, "actor grads": grads, "actor optimizer": optim}
+    if with_critic:
+        models.update({"critic weights": weights, "critic grads": grads, "critic optimizer": optim})
+    if with_reference:
+        models["reference weights"] = weights
+    # With offload only the running phase's model stays on the GPU; the others wait in host memory.
+    resident = trainable if layout.offload else sum(models.values())
+    train = resident + acts + head["saved"] + head["logprob_chunks"]
+    # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache.
+    full_weights = total_params(cfg) * param_bytes
+    gen_resident = (weights if layout.offload else resident) + full_weights
+    per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes)
+    room = budget_bytes - gen_resident
+    batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
+    rollout = full_weights + max(batch, 1) * per_seq
+    components = dict(models)
+    components.update({
+        "activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
+        "rollout (full weights + KV cache)": rollout,
+    })
+    total = max(train, gen_resident + max(batch, 1) * per_seq)
+    return Breakdown(components, total, batch)

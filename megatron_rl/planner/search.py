@@ -1,0 +1,114 @@
+"""Search parallel layouts for one that fits, and the smallest cluster when none does."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.data.microbatch import align_to
+from megatron_rl.planner.memory import GiB, Breakdown, Layout, estimate
+
+# Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
+HEADROOM = 0.9
+
+PRESETS = {
+    "qwen2.5-0.5b": dict(num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14,
+                         num_query_groups=2, vocab_size=151936, add_qkv_bias=True, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
+                         num_query_groups=2, vocab_size=151936, add_qkv_bias=True, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28,
+                       num_query_groups=4, vocab_size=152064, add_qkv_bias=True),
+    "qwen2.5-14b": dict(num_layers=48, hidden_size=5120, ffn_hidden_size=13824, num_attention_heads=40,
+                        num_query_groups=8, vocab_size=152064, add_qkv_bias=True),
+    "qwen2.5-32b": dict(num_layers=64, hidden_size=5120, ffn_hidden_size=27648, num_attention_heads=40,
+                        num_query_groups=8, vocab_size=152064, add_qkv_bias=True),
+    "llama3-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                      num_query_groups=8, vocab_size=128256),
+    "llama3-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
+                       num_query_groups=8, vocab_size=128256),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    return ModelConfig(**PRESETS[name])
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: Layout
+    tokens_per_rank: int
+    breakdown: Breakdown
+    fits: bool
+
+    @property
+    def total_gib(self) -> float:
+        return self.breakdown.total / GiB
+
+
+@dataclasses.dataclass
+class Plan:
+    gpus: int
+    gpu_memory_gib: float
+    candidates: list[Candidate]
+    recommended: Optional[Candidate]
+    min_nodes: Optional[int] = None
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= limit and n % d == 0]
+
+
+def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
+    groups = cfg.num_query_groups or cfg.num_attention_heads
+    for tp in _divisors(gpus, min(8, gpus_per_node)):  # TP stays inside a node
+        if cfg.num_attention_heads % tp or groups % tp:
+            continue
+        for pp in _divisors(gpus // tp, gpus):
+            if cfg.num_layers % pp:
+                continue
+            for cp in _divisors(gpus // (tp * pp), gpus):
+                dp = gpus // (tp * pp * cp)
+                for recompute, offload, dist_opt in itertools.product((None, "selective", "full"), (False, True),
+                                                                       (False, True)):
+                    if dist_opt and dp * cp == 1:
+                        continue
+                    yield Layout(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
+                                 distributed_optimizer=dist_opt)
+
+
+def _cost(c: Candidate) -> tuple:
+    """Prefer: no offload, no recompute, small model parallelism (more DP), then less memory."""
+    lay = c.layout
+    return (lay.offload, {None: 0, "selective": 1, "full": 2}[lay.recompute], lay.tp * lay.pp * lay.cp,
+            lay.pp, lay.distributed_optimizer, c.breakdown.total)
+
+
+def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,
+         gpu_memory_gib: float, max_tokens_per_rank: Optional[int] = None, rollout_batch: int = 256,
+         with_critic: bool = True, with_reference: bool = True, search_nodes: int = 64) -> Plan:
+    gpus = nodes * gpus_per_node
+    seq = prompt_len + response_len
+    candidates = []
+    for lay in layouts_for(cfg, gpus, gpus_per_node):
+        align = (2 * lay.cp if lay.cp > 1 else 1) * (lay.tp if lay.sequence_parallel else 1)
+        needed = align_to(seq, align) // lay.cp
+        tokens = max(needed, max_tokens_per_rank or 0)
+        budget = HEADROOM * gpu_memory_gib * GiB
+        est = estimate(cfg, lay, prompt_len=prompt_len, response_len=response_len, tokens_per_microbatch=tokens,
+                       budget_bytes=budget, max_rollout_batch=rollout_batch, with_critic=with_critic,
+                       with_reference=with_reference)
+        candidates.append(Candidate(lay, tokens, est, est.total <= budget and est.rollout_batch >= 1))
+    fitting = sorted((c for c in candidates if c.fits), key=_cost)
+    result = Plan(gpus, gpu_memory_gib, sorted(candidates, key=_cost), fitting[0] if fitting else None)
+    if not fitting:
+        for more in range(nodes + 1, search_nodes + 1):
+            bigger = plan(cfg, prompt_len=prompt_len, response_len=response_len, nodes=more,
+                          gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
+                          max_tokens_per_rank=max_tokens_per_rank, rollout_batch=rollout_batch,
+                          with_critic=with_critic, with_reference=with_reference, search_nodes=0)
+            if bigger.recommended is not None:
+                result.min_nodes = more
+                break
+    return result

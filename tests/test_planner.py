@@ -1,0 +1,99 @@
+"""`megatron-rl plan`: its estimates against measurement, and its answers for real model sizes."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.planner import memory
+from megatron_rl.planner.search import plan, preset
+from megatron_rl.testing.harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _benchmark():
+    """benchmarks/long_context_memory.py, importable here and in the gloo workers."""
+    bench_dir = os.path.join(ROOT, "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.append(bench_dir)
+    return importlib.import_module("long_context_memory")
+
+
+BENCH = dict(layers=2, hidden=128, heads=4, kv_heads=2, vocab=4096, lengths=[1024, 2048], dtype="float32",
+             logprob_chunk=256)
+
+
+def _model() -> ModelConfig:
+    return ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=4096)
+
+
+@pytest.mark.parametrize("cp,comm", [(1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "all_gather")])
+def test_activation_estimate_within_15_percent_of_measurement(cp, comm):
+    bench = _benchmark()
+    rows = run_distributed(cp, bench.measure_rank, BENCH, cp, comm)
+    layout = memory.Layout(cp=cp, cp_comm_type=comm, sequence_parallel=False)
+    for row in max(rows, key=lambda r: max(x["saved"] for x in r)):
+        local = row["local_tokens"]
+        estimate = (memory.activation_bytes(_model(), layout, local, 4, seq_len=row["length"])
+                    + memory.head_bytes(_model(), layout, local, 4)["saved"])
+        error = estimate / row["saved"] - 1
+        print(f"cp={cp} {comm} length={row['length']}: measured {row['saved'] / 2**20:.2f} MiB, "
+              f"planned {estimate / 2**20:.2f} MiB ({error:+.1%})")
+        assert abs(error) <= 0.15
+
+
+def test_logprob_estimate_within_15_percent_of_measurement():
+    bench = _benchmark()
+    import torch
+
+    measured = bench.measure_logprob_path(4096, 128, 8192, 512, torch.device("cpu"))
+    model = ModelConfig(hidden_size=128, vocab_size=8192)
+    layout = memory.Layout()
+    planned_chunks = memory.head_bytes(model, layout, 4096, 4, chunk=512)["logprob_chunks"]
+    planned_naive = memory.naive_logits_bytes(model, layout, 4096)
+    chunked, naive = measured["chunked"]["peak"], measured["naive"]["peak"]
+    print(f"log-prob path: measured {chunked / 2**20:.1f} MiB vs planned {planned_chunks / 2**20:.1f}; "
+          f"naive measured {naive / 2**20:.1f} vs planned {planned_naive / 2**20:.1f}")
+    assert abs(planned_chunks / chunked - 1) <= 0.15
+    assert abs(planned_naive / naive - 1) <= 0.15
+
+
+def test_qwen7b_at_32k_fits_one_node_of_8x80gb():
+    result = plan(preset("qwen2.5-7b"), prompt_len=1024, response_len=32768, nodes=1, gpus_per_node=8,
+                  gpu_memory_gib=80)
+    best = result.recommended
+    assert best is not None and best.total_gib <= 80 * 0.9
+    assert best.layout.world == 8 and best.breakdown.rollout_batch >= 1
+
+
+def test_too_big_for_the_cluster_names_the_smallest_node_count():
+    result = plan(preset("qwen2.5-14b"), prompt_len=2048, response_len=32768, nodes=1, gpus_per_node=8,
+                  gpu_memory_gib=40)
+    assert result.recommended is None
+    assert result.min_nodes is not None and result.min_nodes > 1
+    bigger = plan(preset("qwen2.5-14b"), prompt_len=2048, response_len=32768, nodes=result.min_nodes,
+                  gpus_per_node=8, gpu_memory_gib=40)
+    assert bigger.recommended is not None
+
+
+def test_recompute_and_cp_lower_the_activation_estimate():
+    cfg = preset("qwen2.5-7b")
+    base = memory.activation_bytes(cfg, memory.Layout(tp=4), 32768, 2)
+    assert memory.activation_bytes(cfg, memory.Layout(tp=4, recompute="full"), 32768, 2) < 0.2 * base
+    assert memory.activation_bytes(cfg, memory.Layout(tp=4, cp=2), 16384, 2) == pytest.approx(base / 2, rel=0.01)
+
+
+def test_plan_command_prints_a_fitting_layout():
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "plan", "--model", "qwen2.5-7b",
+                           "--prompt-len", "1024", "--response-len", "32768", "--nodes", "1",
+                           "--gpus-per-node", "8", "--gpu-memory", "80"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "recommended:" in proc.stdout and "overrides:   parallel.tp=" in proc.stdout
