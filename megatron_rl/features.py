@@ -443,15 +443,12 @@ FEATURES += [
         "Distributed optimizer", "memory", GPU_UNTESTED,
         "megatron-core's DistributedOptimizer (optimizer state sharded over DP x CP). Its checkpoints need TE or Apex fused Adam; with torch's Adam fallback megatron-core 0.16 cannot reload them.",
         (),
-        (
-            _need("actor.optim.use_distributed_optimizer", lambda c, w: _fused_adam_available(),
+        tuple(
+            _need(f"{role}.optim.use_distributed_optimizer", lambda c, w: _fused_adam_available(),
                   "checkpoints of megatron-core's distributed optimizer need TransformerEngine or Apex fused Adam, not installed here",
                   "pip install -e .[gpu] on a CUDA machine, or set use_distributed_optimizer=false",
-                  "needs TE or Apex", when=lambda c: c.actor.optim.use_distributed_optimizer),
-            _need("critic.optim.use_distributed_optimizer", lambda c, w: _fused_adam_available(),
-                  "checkpoints of megatron-core's distributed optimizer need TransformerEngine or Apex fused Adam, not installed here",
-                  "pip install -e .[gpu] on a CUDA machine, or set use_distributed_optimizer=false",
-                  "needs TE or Apex", when=lambda c: c.critic.optim.use_distributed_optimizer),
+                  "needs TE or Apex", when=lambda c, role=role: getattr(c, role).optim.use_distributed_optimizer)
+            for role in ("actor", "critic")
         ),
         config="actor.optim.use_distributed_optimizer, critic.optim.use_distributed_optimizer",
     ),
