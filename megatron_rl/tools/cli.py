@@ -160,7 +160,20 @@ def _validate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before and after options (`train --nproc 2 a=1 --config f b=2`):
+    # whatever argparse leaves over must be key=value overrides.
+    args, extra = parser.parse_known_args(argv)
+    flags = [e for e in extra if e.startswith("-")]
+    if flags:
+        parser.error(f"unrecognized arguments: {' '.join(flags)}")
+    if hasattr(args, "overrides"):
+        args.overrides = list(args.overrides or []) + extra
+        if args.command == "validate" and args.config and "=" in args.config and not os.path.isfile(args.config):
+            args.overrides.insert(0, args.config)
+            args.config = None
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "features":
             return _features(args)
