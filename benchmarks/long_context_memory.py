@@ -33,9 +33,8 @@ activation memory (``saved``) at the longest length: CP=4 per rank <= 0.3x CP=1 
 ring (p2p) at CP=4 <= 0.35x CP=1 (all_gather is reported too); log-prob path extra memory <= 1/8
 of naive at 16k tokens with a 32k vocabulary.  Peak ratios are printed, not judged: they include
 per-rank transients that do not shrink with CP (see the note the script prints).
-On GPU, CP sizes larger than the number of visible devices are skipped.  On CPU, mind the
-local ring's transient fp32 score block ``[heads, S/cp, S/cp]`` (several copies at once): at 32k
-tokens and CP=2 one copy is 4 GiB per rank, so ``--max-len 32768`` needs tens of GB of memory.
+On GPU, CP sizes larger than the number of visible devices are skipped.  The local ring tiles
+its queries so that one transient score block stays under 64 MiB at any length.
 """
 
 from __future__ import annotations
@@ -271,11 +270,14 @@ def main() -> None:
             else:
                 verdicts.append((f"{comm} CP=4 activation memory per rank <= 0.35x CP=1 (reported)", saved_ratio, 0.35))
         verdicts.insert(0, ("CP=4 activation memory per rank <= 0.3x CP=1", best, 0.3))
-        chunk_bytes = 7 * args.logprob_chunk * args.vocab * 4
-        block_bytes = args.heads * (lengths[longest] // 4) ** 2 * 4
-        print(f"  peak also holds per-rank transients that do not shrink with CP: about 7 fp32 [chunk, vocab] "
+        from megatron_rl.ops import cp_attention
+
+        chunk_bytes = 2 * args.logprob_chunk * args.vocab * 4
+        block_bytes = min(args.heads * (lengths[longest] // 4) ** 2, cp_attention._MAX_BLOCK_ELEMENTS) * 4
+        print(f"  peak also holds per-rank transients that do not shrink with CP: two fp32 [chunk, vocab] "
               f"buffers of the log-prob op ({chunk_bytes / MiB:.0f} MiB here) and, for p2p, the fp32 "
-              f"[heads, S/cp, S/cp] score block of a ring step ({block_bytes / MiB:.0f} MiB per copy here)")
+              f"score block of one query tile in a ring step ({block_bytes / MiB:.0f} MiB per copy here, "
+              f"capped at {cp_attention._MAX_BLOCK_ELEMENTS * 4 / MiB:.0f} MiB)")
 
     if args.logprob_tokens:
         lp = measure_logprob_path(args.logprob_tokens, args.hidden, args.vocab, args.logprob_chunk,

@@ -368,7 +368,7 @@ FEATURES += [
     ),
     Feature(
         "Rollout with KV cache", "rollout", TESTED_CPU,
-        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; weights gathered from any training layout; rollout vs recomputed log-prob mismatch logged.",
+        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; the actor's weights are gathered from any TP/PP/VPP/CP layout into one full copy per rank; rollout vs recomputed log-prob mismatch logged. Measured 10.4x faster than re-running the prefix at 256 new tokens (benchmarks/rollout_kv_cache.py --threads 1).",
         ("tests/test_rollout.py::test_kv_cache_greedy_equals_recompute",
          "tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts"),
         (
@@ -376,6 +376,18 @@ FEATURES += [
                   "use torch", "engine in {torch}"),
         ),
         config="rollout.*",
+    ),
+    Feature(
+        "TP-sharded rollout engine", "rollout", PLANNED,
+        "Generation on TP-sharded weights for models that do not fit one GPU; today every rank holds a full copy (megatron-rl plan counts it).",
+        (),
+        config="rollout.engine",
+    ),
+    Feature(
+        "Non-finite gradients skip the update", "runtime", TESTED_CPU,
+        "A NaN/inf gradient norm skips the optimizer step and is reported as actor/skipped_updates, critic/skipped_updates.",
+        ("tests/test_parallel_parity.py::test_non_finite_gradients_skip_the_update",),
+        config="(always on)",
     ),
     Feature(
         "Prompt data (JSONL / Parquet, chat templates)", "data", TESTED_CPU,

@@ -136,3 +136,36 @@ def test_tied_embeddings_pp2_keep_one_weight():
     assert "output_layer.weight" not in ref["grads"]
     assert abs(got["loss"] - ref["loss"]) <= TOL
     assert max_diff(got["grads"], ref["grads"]) <= TOL
+
+
+def nonfinite_step_body():
+    """A step whose gradients hold a NaN is skipped and reported; the weights stay as they were."""
+    from megatron_rl.config.schema import ModelConfig, OptimConfig
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(tp=2)
+    chunks = build_gpt_chunks(ModelConfig(**MODEL), layout, torch.device("cpu"))
+    trainable = make_trainable(chunks, OptimConfig(lr=1e-2), total_steps=2)
+    before = [p.detach().clone() for c in trainable.chunks for p in c.parameters()]
+    trainable.zero_grad()
+    for chunk in trainable.chunks:
+        for p in chunk.parameters():
+            p.main_grad.fill_(0.1)
+    next(iter(trainable.chunks[0].parameters())).main_grad[0] = float("nan")
+    bad = trainable.step()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, (p for c in trainable.chunks for p in c.parameters())))
+    trainable.zero_grad()
+    for chunk in trainable.chunks:
+        for p in chunk.parameters():
+            p.main_grad.fill_(0.1)
+    good = trainable.step()
+    moved = any(not torch.equal(a, p) for a, p in zip(before, (p for c in trainable.chunks for p in c.parameters())))
+    return bad.ok, bad.reason, unchanged, good.ok, moved
+
+
+def test_non_finite_gradients_skip_the_update():
+    for bad_ok, reason, unchanged, good_ok, moved in run_distributed(2, nonfinite_step_body):
+        assert not bad_ok and "non-finite" in reason and unchanged
+        assert good_ok and moved

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -174,6 +175,10 @@ def test_usr1_checkpoints_and_requeues_with_stub_trainer(slurm, tmp_path):
 
 
 PPO_STEPS = 8
+# One budget for the whole test, shared by its waits: two start-ups of torch + megatron in two
+# ranks take ~15 s each on an idle 2-core machine but minutes when other jobs load it (a run at
+# load ~140 needed 5 min for the first phase alone).  Only a hang ever waits this long.
+PPO_BUDGET = 900
 
 
 def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
@@ -198,17 +203,25 @@ def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
         return (_job_output(tmp_path, job, "ppo") + "\n--- restart 1 ---\n" + _read(second)
                 + "\n--- metrics.jsonl ---\n" + _read(os.path.join(run_dir, "metrics.jsonl")))
 
+    deadline = time.monotonic() + PPO_BUDGET
+
+    def waiting(what, *args, **kwargs):
+        try:
+            return what(*args, timeout=max(1.0, deadline - time.monotonic()), **kwargs)
+        except (TimeoutError, RuntimeError) as err:
+            pytest.fail(f"{err}\n{logs()}")
+
     # MetricsWriter.progress on rank 0: "step    2/8 [#####---...]": the training loop (and with
     # it the trainer's signal handler) is running, and steps are left to be cut short.
-    slurm.wait_for_text(first, f"step {2:>4}/{PPO_STEPS} ", timeout=JOB_TIMEOUT, job_id=job)
+    waiting(slurm.wait_for_text, first, f"step {2:>4}/{PPO_STEPS} ", job_id=job)
     slurm.scancel(job, signal="USR1", batch=True)  # what --signal=B:USR1 does at preemption
     # PENDING once requeued; a terminal state means it was not (fail now, not after the timeout).
-    slurm.wait_for_state(job, ["PENDING", *TERMINAL_STATES], timeout=JOB_TIMEOUT)
+    waiting(slurm.wait_for_state, job, ["PENDING", *TERMINAL_STATES])
     requeued = slurm.job_info(job)
     assert (requeued["JobState"], requeued["Restarts"], requeued["ExitCode"]) == ("PENDING", "1", "0:0"), \
         (requeued, logs())
     slurm.release(job)
-    state, code = slurm.wait(job, timeout=JOB_TIMEOUT, restarts=1)
+    state, code = waiting(slurm.wait, job, restarts=1)
     assert (state, code) == ("COMPLETED", 0), logs() + "\n" + slurm.daemon_logs()
 
     # First run: "trainer.resume=auto" from the script, one checkpoint line (rank 0), exit 0, requeue.
