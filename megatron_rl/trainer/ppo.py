@@ -57,6 +57,9 @@ def _rank0() -> bool:
 
 class PPOTrainer:
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
+        # Installed first, so a preemption signal that arrives while models load is honoured
+        # at the first step boundary.
+        self.stop = StopRequest()
         self.cfg = cfg
         self.log = log if _rank0() else (lambda *_: None)
         self.layout = Layout.from_config(cfg.parallel, dist.get_world_size())
@@ -377,7 +380,7 @@ class PPOTrainer:
 
     def train(self) -> dict:
         cfg = self.cfg
-        stop = StopRequest()
+        stop = self.stop
         last: dict = {}
         step = self.start_step
         try:

@@ -2,8 +2,8 @@
 # Submit N jobs of scripts/slurm/ppo.sbatch that run one after another, for a run longer than
 # the partition's time limit.  Each job starts when the previous one has ended for any reason
 # (afterany): it resumes from the latest checkpoint (trainer.resume=auto), and a job that finds
-# the run already finished exits at once.  A job that is preempted and requeues itself has not
-# ended: the next one waits until its restarted run ends.
+# the run already finished exits 0 after start-up without training.  A job that is preempted
+# and requeues itself has not ended: the next one waits until its restarted run ends.
 #
 #   scripts/slurm/submit_chain.sh 5 -N 4 --gpus-per-node=8 -t 4:00:00
 #   CONFIG=configs/x.yaml RUN_NAME=exp1 scripts/slurm/submit_chain.sh 3 -N 2 -- key=value ...
