@@ -59,3 +59,36 @@ def test_parallel_state_every_layout_up_to_8(world):
     results = run_distributed(world, check_groups, todo)
     assert all(len(r) == len(todo) for r in results)
     print(f"world {world}: {len(todo)} layouts checked")
+
+
+def rebuild_with_rope_model(rounds: int):
+    """Switch layouts with a RoPE model alive in between; return this process's thread counts."""
+    import os
+
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.testing.layouts import use_layout
+
+    model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                        vocab_size=64, params_dtype="float32")
+    counts = []
+    for i in range(rounds):
+        layout = use_layout(**(dict(cp=2) if i % 2 else dict(tp=2)))
+        chunks = build_gpt_chunks(model, layout, torch.device("cpu"))
+        tokens = torch.randint(0, 64, (1, 8 // layout.cp))
+        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0)
+        with torch.no_grad():
+            chunks[0](tokens, position_ids, None)  # fills megatron's rotary cache with this cp_group
+        del chunks
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_layout_switches_release_process_groups():
+    """Destroyed groups must not stay alive (each gloo group holds three polling threads)."""
+    counts = run_distributed(2, rebuild_with_rope_model, 8)[0]
+    print(f"threads after each of 8 layout switches: {counts}")
+    assert counts[-1] <= counts[1], counts

@@ -73,3 +73,38 @@ register_patch(
         apply=_patch_tp_reduce,
     )
 )
+
+
+def release_group_caches() -> None:
+    """Drop megatron-core caches that keep process groups alive after their layout is gone.
+
+    megatron-core 0.16.1: ``RotaryEmbedding.forward`` (and the YaRN variant) is wrapped in a
+    class-level ``functools.lru_cache`` keyed on ``self`` and ``cp_group``, so up to 32 modules and
+    their context-parallel groups outlive the model.  A destroyed gloo group whose backend is still
+    referenced keeps its three threads polling closed sockets; rebuilding layouts (the test pool,
+    elastic restarts) then piles up hundreds of busy threads.  Modules freed by the cache may sit in
+    reference cycles, so collect them before the groups are destroyed.
+    """
+    import gc
+
+    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for cls in (rotary_pos_embedding.RotaryEmbedding, yarn_rotary_pos_embedding.YarnRotaryEmbedding):
+        clear = getattr(cls.forward, "cache_clear", None)
+        if clear is not None:
+            clear()
+    gc.collect()
+
+
+register_patch(
+    Patch(
+        name="parallel_state.release_group_caches",
+        megatron_versions=">=0.16,<0.18",
+        reason=(
+            "RotaryEmbedding.forward is lru_cached on self and cp_group; the cache keeps destroyed "
+            "process groups (and their gloo threads) alive; release_group_caches() clears it before "
+            "a layout is torn down"
+        ),
+        apply=lambda: None,
+    )
+)

@@ -91,6 +91,9 @@ def _destroy_groups() -> None:
     """Destroy every process group megatron's parallel_state created (frees gloo sockets)."""
     from megatron.core import parallel_state as ps
 
+    from megatron_rl.compat.megatron_fixes import release_group_caches
+
+    release_group_caches()
     seen = set()
     for name, value in list(vars(ps).items()):
         if not name.startswith("_") or name.startswith("__"):
