@@ -108,3 +108,85 @@ register_patch(
         apply=lambda: None,
     )
 )
+
+
+def _torch_adam_distributed_optimizer() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def _distributed_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt for opt in inner if isinstance(opt, DistributedOptimizer)]
+
+
+def init_distributed_optimizer_state(optimizer) -> None:
+    """Give a not-yet-stepped DistributedOptimizer (torch Adam) zero Adam state and step 0.
+
+    megatron-core 0.16.1: without TE or Apex, ``DistributedOptimizer.state_dict()`` reads the
+    ``step`` of every parameter's torch-Adam state and asserts there is exactly one value, so a
+    freshly built optimizer -- the one a resumed run loads into -- cannot even describe what it
+    wants to load.  Zero moments and step 0 are what Adam would start from; loading overwrites them.
+    """
+    if not _torch_adam_distributed_optimizer():
+        return
+    for dist_opt in _distributed_optimizers(optimizer):
+        inner = dist_opt.optimizer
+        if len(inner.state):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].update(
+                    exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
+                    step=torch.tensor(0.0),
+                )
+
+
+def _patch_distributed_optimizer_shared_step() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.load_state_dict
+    if getattr(original, "_megatron_rl_unshared", False):
+        return
+
+    def load_state_dict(self, state_dict):
+        original(self, state_dict)
+        if _torch_adam_distributed_optimizer():
+            for state in self.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].detach().clone()
+
+    load_state_dict._megatron_rl_unshared = True
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if _torch_adam_distributed_optimizer() and "step" not in tensors:
+            # The reshardable loader leaves torch Adam's 'step' out of ``tensors`` (it comes from
+            # the param groups), yet the setter copies every key of the destination state.
+            main_param = self._get_main_param_and_optimizer_states(model_param)
+            if "step" in main_param:
+                tensors = dict(tensors, step=main_param["step"])
+        return set_states(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+
+
+register_patch(
+    Patch(
+        name="distrib_optimizer.torch_adam_resume",
+        megatron_versions=">=0.16,<0.17",
+        reason=(
+            "without TE/Apex, DistributedOptimizer.state_dict() asserts on a fresh optimizer (no "
+            "Adam 'step' yet) and load_state_dict() gives every parameter the same 'step' tensor, "
+            "which torch Adam then increments once per parameter; the reshardable loader drops 'step' "
+            "but its setter still copies it (KeyError); init_distributed_optimizer_state(), a "
+            "per-parameter 'step' after loading and a setter that keeps 'step' make resume exact"
+        ),
+        apply=_patch_distributed_optimizer_shared_step,
+    )
+)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl.compat.megatron_fixes import init_distributed_optimizer_state
 from megatron_rl.config.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -69,12 +70,20 @@ def _model_sharded(chunks: list) -> dict:
     return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
+# megatron-core's default DistributedOptimizer format ("fully_sharded_model_space") is refused by
+# its own ShardedTensor validation in 0.16; "fully_reshardable" also lets a run resume on another
+# TP/PP/DP layout, as the plain optimizer's checkpoints do.
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _part_sharded(part: ModelPart, with_optimizer: bool, loading: bool = False) -> dict:
     state = _model_sharded(part.chunks)
     if with_optimizer and part.optimizer is not None:
+        if loading:
+            init_distributed_optimizer_state(part.optimizer)
         # is_loading creates Adam's moment tensors before the first step; without them nothing
         # of the optimizer state would be requested, and a resumed run would silently restart Adam.
-        state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading)
+        state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading, metadata=_OPTIM_METADATA)
     if with_optimizer and part.scheduler is not None:
         state["scheduler"] = part.scheduler.state_dict()
     return state
