@@ -119,7 +119,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("torch", "Generation engine: torch (KV-cache decoder on the actor's gathered weights).")
+    engine: str = _f("torch", "Generation engine: torch (KV-cache decoder on a full copy of the actor's weights on every rank) or tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).")
     max_new_tokens: int = _f(64, "Longest response.")
     temperature: float = _f(1.0, "Sampling temperature (also used to recompute log-probs).")

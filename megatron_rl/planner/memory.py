@@ -37,6 +37,7 @@ class Layout:
     offload: bool = False
     distributed_optimizer: bool = False
     cp_comm_type: str = "p2p"
+    sharded_rollout: bool = False  # rollout.engine=tp_sharded: generation weights and KV cache / TP
 
     @property
     def world(self) -> int:
@@ -53,6 +54,8 @@ class Layout:
             out += ["actor.optim.use_distributed_optimizer=true", "critic.optim.use_distributed_optimizer=true"]
         if self.offload:
             out.append("trainer.offload=true")
+        if self.sharded_rollout:
+            out.append("rollout.engine=tp_sharded")
         return out
 
 
@@ -186,17 +189,19 @@ def estimate(
     # With offload only the running phase's model stays on the GPU; the others wait in host memory.
     resident = trainable if layout.offload else sum(models.values())
     train = resident + acts + head["saved"] + head["logprob_chunks"]
-    # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache.
-    full_weights = total_params(cfg) * param_bytes
+    # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache;
+    # the TP-sharded engine holds 1/TP of both.
+    gen_split = layout.tp if layout.sharded_rollout else 1
+    full_weights = total_params(cfg) * param_bytes / gen_split
     gen_resident = (weights if layout.offload else resident) + full_weights
-    per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes)
+    per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes) / gen_split
     room = budget_bytes - gen_resident
     batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
     rollout = full_weights + max(batch, 1) * per_seq
     components = dict(models)
     components.update({
         "activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
-        "rollout (full weights + KV cache)": rollout,
+        "rollout (weights + KV cache)": rollout,
     })
     total = max(train, gen_resident + max(batch, 1) * per_seq)
     return Breakdown(components, total, batch)

@@ -70,19 +70,20 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
                 continue
             for cp in _divisors(gpus // (tp * pp), gpus):
                 dp = gpus // (tp * pp * cp)
-                for recompute, offload, dist_opt in itertools.product((None, "selective", "full"), (False, True),
-                                                                       (False, True)):
-                    if dist_opt and dp * cp == 1:
+                for recompute, offload, dist_opt, sharded in itertools.product(
+                        (None, "selective", "full"), (False, True), (False, True), (False, True)):
+                    if (dist_opt and dp * cp == 1) or (sharded and tp == 1):
                         continue
                     yield Layout(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                 distributed_optimizer=dist_opt)
+                                 distributed_optimizer=dist_opt, sharded_rollout=sharded)
 
 
 def _cost(c: Candidate) -> tuple:
-    """Prefer: no offload, no recompute, small model parallelism (more DP), then less memory."""
+    """Prefer: no offload, no recompute, small model parallelism (more DP), a TP-sharded rollout
+    (it costs training nothing), then less memory."""
     lay = c.layout
     return (lay.offload, {None: 0, "selective": 1, "full": 2}[lay.recompute], lay.tp * lay.pp * lay.cp,
-            lay.pp, lay.distributed_optimizer, c.breakdown.total)
+            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.distributed_optimizer, c.breakdown.total)
 
 
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,

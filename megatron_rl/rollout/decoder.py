@@ -19,10 +19,12 @@ so a padded row computes what the same row computes alone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +43,38 @@ _TE_ALIASES = {
     ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
     ".mlp.linear_fc1.layer_norm_bias": ".pre_mlp_layernorm.bias",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Which shard of the weights this decoder holds, in megatron's own TP split.
+
+    ``size == 1`` is the whole model and no collective runs.  Otherwise attention heads, KV groups
+    and the MLP's hidden units are split in contiguous blocks, the gated MLP input holds
+    ``[gate_r; up_r]``, and the embedding / output layer hold rows ``[r*V/size, (r+1)*V/size)`` of
+    the vocabulary padded to ``padded_vocab`` -- exactly the tensors megatron's TP rank ``r``
+    holds, so they load without any reshuffling.
+    """
+
+    size: int = 1
+    rank: int = 0
+    group: Any = None
+    padded_vocab: int = 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+_WHOLE = TensorParallel()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -128,9 +162,42 @@ class _Norm(nn.Module):
         return y.to(dtype)
 
 
+class _RowParallelLinear(nn.Linear):
+    """``nn.Linear`` whose input features are split over TP: partial products are summed over
+    the group and the (replicated) bias is added once, after the sum."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, tp: TensorParallel):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(x)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class _VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the (padded) vocabulary; other ids contribute zeros to the TP sum."""
+
+    def __init__(self, rows: int, hidden: int, dtype, tp: TensorParallel):
+        super().__init__(rows, hidden, dtype=dtype)
+        self.tp, self.start = tp, tp.rank * rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside[..., None], 0))
+
+
 class _Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, heads: int, groups: int, head_dim: int, dtype):
+    def __init__(self, cfg: ModelConfig, heads: int, groups: int, head_dim: int, dtype,
+                 tp: TensorParallel = _WHOLE):
         super().__init__()
+        heads, groups = heads // tp.size, groups // tp.size  # this rank's heads and KV groups
         self.heads, self.groups, self.head_dim = heads, groups, head_dim
         qkv_out = (heads + 2 * groups) * head_dim
         self.linear_qkv = nn.Linear(
@@ -141,7 +208,7 @@ class _Attention(nn.Module):
             self.k_layernorm = _Norm(head_dim, cfg.normalization, cfg.norm_epsilon, dtype)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.linear_proj = nn.Linear(heads * head_dim, cfg.hidden_size, bias=cfg.add_bias_linear, dtype=dtype)
+        self.linear_proj = _RowParallelLinear(heads * head_dim, cfg.hidden_size, cfg.add_bias_linear, dtype, tp)
 
     def forward(self, x, cos, sin, mask, cache: Optional[KVCache], layer: int):
         b, s, _ = x.shape
@@ -168,16 +235,15 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, tp: TensorParallel = _WHOLE):
         super().__init__()
         if cfg.activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation {cfg.activation!r} is not supported")
         self.gated = cfg.activation == "swiglu"
-        fc1_out = cfg.ffn_hidden_size * (2 if self.gated else 1)
+        ffn = cfg.ffn_hidden_size // tp.size
+        fc1_out = ffn * (2 if self.gated else 1)
         self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear, dtype=dtype)
-        self.linear_fc2 = nn.Linear(
-            cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear, dtype=dtype
-        )
+        self.linear_fc2 = _RowParallelLinear(ffn, cfg.hidden_size, cfg.add_bias_linear, dtype, tp)
 
     def forward(self, x):
         h = self.linear_fc1(x)
@@ -190,12 +256,12 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg, heads, groups, head_dim, dtype):
+    def __init__(self, cfg, heads, groups, head_dim, dtype, tp: TensorParallel = _WHOLE):
         super().__init__()
         self.input_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
-        self.self_attention = _Attention(cfg, heads, groups, head_dim, dtype)
+        self.self_attention = _Attention(cfg, heads, groups, head_dim, dtype, tp)
         self.pre_mlp_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
-        self.mlp = _MLP(cfg, dtype)
+        self.mlp = _MLP(cfg, dtype, tp)
 
     def forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask, cache, layer)
@@ -203,9 +269,13 @@ class _Layer(nn.Module):
 
 
 class TorchDecoder(nn.Module):
-    """The actor as a plain ``nn.Module`` whose ``state_dict`` keys are the canonical names."""
+    """The actor as a plain ``nn.Module`` whose ``state_dict`` keys are the canonical names.
 
-    def __init__(self, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+    With ``tp.size > 1`` it holds one TP rank's shard (see :class:`TensorParallel`) and its
+    forward runs the matching all-reduces; the logits it returns are still the full vocabulary.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = _WHOLE):
         super().__init__()
         cfg = self.cfg = model_cfg
         heads = cfg.num_attention_heads
@@ -215,17 +285,26 @@ class TorchDecoder(nn.Module):
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_query_groups={groups}")
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {head_dim}")
-        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, groups, head_dim
+        if tp.size > 1:
+            for what, n in (("num_query_groups", groups), ("ffn_hidden_size", cfg.ffn_hidden_size),
+                            ("padded vocabulary", tp.padded_vocab)):
+                if n % tp.size:
+                    raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {tp.size}")
+        self.tp = tp
+        self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, groups // tp.size, head_dim
+        # Megatron pads the vocabulary (to a multiple of make_vocab_size_divisible_by * TP); a
+        # decoder built for its shards holds the padded rows and drops their logits.
+        vocab_rows = tp.padded_vocab // tp.size if tp.padded_vocab else cfg.vocab_size
         self.embedding = nn.Module()
-        self.embedding.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embedding.word_embeddings = _VocabParallelEmbedding(vocab_rows, cfg.hidden_size, dtype, tp)
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList(
-            _Layer(cfg, heads, groups, head_dim, dtype) for _ in range(cfg.num_layers)
+            _Layer(cfg, heads, groups, head_dim, dtype, tp) for _ in range(cfg.num_layers)
         )
         self.decoder.final_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
         self.output_layer = None
         if not cfg.tie_word_embeddings:
-            self.output_layer = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.output_layer = nn.Linear(cfg.hidden_size, vocab_rows, bias=False, dtype=dtype)
         # Same base value the trainer's builder hands to megatron (an int).  Kept off the module's
         # buffers so that ``.to(bfloat16)`` can never round it.
         self._inv_freq_cpu = rope_inv_freq(head_dim, int(cfg.rotary_base), cfg.rope_scaling_factor)
@@ -316,7 +395,9 @@ class TorchDecoder(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = self.decoder.final_layernorm(x)
-        return F.linear(x, self.output_weight()).float()
+        logits = F.linear(x, self.output_weight()).float()
+        # vocab-parallel -> full vocabulary, padding rows dropped
+        return self.tp.all_gather_last(logits)[..., : self.cfg.vocab_size]
 
 
 def _te_to_local(name: str) -> str:

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.rollout.decoder import KVCache, TorchDecoder, resolve_dtype
+from megatron_rl.rollout.decoder import KVCache, TensorParallel, TorchDecoder, resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, sample
 
 
@@ -70,7 +70,8 @@ def _stopped(response: list[int], params: SamplingParams) -> bool:
 class TorchRolloutEngine:
     """KV-cached generation with :class:`TorchDecoder`; ``max_batch_size`` rows per pass."""
 
-    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None):
+    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None,
+                 tp: TensorParallel = TensorParallel()):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = torch.device(device)
@@ -78,13 +79,17 @@ class TorchRolloutEngine:
         dtype = dtype or resolve_dtype(model_cfg.params_dtype, self.device)
         # Built without initialising weights: load_weights() provides every tensor.
         with torch.device("meta"):
-            model = TorchDecoder(model_cfg, dtype=dtype)
+            model = TorchDecoder(model_cfg, dtype=dtype, tp=tp)
         self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
         self._loaded = False
 
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
         self.model.load_canonical(canonical)
         self._loaded = True
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds for generation."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
@@ -131,7 +136,7 @@ class TorchRolloutEngine:
         reasons = ["length"] * b
         rows = list(range(b))  # batch row -> sample; shrinks when finished rows are dropped
         for step in range(params.max_new_tokens):
-            tokens, token_logp = sample(logits, params, generator)
+            tokens, token_logp = self._agree(*sample(logits, params, generator))
             running = []
             for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
                 if reasons[s] == "stop":
@@ -158,14 +163,24 @@ class TorchRolloutEngine:
             next_pos = next_pos + 1
         return responses, logprobs, reasons
 
+    def _agree(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+        """The drawn tokens every rank of a sharded engine continues with (here: as drawn)."""
+        return tokens, logprobs
 
-ENGINES = {"torch": TorchRolloutEngine}
+
+def _tp_sharded():
+    from megatron_rl.rollout.tp_engine import TPShardedRolloutEngine  # needs megatron's groups
+
+    return TPShardedRolloutEngine
+
+
+ENGINES = {"torch": lambda: TorchRolloutEngine, "tp_sharded": _tp_sharded}
 
 
 def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
     """Build the engine registered as ``name`` (e.g. ``make_engine("torch", model_cfg, device)``)."""
     try:
-        cls = ENGINES[name]
+        cls = ENGINES[name]()
     except KeyError:
         raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}") from None
     return cls(*args, **kwargs)

@@ -6,7 +6,7 @@
 ``--model`` is a preset name (``megatron-rl plan --list-models``) or a local HF model directory.
 Prints per-GPU memory of candidate layouts (weights, grads and optimizer states of actor, critic
 and reference; activations with and without recompute; the log-prob path; the rollout's weights
-and KV cache), marks which fit, recommends one with the overrides to paste, and when nothing fits
+and KV cache, a full copy or 1/TP with the sharded engine), marks which fit, recommends one with the overrides to paste, and when nothing fits
 names the smallest node count that does.
 """
 
@@ -51,13 +51,14 @@ def _row(c: Candidate) -> str:
     name = f"tp{lay.tp} pp{lay.pp} cp{lay.cp} dp{lay.dp}"
     flags = ",".join(f for f, on in (("sp", lay.sequence_parallel and lay.tp > 1),
                                      (f"rc-{lay.recompute}", bool(lay.recompute)), ("offload", lay.offload),
-                                     ("distopt", lay.distributed_optimizer)) if on)
+                                     ("distopt", lay.distributed_optimizer),
+                                     ("shard-gen", lay.sharded_rollout)) if on)
     weights = sum(v for k, v in parts.items() if k.endswith("weights"))
     grads = sum(v for k, v in parts.items() if k.endswith("grads"))
     optim = sum(v for k, v in parts.items() if k.endswith("optimizer"))
-    return (f"  {name:<18} {flags:<28} {c.tokens_per_rank:>8} {weights:>8.1f} {grads:>7.1f} {optim:>7.1f} "
+    return (f"  {name:<18} {flags:<34} {c.tokens_per_rank:>8} {weights:>8.1f} {grads:>7.1f} {optim:>7.1f} "
             f"{parts['activations']:>7.1f} {parts['log-prob path']:>7.1f} "
-            f"{parts['rollout (full weights + KV cache)']:>8.1f} {c.breakdown.rollout_batch:>5} {c.total_gib:>7.1f}  "
+            f"{parts['rollout (weights + KV cache)']:>8.1f} {c.breakdown.rollout_batch:>5} {c.total_gib:>7.1f}  "
             f"{'yes' if c.fits else 'no'}")
 
 
@@ -77,7 +78,7 @@ def run_plan(args) -> int:
           f"{args.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
     print("per-GPU memory in GiB (bf16 weights, fp32 grads, fp32 Adam + master weights; actor"
           + (", critic" if not args.no_critic else "") + (", reference" if not args.no_reference else "") + ")")
-    print(f"  {'layout':<18} {'options':<28} {'tok/rank':>8} {'weights':>8} {'grads':>7} {'optim':>7} "
+    print(f"  {'layout':<18} {'options':<34} {'tok/rank':>8} {'weights':>8} {'grads':>7} {'optim':>7} "
           f"{'acts':>7} {'logprob':>7} {'rollout':>8} {'gen':>5} {'total':>7}  fits")
     shown = [c for c in result.candidates if c.fits][: args.show]
     shown += [c for c in result.candidates if not c.fits][: max(0, args.show - len(shown))]

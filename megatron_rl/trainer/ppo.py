@@ -415,7 +415,10 @@ class PPOTrainer:
         t_step = time.perf_counter()
         t0 = time.perf_counter()
         self._phase("actor")
-        self.engine.load_weights(gather_canonical(self.actor.chunks))
+        if hasattr(self.engine, "load_from_chunks"):  # sharded engine: this rank's TP shard only
+            self.engine.load_from_chunks(self.actor.chunks)
+        else:
+            self.engine.load_weights(gather_canonical(self.actor.chunks))
         t_sync = time.perf_counter() - t0
         batch = self.sampler.next_batch()
         t0 = time.perf_counter()
@@ -438,6 +441,7 @@ class PPOTrainer:
         step_s = time.perf_counter() - t_step
         tokens = sum(len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids))
         metrics.update({
+            "rollout/weights_gb": self.engine.weight_bytes() / 2**30,
             "timing/weight_sync_s": t_sync, "timing/rollout_s": t_rollout, "timing/reward_s": t_reward,
             "timing/experience_s": t_exp, "timing/step_s": step_s,
             "throughput/tokens_per_s": tokens / step_s, "memory/" + _memory_key(): _memory_gb(),

@@ -1,0 +1,112 @@
+"""Generation on the actor's own tensor-parallel shards, so no rank holds the whole model.
+
+The plain engine gathers the full canonical weights onto every rank: simple, but a 7B actor
+costs every GPU a second 14 GB copy, and a model larger than one GPU cannot generate at all.
+This engine keeps megatron's TP split instead.  Each rank builds a
+:class:`~megatron_rl.rollout.decoder.TorchDecoder` for its TP shard, copies its own pipeline
+stage's shards straight out of the megatron parameters (megatron's shard *is* the decoder's
+shard: no reshuffling), and receives the other stages' layers of the same TP rank over the
+pipeline group, one tensor at a time.  Per rank: weights / TP (norms replicated) and KV cache / TP.
+
+The TP ranks of one data-parallel replica generate the same prompts together; the token TP rank 0
+draws is broadcast, so every shard continues with the same sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.models.builder import padded_vocab_size
+from megatron_rl.models.canonical import global_named_parameters
+from megatron_rl.rollout.decoder import TensorParallel, _te_to_local
+from megatron_rl.rollout.engine import TorchRolloutEngine
+
+
+def current_tensor_parallel(model_cfg: ModelConfig) -> TensorParallel:
+    """This rank's place in megatron's TP group, with megatron's padded vocabulary."""
+    size = ps.get_tensor_model_parallel_world_size()
+    return TensorParallel(
+        size=size, rank=ps.get_tensor_model_parallel_rank(), group=ps.get_tensor_model_parallel_group(),
+        padded_vocab=padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, size),
+    )
+
+
+def shard_canonical(full: torch.Tensor, name: str, local_shape: torch.Size, tp: TensorParallel,
+                    gated: bool) -> torch.Tensor:
+    """TP rank ``tp.rank``'s piece of a canonical (full, unpadded) tensor."""
+    if tuple(full.shape) == tuple(local_shape):
+        return full
+    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        rows = local_shape[0]
+        padded = torch.cat([full, full.new_zeros(rows * tp.size - full.shape[0], *full.shape[1:])])
+        return padded[tp.rank * rows:(tp.rank + 1) * rows]
+    if gated and ".mlp.linear_fc1." in name:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp.size)[tp.rank], up.chunk(tp.size)[tp.rank]])
+    dim = next(d for d, (a, b) in enumerate(zip(full.shape, local_shape)) if a != b)
+    return full.chunk(tp.size, dim=dim)[tp.rank]
+
+
+class TPShardedRolloutEngine(TorchRolloutEngine):
+    """``rollout.engine=tp_sharded``: the KV-cache decoder on this rank's TP shard of the actor."""
+
+    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None):
+        self.tp = current_tensor_parallel(model_cfg)
+        super().__init__(model_cfg, device, max_batch_size, dtype, tp=self.tp)
+        self._tp_src = ps.get_tensor_model_parallel_src_rank()
+
+    @torch.no_grad()
+    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Load from a full canonical dict (HF import, tests): each rank keeps its slice."""
+        target = self.model.state_dict()
+        gated = self.model.cfg.activation == "swiglu"
+        state = {}
+        for name, full in canonical.items():
+            name = _te_to_local(name)
+            # Names the decoder does not know pass through, so load_canonical reports them.
+            state[name] = shard_canonical(full, name, target[name].shape, self.tp, gated) if name in target else full
+        self.model.load_canonical(state)
+        self._loaded = True
+
+    @torch.no_grad()
+    def load_from_chunks(self, chunks: list) -> None:
+        """Take this TP rank's shards from the actor's megatron chunks; the layers of other
+        pipeline stages arrive by broadcast within the pipeline group."""
+        target = self.model.state_dict()
+        local: dict[str, torch.Tensor] = {}
+        for chunk in chunks:
+            for name, param in global_named_parameters(chunk):
+                if name in target:  # a tied output layer on the last stage is the embedding again
+                    local.setdefault(name, param.detach())
+        pp_size = ps.get_pipeline_model_parallel_world_size()
+        if pp_size == 1:
+            missing = sorted(set(target) - set(local))
+            if missing:
+                raise KeyError(f"actor chunks lack {missing[:5]} for the sharded rollout engine")
+            for name, tensor in target.items():
+                tensor.copy_(local[name])
+        else:
+            group = ps.get_pipeline_model_parallel_group()
+            owners: list = [None] * pp_size
+            dist.all_gather_object(owners, sorted(local), group=group)
+            stage_ranks = dist.get_process_group_ranks(group)
+            me = ps.get_pipeline_model_parallel_rank()
+            for name in sorted(target):
+                owner = next((s for s, names in enumerate(owners) if name in names), None)
+                if owner is None:
+                    raise KeyError(f"no pipeline stage holds {name!r} for the sharded rollout engine")
+                if owner == me:
+                    target[name].copy_(local[name])
+                dist.broadcast(target[name], src=stage_ranks[owner], group=group)
+        self._loaded = True
+
+    def _agree(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+        if self.tp.size == 1:
+            return tokens, logprobs
+        # float64 holds every token id exactly; one broadcast carries both.
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        dist.broadcast(both, src=self._tp_src, group=self.tp.group)
+        return both[0].long(), both[1].to(logprobs.dtype)
