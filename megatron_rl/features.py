@@ -368,7 +368,7 @@ FEATURES += [
     ),
     Feature(
         "Rollout with KV cache", "rollout", TESTED_CPU,
-        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; with rollout.engine=torch the actor's weights are gathered from any TP/PP/VPP/CP layout into one full copy per rank (tp_sharded: see below); rollout vs recomputed log-prob mismatch logged. Measured 10.4x faster than re-running the prefix at 256 new tokens (benchmarks/rollout_kv_cache.py --threads 1).",
+        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; with rollout.engine=torch the actor's weights are gathered from any TP/PP/VPP/CP layout into one full copy per rank (tp_sharded: see below); the engine's weights are freed after each rollout, so training does not carry them; rollout vs recomputed log-prob mismatch logged. Measured 10.4x faster than re-running the prefix at 256 new tokens (benchmarks/rollout_kv_cache.py --threads 1).",
         ("tests/test_rollout.py::test_kv_cache_greedy_equals_recompute",
          "tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts"),
         (

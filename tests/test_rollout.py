@@ -301,6 +301,20 @@ def test_response_logprobs_match_full_forward():
     assert worst <= 1e-5
 
 
+def test_released_weights_free_their_memory_and_reload():
+    """Between rollouts the engine's weights hold no memory; reloaded, it samples the same."""
+    cfg = _cfg()
+    engine = _engine(cfg)
+    params = SamplingParams(max_new_tokens=8, n=2)
+    before = engine.generate(PROMPTS, params, seed=3)
+    engine.release_weights()
+    assert all(t.untyped_storage().nbytes() == 0 for t in engine.model.state_dict().values())
+    with pytest.raises(RuntimeError, match="before load_weights"):
+        engine.generate(PROMPTS, params, seed=3)
+    engine.load_weights(random_canonical(cfg, 0, std=0.2))
+    assert engine.generate(PROMPTS, params, seed=3) == before
+
+
 def test_engine_interface():
     engine = _engine(_cfg())
     assert isinstance(engine, RolloutEngine)
@@ -334,9 +348,11 @@ def sharded_generate_body(layout_kw: dict, cfg: ModelConfig, seed: int):
     from_chunks.load_from_chunks(chunks)
     from_canonical = make_engine("tp_sharded", cfg, "cpu")
     from_canonical.load_weights(state)
-    return (dataclasses.asdict(from_chunks.generate(PROMPTS, SHARDED_SAMPLING, seed=5)),
-            dataclasses.asdict(from_canonical.generate(PROMPTS, SHARDED_SAMPLING, seed=5)),
-            from_chunks.weight_bytes())
+    first = dataclasses.asdict(from_chunks.generate(PROMPTS, SHARDED_SAMPLING, seed=5))
+    from_chunks.release_weights()  # as the trainer does after every rollout
+    from_chunks.load_from_chunks(chunks)
+    assert dataclasses.asdict(from_chunks.generate(PROMPTS, SHARDED_SAMPLING, seed=5)) == first
+    return first, dataclasses.asdict(from_canonical.generate(PROMPTS, SHARDED_SAMPLING, seed=5)), from_chunks.weight_bytes()
 
 
 SHARDED_CASES = {

@@ -84,12 +84,29 @@ class TorchRolloutEngine:
         self._loaded = False
 
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        self._materialize()
         self.model.load_canonical(canonical)
         self._loaded = True
 
     def weight_bytes(self) -> int:
-        """Bytes of weights this rank holds for generation."""
+        """Bytes of weights this rank holds for generation (while loaded)."""
         return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
+    def release_weights(self) -> None:
+        """Free the weights' device memory until the next load.
+
+        The trainer reloads the actor's weights before every rollout, so between rollouts they are
+        dead weight: released, training has the memory the planner counts for it."""
+        for tensor in self.model.state_dict().values():
+            tensor.untyped_storage().resize_(0)
+        self._loaded = False
+
+    def _materialize(self) -> None:
+        """Give released weights their storage back (contents are overwritten by the load)."""
+        for tensor in self.model.state_dict().values():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:

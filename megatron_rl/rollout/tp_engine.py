@@ -61,6 +61,7 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
     @torch.no_grad()
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
         """Load from a full canonical dict (HF import, tests): each rank keeps its slice."""
+        self._materialize()
         target = self.model.state_dict()
         gated = self.model.cfg.activation == "swiglu"
         state = {}
@@ -75,6 +76,7 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
     def load_from_chunks(self, chunks: list) -> None:
         """Take this TP rank's shards from the actor's megatron chunks; the layers of other
         pipeline stages arrive by broadcast within the pipeline group."""
+        self._materialize()
         target = self.model.state_dict()
         local: dict[str, torch.Tensor] = {}
         for chunk in chunks:

@@ -423,6 +423,7 @@ class PPOTrainer:
         batch = self.sampler.next_batch()
         t0 = time.perf_counter()
         samples = self._rollout(batch, step)
+        self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
         t_rollout = time.perf_counter() - t0
         t0 = time.perf_counter()
         scores = self._rewards(samples)
