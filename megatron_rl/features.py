@@ -474,7 +474,7 @@ FEATURES += [
     ),
     Feature(
         "Context parallelism: all_gather (local path)", "parallelism", TESTED_CPU,
-        "K/V gathered over the CP group; simpler, but each layer keeps the whole sequence's K/V (0.37x of CP=1 activations at 4k tokens and CP=4, 0.84x at 32k, measured).",
+        "K/V gathered over the CP group for one masked attention; backward gathers again and recomputes, so saved activations are 1/CP like the ring (0.241x of CP=1 at CP=4, 2k-32k tokens, measured). While a layer runs it holds the whole sequence's K/V and a [S/CP, S] mask: peak 0.73x of CP=1 at 32k and CP=4 (ring: 0.34x).",
         ("tests/test_context_parallel.py::test_ring_and_all_gather_attention_agree",),
         config="parallel.cp_comm_type=all_gather",
     ),

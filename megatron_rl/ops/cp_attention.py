@@ -8,8 +8,9 @@ key's position is not after the query's, so packed and unpacked batches share on
 Two strategies:
 
 ``all_gather``
-    Gather K/V from the whole CP group (backward: reduce-scatter) and run one masked attention.
-    Simple; activation memory grows with the full sequence length.
+    Gather K/V from the whole CP group and run one masked attention; backward gathers again,
+    recomputes, and reduce-scatters the K/V gradients.  Saved activations stay O(S/CP); the
+    transient gathered K/V and the ``[S/CP, S]`` mask of one layer grow with the full length.
 ``p2p``
     Ring attention: K/V blocks travel around the CP ring while each rank merges block results
     with an online softmax.  Its own backward recomputes each block and sends the K/V gradients
@@ -33,7 +34,7 @@ CP_COMM_TYPES = ("p2p", "all_gather")
 
 def context_parallel_attention(q, k, v, layout: Layout, group, scale: float, comm_type: str):
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, layout, group, scale)
+        return AllGatherAttention.apply(q, k, v, layout, group, scale)
     if comm_type == "p2p":
         return RingAttention.apply(q, k, v, layout, group, scale)
     raise ValueError(
@@ -50,25 +51,20 @@ def visibility_mask(pos_q, seg_q, pos_k, seg_k) -> torch.Tensor:
 # ----------------------------------------------------------------------------- all_gather
 
 
-class _GatherAlongSeq(torch.autograd.Function):
-    """All-gather dim 2 of ``[b, n, s, d]`` over ``group`` (rank order); backward reduce-scatters."""
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather dim 2 of ``[b, n, s, d]`` over ``group``, in rank order."""
+    front = x.permute(2, 0, 1, 3).contiguous()
+    out = front.new_empty((group.size() * front.size(0), *front.shape[1:]))
+    dist.all_gather_into_tensor(out, front, group=group)
+    return out.permute(1, 2, 0, 3)
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        world = group.size()
-        front = x.permute(2, 0, 1, 3).contiguous()
-        out = front.new_empty((world * front.size(0), *front.shape[1:]))
-        dist.all_gather_into_tensor(out, front, group=group)
-        return out.permute(1, 2, 0, 3)
 
-    @staticmethod
-    def backward(ctx, grad):
-        world = ctx.group.size()
-        front = grad.permute(2, 0, 1, 3).contiguous()
-        out = front.new_empty((front.size(0) // world, *front.shape[1:]))
-        dist.reduce_scatter_tensor(out, front, group=ctx.group)
-        return out.permute(1, 2, 0, 3), None
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``[b, n, S, d]`` over ``group`` and keep this rank's ``S / cp`` slice of dim 2."""
+    front = x.permute(2, 0, 1, 3).contiguous()
+    out = front.new_empty((front.size(0) // group.size(), *front.shape[1:]))
+    dist.reduce_scatter_tensor(out, front, group=group)
+    return out.permute(1, 2, 0, 3)
 
 
 _MASKS: dict = {}
@@ -97,14 +93,38 @@ def _additive_mask(layout: Layout, cp: int, rank: int, dtype, device) -> torch.T
     return mask
 
 
-def _all_gather_attention(q, k, v, layout: Layout, group, scale):
-    cp, rank = group.size(), group.rank()
-    k_all = _GatherAlongSeq.apply(k, group)
-    v_all = _GatherAlongSeq.apply(v, group)
-    mask = _additive_mask(layout, cp, rank, q.dtype, q.device)
+def _masked_attention(q, k_all, v_all, layout: Layout, group, scale):
+    mask = _additive_mask(layout, group.size(), group.rank(), q.dtype, q.device)
     return F.scaled_dot_product_attention(
-        q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k.size(1)
+        q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k_all.size(1)
     )
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Gather K/V over the CP group and attend; backward gathers again and recomputes.
+
+    Keeping the gathered K/V for backward would cost every layer CP times its local K/V -- at
+    32k tokens and CP=4 most of the activation memory.  Saving only the local q, k, v costs one
+    more all-gather and attention forward per layer in backward, and keeps saved activations
+    O(S/CP) like the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout: Layout, group, scale: float):
+        out = _masked_attention(q, _gather_seq(k, group), _gather_seq(v, group), layout, group, scale)
+        ctx.save_for_backward(q, k, v)
+        ctx.layout, ctx.group, ctx.scale = layout, group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        group = ctx.group
+        k_all, v_all = _gather_seq(k, group), _gather_seq(v, group)
+        with torch.enable_grad():
+            q, k_all, v_all = (t.detach().requires_grad_() for t in (q, k_all, v_all))
+            out = _masked_attention(q, k_all, v_all, ctx.layout, group, ctx.scale)
+            dq, dk_all, dv_all = torch.autograd.grad(out, (q, k_all, v_all), grad_out)
+        return dq, _reduce_scatter_seq(dk_all, group), _reduce_scatter_seq(dv_all, group), None, None, None
 
 
 # ----------------------------------------------------------------------------- ring (p2p)

@@ -11,7 +11,8 @@ Per transformer layer and per token on this rank, in elements:
 * ``2 / tp_sp`` norm statistics and ``4 d`` rotary factors.
 
 Full recompute keeps only each layer's input plus one layer's activations while recomputing;
-``all_gather`` context parallelism additionally keeps each layer's gathered K/V (full length).
+``all_gather`` context parallelism keeps no more than the ring (it re-gathers K/V in backward),
+but while one layer runs it holds the whole sequence's K/V and a ``[local, full]`` mask.
 Everything outside the layers -- the final norm, the log-prob path (hidden states plus two
 ``[chunk, vocab/TP]`` fp32 buffers), labels -- is counted once.
 """
@@ -100,17 +101,14 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_
                      seq_len: Optional[int] = None) -> float:
     """Bytes kept for backward by the decoder layers of one stage for ``tokens_local`` tokens.
 
-    ``seq_len`` (the full sequence length) matters for ``all_gather`` CP only."""
+    Both CP strategies keep only local tensors (all_gather re-gathers K/V in backward), so
+    ``seq_len`` matters only to :func:`attention_transient_bytes`."""
     layers = cfg.num_layers / layout.pp
     per_layer = activation_elems_per_token_layer(cfg, layout) * tokens_local * bytes_per
     nq, nkv, d = _heads(cfg)
     shared = 0.0
     if layout.cp > 1 and layout.cp_comm_type == "all_gather":
-        # Each layer keeps the gathered K/V of the whole sequence; the additive attention mask
-        # [local, full] is built once per forward and shared by the layers.
-        full = seq_len or tokens_local * layout.cp
-        per_layer += (2 * nkv * d / layout.tp) * (full - tokens_local) * bytes_per
-        shared = tokens_local * full * bytes_per
+        per_layer -= (nq * d + nq) / layout.tp * tokens_local * bytes_per  # no output / lse: recomputed
     # 1F1B keeps up to pp micro-batches in flight on the first stage: pp x (L/pp) layers' worth.
     in_flight = layout.pp
     if layout.recompute == "full":
@@ -120,6 +118,19 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_
     if layout.recompute == "selective":
         per_layer -= (nq * d + nq) / layout.tp * tokens_local * bytes_per  # attention output + lse recomputed
     return layers * per_layer * in_flight + shared
+
+
+def attention_transient_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int,
+                              seq_len: Optional[int] = None) -> float:
+    """Memory one layer's attention holds while it runs (not kept for backward).
+
+    ``all_gather`` CP: the gathered K/V of the whole sequence and the ``[local, full]`` additive
+    mask (cached across layers).  The ring's query tiles cap its score blocks near 64 MiB."""
+    if layout.cp == 1 or layout.cp_comm_type != "all_gather":
+        return 0.0
+    _, nkv, d = _heads(cfg)
+    full = seq_len or tokens_local * layout.cp
+    return (2 * nkv * d / layout.tp) * full * bytes_per + tokens_local * full * bytes_per
 
 
 def head_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
@@ -188,6 +199,7 @@ def estimate(
         models["reference weights"] = weights
     # With offload only the running phase's model stays on the GPU; the others wait in host memory.
     resident = trainable if layout.offload else sum(models.values())
+    acts += attention_transient_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
     train = resident + acts + head["saved"] + head["logprob_chunks"]
     # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache;
     # the TP-sharded engine holds 1/TP of both.

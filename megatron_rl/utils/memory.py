@@ -69,13 +69,21 @@ def track_peak_memory():
 
 @contextlib.contextmanager
 def saved_for_backward():
-    """``with saved_for_backward() as saved: loss = f(x)`` -- ``saved.bytes`` kept for backward."""
+    """``with saved_for_backward() as saved: loss = f(x)`` -- ``saved.bytes`` kept for backward.
+
+    Only the forward's saves count: a function that recomputes in its backward (checkpointing,
+    all_gather CP attention) saves tensors there that live for that one step; they show in the
+    peak, not here."""
 
     class Saved:
         bytes = 0
         _seen: set = set()
 
+    in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
     def pack(t: torch.Tensor):
+        if in_backward() != -1:
+            return t
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if key not in Saved._seen:
             Saved._seen.add(key)
