@@ -57,21 +57,30 @@ def _tp_info(param: torch.Tensor) -> tuple[bool, int]:
     return bool(getattr(param, "tensor_model_parallel", False)), int(getattr(param, "partition_dim", 0))
 
 
+def split_canonical(full: torch.Tensor, name: str, dim: int, local_rows: int, tp_rank: int, tp_size: int,
+                    gated: bool) -> torch.Tensor:
+    """TP rank ``tp_rank``'s piece of canonical ``full``, split on ``dim`` the way megatron splits it.
+
+    Vocabulary-parallel tensors are padded to ``local_rows * tp_size`` rows first; a gated MLP
+    input ``[gate; up]`` becomes ``[gate_r; up_r]``."""
+    if name in VOCAB_PARALLEL:
+        padded_rows = local_rows * tp_size
+        if full.shape[0] < padded_rows:
+            pad = full.new_zeros((padded_rows - full.shape[0], *full.shape[1:]))
+            full = torch.cat([full, pad])
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    if gated and ".mlp.linear_fc1." in name:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
 def shard_for_rank(full: torch.Tensor, name: str, model, param, tp_rank: int, tp_size: int) -> torch.Tensor:
     """The piece of canonical ``full`` that TP rank ``tp_rank`` holds for ``param``."""
     is_tp, dim = _tp_info(param)
     if not is_tp:
         return full
-    if name in VOCAB_PARALLEL:
-        padded_rows = param.shape[0] * tp_size
-        if full.shape[0] < padded_rows:
-            pad = full.new_zeros((padded_rows - full.shape[0], *full.shape[1:]))
-            full = torch.cat([full, pad])
-        return full.chunk(tp_size, dim=0)[tp_rank]
-    if model.config.gated_linear_unit and ".mlp.linear_fc1." in name:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
-    return full.chunk(tp_size, dim=dim)[tp_rank]
+    return split_canonical(full, name, dim, param.shape[0], tp_rank, tp_size, model.config.gated_linear_unit)
 
 
 def merge_shards(shards: list[torch.Tensor], name: str, model, param, true_vocab: int) -> torch.Tensor:

@@ -74,7 +74,7 @@ class TensorParallel:
         return torch.cat(parts, dim=-1)
 
 
-_WHOLE = TensorParallel()
+WHOLE_MODEL = TensorParallel()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -195,7 +195,7 @@ class _VocabParallelEmbedding(nn.Embedding):
 
 class _Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, heads: int, groups: int, head_dim: int, dtype,
-                 tp: TensorParallel = _WHOLE):
+                 tp: TensorParallel = WHOLE_MODEL):
         super().__init__()
         heads, groups = heads // tp.size, groups // tp.size  # this rank's heads and KV groups
         self.heads, self.groups, self.head_dim = heads, groups, head_dim
@@ -235,7 +235,7 @@ class _Attention(nn.Module):
 
 
 class _MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, tp: TensorParallel = _WHOLE):
+    def __init__(self, cfg: ModelConfig, dtype, tp: TensorParallel = WHOLE_MODEL):
         super().__init__()
         if cfg.activation not in ("swiglu", "gelu"):
             raise ValueError(f"activation {cfg.activation!r} is not supported")
@@ -256,7 +256,7 @@ class _MLP(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg, heads, groups, head_dim, dtype, tp: TensorParallel = _WHOLE):
+    def __init__(self, cfg, heads, groups, head_dim, dtype, tp: TensorParallel = WHOLE_MODEL):
         super().__init__()
         self.input_layernorm = _Norm(cfg.hidden_size, cfg.normalization, cfg.norm_epsilon, dtype)
         self.self_attention = _Attention(cfg, heads, groups, head_dim, dtype, tp)
@@ -275,7 +275,7 @@ class TorchDecoder(nn.Module):
     forward runs the matching all-reduces; the logits it returns are still the full vocabulary.
     """
 
-    def __init__(self, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = _WHOLE):
+    def __init__(self, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = WHOLE_MODEL):
         super().__init__()
         cfg = self.cfg = model_cfg
         heads = cfg.num_attention_heads

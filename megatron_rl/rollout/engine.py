@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.rollout.decoder import KVCache, TensorParallel, TorchDecoder, resolve_dtype
+from megatron_rl.rollout.decoder import WHOLE_MODEL, KVCache, TensorParallel, TorchDecoder, resolve_dtype
 from megatron_rl.rollout.sampling import SamplingParams, sample
 
 
@@ -71,7 +71,7 @@ class TorchRolloutEngine:
     """KV-cached generation with :class:`TorchDecoder`; ``max_batch_size`` rows per pass."""
 
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None,
-                 tp: TensorParallel = TensorParallel()):
+                 tp: TensorParallel = WHOLE_MODEL):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.device = torch.device(device)

@@ -20,7 +20,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.builder import padded_vocab_size
-from megatron_rl.models.canonical import global_named_parameters
+from megatron_rl.models.canonical import global_named_parameters, split_canonical
 from megatron_rl.rollout.decoder import TensorParallel, _te_to_local
 from megatron_rl.rollout.engine import TorchRolloutEngine
 
@@ -36,27 +36,24 @@ def current_tensor_parallel(model_cfg: ModelConfig) -> TensorParallel:
 
 def shard_canonical(full: torch.Tensor, name: str, local_shape: torch.Size, tp: TensorParallel,
                     gated: bool) -> torch.Tensor:
-    """TP rank ``tp.rank``'s piece of a canonical (full, unpadded) tensor."""
+    """TP rank ``tp.rank``'s piece of a canonical (full, unpadded) tensor; a decoder parameter has
+    no megatron split attributes, so the split dimension is the one whose size differs."""
     if tuple(full.shape) == tuple(local_shape):
         return full
-    if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-        rows = local_shape[0]
-        padded = torch.cat([full, full.new_zeros(rows * tp.size - full.shape[0], *full.shape[1:])])
-        return padded[tp.rank * rows:(tp.rank + 1) * rows]
-    if gated and ".mlp.linear_fc1." in name:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp.size)[tp.rank], up.chunk(tp.size)[tp.rank]])
     dim = next(d for d, (a, b) in enumerate(zip(full.shape, local_shape)) if a != b)
-    return full.chunk(tp.size, dim=dim)[tp.rank]
+    return split_canonical(full, name, dim, local_shape[0], tp.rank, tp.size, gated)
 
 
 class TPShardedRolloutEngine(TorchRolloutEngine):
     """``rollout.engine=tp_sharded``: the KV-cache decoder on this rank's TP shard of the actor."""
 
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None):
-        self.tp = current_tensor_parallel(model_cfg)
-        super().__init__(model_cfg, device, max_batch_size, dtype, tp=self.tp)
+        super().__init__(model_cfg, device, max_batch_size, dtype, tp=current_tensor_parallel(model_cfg))
         self._tp_src = ps.get_tensor_model_parallel_src_rank()
+
+    @property
+    def tp(self) -> TensorParallel:
+        return self.model.tp
 
     @torch.no_grad()
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
@@ -83,25 +80,22 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
             for name, param in global_named_parameters(chunk):
                 if name in target:  # a tied output layer on the last stage is the embedding again
                     local.setdefault(name, param.detach())
+        # Pipeline stages hold different layers: each tensor comes from the stage that has it.
         pp_size = ps.get_pipeline_model_parallel_world_size()
-        if pp_size == 1:
-            missing = sorted(set(target) - set(local))
-            if missing:
-                raise KeyError(f"actor chunks lack {missing[:5]} for the sharded rollout engine")
-            for name, tensor in target.items():
-                tensor.copy_(local[name])
-        else:
+        owners: list = [sorted(local)]
+        if pp_size > 1:
             group = ps.get_pipeline_model_parallel_group()
-            owners: list = [None] * pp_size
+            owners = [None] * pp_size
             dist.all_gather_object(owners, sorted(local), group=group)
             stage_ranks = dist.get_process_group_ranks(group)
-            me = ps.get_pipeline_model_parallel_rank()
-            for name in sorted(target):
-                owner = next((s for s, names in enumerate(owners) if name in names), None)
-                if owner is None:
-                    raise KeyError(f"no pipeline stage holds {name!r} for the sharded rollout engine")
-                if owner == me:
-                    target[name].copy_(local[name])
+        me = ps.get_pipeline_model_parallel_rank()
+        for name in sorted(target):
+            owner = next((s for s, names in enumerate(owners) if name in names), None)
+            if owner is None:
+                raise KeyError(f"no pipeline stage holds {name!r} for the sharded rollout engine")
+            if owner == me:
+                target[name].copy_(local[name])
+            if pp_size > 1:
                 dist.broadcast(target[name], src=stage_ranks[owner], group=group)
         self._loaded = True
 
