@@ -55,6 +55,15 @@ class RolloutEngine(Protocol):
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
         """Replace the engine's weights with a canonical state dict (see models.canonical)."""
 
+    def load_from_chunks(self, chunks: list) -> None:
+        """Replace the engine's weights with the actor's, read from its megatron chunks."""
+
+    def release_weights(self) -> None:
+        """Free the weights' memory until the next load."""
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds for generation."""
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
         """``len(prompt_ids) * params.n`` samples; the same seed reproduces them on one device."""
 
@@ -87,6 +96,13 @@ class TorchRolloutEngine:
         self._materialize()
         self.model.load_canonical(canonical)
         self._loaded = True
+
+    def load_from_chunks(self, chunks: list) -> None:
+        """Load the actor's current weights from its megatron chunks (any layout): gathered into
+        one full canonical copy on every rank."""
+        from megatron_rl.models.canonical import gather_canonical  # megatron's groups
+
+        self.load_weights(gather_canonical(chunks))
 
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds for generation (while loaded)."""

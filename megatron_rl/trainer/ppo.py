@@ -415,10 +415,7 @@ class PPOTrainer:
         t_step = time.perf_counter()
         t0 = time.perf_counter()
         self._phase("actor")
-        if hasattr(self.engine, "load_from_chunks"):  # sharded engine: this rank's TP shard only
-            self.engine.load_from_chunks(self.actor.chunks)
-        else:
-            self.engine.load_weights(gather_canonical(self.actor.chunks))
+        self.engine.load_from_chunks(self.actor.chunks)
         t_sync = time.perf_counter() - t0
         batch = self.sampler.next_batch()
         t0 = time.perf_counter()
