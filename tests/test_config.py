@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config.errors import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.config.loader import load_config, save_config
 from megatron_rl.config.validate import validate
 
@@ -48,12 +48,12 @@ def test_pp2_vpp_with_batched_p2p_is_rejected():
     text = _error(["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "parallel.batch_p2p_comm=true"], 2)
     assert "silently wrong" in text and "batch_p2p_comm=false" in text
     # Left on auto, the same layout is accepted and batched p2p is switched off for it.
-    from megatron_rl.distributed.runtime import Layout
+    from megatron_rl.distributed.runtime import ParallelLayout
 
     cfg = load_config(None, ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"])
     validate(cfg, 2)
-    assert Layout.from_config(cfg.parallel, 2).batch_p2p_comm is False
-    assert Layout.from_config(load_config(None, ["parallel.pp=4"]).parallel, 4).batch_p2p_comm is True
+    assert ParallelLayout.from_config(cfg.parallel, 2).batch_p2p_comm is False
+    assert ParallelLayout.from_config(load_config(None, ["parallel.pp=4"]).parallel, 4).batch_p2p_comm is True
 
 
 @pytest.mark.parametrize("overrides,expected", [

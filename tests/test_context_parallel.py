@@ -446,7 +446,7 @@ def test_sequences_up_to_budget_times_cp_fit():
 
 
 def over_budget_body(lengths, budget):
-    from megatron_rl.config.errors import DataError
+    from megatron_rl.errors import DataError
 
     try:
         train_body(dict(cp=2), None, lengths, dict(max_tokens_per_rank=budget), forward_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.models.te import te_usable, te_version
+from megatron_rl.capabilities import te_usable, te_version
 
 pytestmark = pytest.mark.skipif(
     not te_usable(),

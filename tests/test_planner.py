@@ -38,7 +38,7 @@ def _model() -> ModelConfig:
 def test_activation_estimate_within_15_percent_of_measurement(cp, comm):
     bench = _benchmark()
     rows = run_distributed(cp, bench.measure_rank, BENCH, cp, comm)
-    layout = memory.Layout(cp=cp, cp_comm_type=comm, sequence_parallel=False)
+    layout = memory.PlanOption(cp=cp, cp_comm_type=comm, sequence_parallel=False)
     for row in max(rows, key=lambda r: max(x["saved"] for x in r)):
         local = row["local_tokens"]
         estimate = (memory.activation_bytes(_model(), layout, local, 4, seq_len=row["length"])
@@ -55,7 +55,7 @@ def test_logprob_estimate_within_15_percent_of_measurement():
 
     measured = bench.measure_logprob_path(4096, 128, 8192, 512, torch.device("cpu"))
     model = ModelConfig(hidden_size=128, vocab_size=8192)
-    layout = memory.Layout()
+    layout = memory.PlanOption()
     planned_chunks = memory.head_bytes(model, layout, 4096, 4, chunk=512)["logprob_chunks"]
     planned_naive = memory.naive_logits_bytes(model, layout, 4096)
     chunked, naive = measured["chunked"]["peak"], measured["naive"]["peak"]
@@ -89,8 +89,8 @@ def test_sharded_rollout_divides_generation_memory_by_tp():
     cfg = preset("qwen2.5-14b")
     kw = dict(prompt_len=2048, response_len=32768, tokens_per_microbatch=34816, budget_bytes=36 * memory.GiB)
     lay = dict(tp=8, recompute="full", offload=True)
-    full = memory.estimate(cfg, memory.Layout(**lay), **kw)
-    sharded = memory.estimate(cfg, memory.Layout(**lay, sharded_rollout=True), **kw)
+    full = memory.estimate(cfg, memory.PlanOption(**lay), **kw)
+    sharded = memory.estimate(cfg, memory.PlanOption(**lay, sharded_rollout=True), **kw)
     assert full.rollout_batch == 0 and sharded.rollout_batch >= 1
     per_seq = memory.kv_cache_bytes(cfg, 1, 2048 + 32768, 2)
     assert sharded.components["rollout (weights + KV cache)"] == pytest.approx(
@@ -101,9 +101,9 @@ def test_sharded_rollout_divides_generation_memory_by_tp():
 
 def test_recompute_and_cp_lower_the_activation_estimate():
     cfg = preset("qwen2.5-7b")
-    base = memory.activation_bytes(cfg, memory.Layout(tp=4), 32768, 2)
-    assert memory.activation_bytes(cfg, memory.Layout(tp=4, recompute="full"), 32768, 2) < 0.2 * base
-    assert memory.activation_bytes(cfg, memory.Layout(tp=4, cp=2), 16384, 2) == pytest.approx(base / 2, rel=0.01)
+    base = memory.activation_bytes(cfg, memory.PlanOption(tp=4), 32768, 2)
+    assert memory.activation_bytes(cfg, memory.PlanOption(tp=4, recompute="full"), 32768, 2) < 0.2 * base
+    assert memory.activation_bytes(cfg, memory.PlanOption(tp=4, cp=2), 16384, 2) == pytest.approx(base / 2, rel=0.01)
 
 
 def test_plan_command_prints_a_fitting_layout():

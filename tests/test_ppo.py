@@ -228,7 +228,7 @@ def test_failed_save_leaves_previous_checkpoint_loadable(tmp_path, code):
 
 
 def test_truncated_checkpoint_is_detected_and_previous_used(tmp_path):
-    from megatron_rl.config.errors import CheckpointError
+    from megatron_rl.errors import CheckpointError
     from megatron_rl.engine import checkpoint as ckpt
 
     run_distributed(1, ppo_body, ["trainer.steps=2", "trainer.save_every=1", "trainer.keep_last=3",

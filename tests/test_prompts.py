@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from megatron_rl.config.errors import DataError, UserInputError
+from megatron_rl.errors import DataError, UserInputError
 from megatron_rl.data import CharTokenizer, HFTokenizer, PromptSampler, PromptSet, load_prompts, load_tokenizer
 
 try:

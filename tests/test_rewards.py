@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.config.errors import UserInputError
+from megatron_rl.errors import UserInputError
 from megatron_rl.rewards import (
     RewardFunctionError,
     compute_rewards,

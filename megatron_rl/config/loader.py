@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from megatron_rl.config.errors import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.config.schema import Config, iter_fields
 
 ALL_KEYS = [key for key, _, _ in iter_fields()]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_rl.config.errors import ConfigError
+from megatron_rl.capabilities import resolve_transformer_impl
+from megatron_rl.errors import ConfigError
 from megatron_rl.config.schema import Config
 from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
 
@@ -23,6 +24,4 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                 key, value, text, fix = problem
                 raise ConfigError(key, value, text, fix, row=feat.name)
     # TransformerEngine availability is a property of this machine, not of the YAML.
-    from megatron_rl.models.specs import resolve_transformer_impl
-
     resolve_transformer_impl(cfg.model.transformer_impl)

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config.errors import DataError
+from megatron_rl.errors import DataError
 from megatron_rl.data.microbatch import align_to
 
 

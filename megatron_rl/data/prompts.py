@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_rl.config.errors import DataError
+from megatron_rl.errors import DataError
 from megatron_rl.data.tokenizer import Tokenizer
 
 logger = logging.getLogger("megatron_rl.data")

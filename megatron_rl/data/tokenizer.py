@@ -17,7 +17,7 @@ import os
 import string
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
-from megatron_rl.config.errors import DataError
+from megatron_rl.errors import DataError
 
 KEY = "data.tokenizer"
 

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Callable
 
-from megatron_rl.config.errors import EXIT_BAD_INPUT, UserInputError
+from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
 
 ERROR_FILE_ENV = "MEGATRON_RL_ERROR_FILE"
 

@@ -20,7 +20,7 @@ from megatron_rl.distributed.env import LaunchEnv, detect_launch_env
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     """A resolved parallel layout; ``dp`` is derived from the world size."""
 
     tp: int = 1
@@ -37,7 +37,7 @@ class Layout:
         return self.tp * self.pp * self.cp
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> "Layout":
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> "ParallelLayout":
         mp = parallel.tp * parallel.pp * parallel.cp
         batch = parallel.batch_p2p_comm
         if batch is None:
@@ -109,15 +109,15 @@ def _destroy_groups() -> None:
     ps.destroy_model_parallel()
 
 
-_CURRENT: Layout | None = None
+_CURRENT: ParallelLayout | None = None
 
 
-def active_layout() -> Layout | None:
+def active_layout() -> ParallelLayout | None:
     """The layout megatron's groups were last built for in this process (None before any)."""
     return _CURRENT
 
 
-def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> None:
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 600) -> None:
     """Build megatron's parallel groups for ``layout`` (tearing down a previous layout)."""
     global _CURRENT
     from megatron.core import parallel_state as ps
@@ -144,10 +144,10 @@ def init_model_parallel(layout: Layout, seed: int = 1234, timeout_s: int = 600) 
     torch.manual_seed(seed)
 
 
-def current_layout() -> Layout:
+def current_layout() -> ParallelLayout:
     from megatron.core import parallel_state as ps
 
-    return Layout(
+    return ParallelLayout(
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         vpp=ps.get_virtual_pipeline_model_parallel_world_size(),

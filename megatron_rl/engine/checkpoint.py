@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.compat.megatron_fixes import init_distributed_optimizer_state
-from megatron_rl.config.errors import CheckpointError
+from megatron_rl.errors import CheckpointError
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")

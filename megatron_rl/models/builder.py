@@ -9,9 +9,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.compat.megatron_fixes import transformer_config_fixes
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.distributed.runtime import Layout
+from megatron_rl.distributed.runtime import ParallelLayout
 from megatron_rl.models.gpt import RLGPTModel
-from megatron_rl.models.specs import block_spec, resolve_transformer_impl
+from megatron_rl.capabilities import resolve_transformer_impl
+from megatron_rl.models.specs import block_spec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +29,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def transformer_config(
-    model: ModelConfig, layout: Layout, dtype: torch.dtype, impl: str, **overrides
+    model: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, impl: str, **overrides
 ) -> TransformerConfig:
     rec = model.recompute
     kwargs = dict(
@@ -80,7 +81,7 @@ def transformer_config(
 
 
 def build_gpt_chunks(
-    model: ModelConfig, layout: Layout, device: torch.device, model_cls=RLGPTModel, **model_kwargs
+    model: ModelConfig, layout: ParallelLayout, device: torch.device, model_cls=RLGPTModel, **model_kwargs
 ) -> list[RLGPTModel]:
     """One ``model_cls`` per virtual pipeline stage held by this rank, on ``device``."""
     impl = resolve_transformer_impl(model.transformer_impl)

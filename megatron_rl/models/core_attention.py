@@ -93,12 +93,12 @@ class LocalCoreAttention(MegatronModule):
         else:
             if packed:
                 cu = _padded_cu_seqlens(packed_seq_params)
-                layout = lambda rank: local_positions_thd(cu, cp_size, rank)  # noqa: E731
+                positions_of = lambda rank: local_positions_thd(cu, cp_size, rank)  # noqa: E731
             else:
                 seq_local = q.size(2)
-                layout = lambda rank: local_positions_bshd(seq_local * cp_size, cp_size, rank)  # noqa: E731
+                positions_of = lambda rank: local_positions_bshd(seq_local * cp_size, cp_size, rank)  # noqa: E731
             out = cp_attention.context_parallel_attention(
-                q, k, v, layout, self.cp_group, self.softmax_scale, self.cp_comm_type
+                q, k, v, positions_of, self.cp_group, self.softmax_scale, self.cp_comm_type
             )
 
         if packed:

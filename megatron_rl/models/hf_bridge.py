@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_rl.config.errors import CheckpointError
+from megatron_rl.errors import CheckpointError
 from megatron_rl.models.canonical import VOCAB_PARALLEL, gather_canonical, global_named_parameters, unwrap
 
 _LAYER_DIRECT = {

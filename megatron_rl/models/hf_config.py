@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 
-from megatron_rl.config.errors import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.config.schema import ModelConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")

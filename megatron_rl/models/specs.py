@@ -19,25 +19,8 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rl.config.errors import ConfigError
 from megatron_rl.models.core_attention import LocalCoreAttention
 from megatron_rl.models.norms import LocalNorm
-from megatron_rl.models.te import te_usable, te_version
-
-
-def resolve_transformer_impl(requested: str) -> str:
-    if requested == "auto":
-        return "transformer_engine" if te_usable() else "local"
-    if requested == "transformer_engine" and not te_usable():
-        why = "TransformerEngine is not installed" if te_version() is None else "CUDA is not available"
-        raise ConfigError(
-            "model.transformer_impl", requested, why,
-            "pip install -e .[gpu] on a CUDA machine, or use model.transformer_impl=local",
-            row="TransformerEngine layer spec",
-        )
-    if requested not in ("local", "transformer_engine"):
-        raise ConfigError("model.transformer_impl", requested, "unknown implementation", "use auto, local or transformer_engine")
-    return requested
 
 
 def local_layer_spec(config: TransformerConfig) -> ModuleSpec:

@@ -1,7 +1,7 @@
 """Context-parallel causal attention without TransformerEngine.
 
 Every rank holds a zigzag shard of the queries, keys and values (see :mod:`megatron_rl.ops.zigzag`)
-and a ``layout(rank) -> (positions, segment_ids)`` function that says which global positions any
+and a ``positions_of(rank) -> (positions, segment_ids)`` function that says which global positions any
 rank holds.  A key is visible to a query when both belong to the same sequence (segment) and the
 key's position is not after the query's, so packed and unpacked batches share one code path.
 
@@ -27,16 +27,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-Layout = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+PositionFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 
 
-def context_parallel_attention(q, k, v, layout: Layout, group, scale: float, comm_type: str):
+def context_parallel_attention(q, k, v, positions_of: PositionFn, group, scale: float, comm_type: str):
     if comm_type == "all_gather":
-        return AllGatherAttention.apply(q, k, v, layout, group, scale)
+        return AllGatherAttention.apply(q, k, v, positions_of, group, scale)
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, layout, group, scale)
+        return RingAttention.apply(q, k, v, positions_of, group, scale)
     raise ValueError(
         f"parallel.cp_comm_type={comm_type!r} is not available without TransformerEngine; "
         f"use one of {CP_COMM_TYPES}"
@@ -70,14 +70,14 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
 _MASKS: dict = {}
 
 
-def _additive_mask(layout: Layout, cp: int, rank: int, dtype, device) -> torch.Tensor:
-    """``[local, full]`` additive mask (0 / -inf), one tensor per layout shared by all layers.
+def _additive_mask(positions_of: PositionFn, cp: int, rank: int, dtype, device) -> torch.Tensor:
+    """``[local, full]`` additive mask (0 / -inf), one tensor per position function shared by all layers.
 
     SDPA keeps the mask it is given for backward; handing every layer the same tensor keeps one
-    copy instead of one per layer.  The layout functions return cached tensors, whose identity
+    copy instead of one per layer.  The position functions return cached tensors, whose identity
     keys this cache."""
-    pos_q, seg_q = layout(rank)
-    per_rank = [layout(r) for r in range(cp)]
+    pos_q, seg_q = positions_of(rank)
+    per_rank = [positions_of(r) for r in range(cp)]
     key = (id(pos_q), id(seg_q), tuple(id(p) for p, _ in per_rank), dtype, str(device))
     entry = _MASKS.get(key)
     mask = entry[0] if entry is not None else None
@@ -93,8 +93,8 @@ def _additive_mask(layout: Layout, cp: int, rank: int, dtype, device) -> torch.T
     return mask
 
 
-def _masked_attention(q, k_all, v_all, layout: Layout, group, scale):
-    mask = _additive_mask(layout, group.size(), group.rank(), q.dtype, q.device)
+def _masked_attention(q, k_all, v_all, positions_of: PositionFn, group, scale):
+    mask = _additive_mask(positions_of, group.size(), group.rank(), q.dtype, q.device)
     return F.scaled_dot_product_attention(
         q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k_all.size(1)
     )
@@ -109,10 +109,10 @@ class AllGatherAttention(torch.autograd.Function):
     O(S/CP) like the ring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout: Layout, group, scale: float):
-        out = _masked_attention(q, _gather_seq(k, group), _gather_seq(v, group), layout, group, scale)
+    def forward(ctx, q, k, v, positions_of: PositionFn, group, scale: float):
+        out = _masked_attention(q, _gather_seq(k, group), _gather_seq(v, group), positions_of, group, scale)
         ctx.save_for_backward(q, k, v)
-        ctx.layout, ctx.group, ctx.scale = layout, group, scale
+        ctx.positions_of, ctx.group, ctx.scale = positions_of, group, scale
         return out
 
     @staticmethod
@@ -122,7 +122,7 @@ class AllGatherAttention(torch.autograd.Function):
         k_all, v_all = _gather_seq(k, group), _gather_seq(v, group)
         with torch.enable_grad():
             q, k_all, v_all = (t.detach().requires_grad_() for t in (q, k_all, v_all))
-            out = _masked_attention(q, k_all, v_all, ctx.layout, group, ctx.scale)
+            out = _masked_attention(q, k_all, v_all, ctx.positions_of, group, ctx.scale)
             dq, dk_all, dv_all = torch.autograd.grad(out, (q, k_all, v_all), grad_out)
         return dq, _reduce_scatter_seq(dk_all, group), _reduce_scatter_seq(dv_all, group), None, None, None
 
@@ -205,12 +205,12 @@ def _block_backward(qf, do, delta, lse, kb, vb, mask, scale, dq, dkv, d: int) ->
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout: Layout, group, scale: float):
+    def forward(ctx, q, k, v, positions_of: PositionFn, group, scale: float):
         cp, rank = group.size(), group.rank()
         kv_heads, d = k.size(1), k.size(-1)
         dtype = _compute_dtype(q)
         qf = _group_heads(q.to(dtype), kv_heads)  # [b, h, g, sq, d]
-        pos_q, seg_q = (t.to(q.device) for t in layout(rank))
+        pos_q, seg_q = (t.to(q.device) for t in positions_of(rank))
 
         acc_o = torch.zeros_like(qf)
         acc_m = torch.full(qf.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
@@ -221,7 +221,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv, reqs = _ring_exchange(kv, group)
             src = (rank - step) % cp
-            pos_k, seg_k = (t.to(q.device) for t in layout(src))
+            pos_k, seg_k = (t.to(q.device) for t in positions_of(src))
             mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
             if bool(mask.any()):
                 _block_forward(qf, kv[..., :d].to(dtype), kv[..., d:].to(dtype), mask, scale, acc_o, acc_m, acc_l)
@@ -231,28 +231,28 @@ class RingAttention(torch.autograd.Function):
         out = acc_o / acc_l[..., None]
         lse = acc_m + torch.log(acc_l)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.group, ctx.scale = layout, group, scale
+        ctx.positions_of, ctx.group, ctx.scale = positions_of, group, scale
         b, n, sq, _ = q.shape
         return out.reshape(b, n, sq, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        layout, group, scale = ctx.layout, ctx.group, ctx.scale
+        positions_of, group, scale = ctx.positions_of, ctx.group, ctx.scale
         cp, rank = group.size(), group.rank()
         kv_heads, d = k.size(1), k.size(-1)
         dtype = _compute_dtype(q)
         qf = _group_heads(q.to(dtype), kv_heads)
         do = _group_heads(grad_out.to(dtype), kv_heads)
         delta = (do * out).sum(-1)  # [b, h, g, sq]
-        pos_q, seg_q = (t.to(q.device) for t in layout(rank))
+        pos_q, seg_q = (t.to(q.device) for t in positions_of(rank))
 
         dq = torch.zeros_like(qf)
         kv = torch.cat([k, v], dim=-1).contiguous()
         dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         for step in range(cp):
             src = (rank - step) % cp
-            pos_k, seg_k = (t.to(q.device) for t in layout(src))
+            pos_k, seg_k = (t.to(q.device) for t in positions_of(src))
             mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
             if bool(mask.any()):
                 _block_backward(qf, do, delta, lse, kv[..., :d].to(dtype), kv[..., d:].to(dtype), mask, scale,

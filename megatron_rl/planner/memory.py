@@ -28,7 +28,7 @@ GiB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class PlanOption:
     tp: int = 1
     pp: int = 1
     cp: int = 1
@@ -80,7 +80,7 @@ def total_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * layer_params(cfg) + embed * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
 
 
-def params_per_gpu(cfg: ModelConfig, layout: Layout) -> float:
+def params_per_gpu(cfg: ModelConfig, layout: PlanOption) -> float:
     """Parameters on the most loaded pipeline stage (the one with the embedding or output layer)."""
     per_stage_layers = cfg.num_layers / layout.pp * layer_params(cfg)
     embed = cfg.vocab_size * cfg.hidden_size
@@ -88,7 +88,7 @@ def params_per_gpu(cfg: ModelConfig, layout: Layout) -> float:
     return (per_stage_layers + embed + extra) / layout.tp
 
 
-def activation_elems_per_token_layer(cfg: ModelConfig, layout: Layout) -> float:
+def activation_elems_per_token_layer(cfg: ModelConfig, layout: PlanOption) -> float:
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     nq, nkv, d = _heads(cfg)
     tp = layout.tp
@@ -97,7 +97,7 @@ def activation_elems_per_token_layer(cfg: ModelConfig, layout: Layout) -> float:
     return 7 * h / sp + ffn_terms / tp + (2 * nq * d + 2 * nkv * d + nq) / tp + 2 / sp + 4 * d
 
 
-def activation_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int,
+def activation_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
                      seq_len: Optional[int] = None) -> float:
     """Bytes kept for backward by the decoder layers of one stage for ``tokens_local`` tokens.
 
@@ -120,7 +120,7 @@ def activation_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_
     return layers * per_layer * in_flight + shared
 
 
-def attention_transient_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int,
+def attention_transient_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
                               seq_len: Optional[int] = None) -> float:
     """Memory one layer's attention holds while it runs (not kept for backward).
 
@@ -133,7 +133,7 @@ def attention_transient_bytes(cfg: ModelConfig, layout: Layout, tokens_local: in
     return (2 * nkv * d / layout.tp) * full * bytes_per + tokens_local * full * bytes_per
 
 
-def head_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
+def head_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
     """Outside the layers: saved for backward, and the log-prob path's transient chunk buffers."""
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
     h = cfg.hidden_size
@@ -144,7 +144,7 @@ def head_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int, bytes_per: i
     return {"saved": saved, "logprob_chunks": transient}
 
 
-def naive_logits_bytes(cfg: ModelConfig, layout: Layout, tokens_local: int) -> float:
+def naive_logits_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int) -> float:
     """What the full-logits path holds at its peak: five fp32 [tokens, vocab/TP] tensors (logits,
     log-softmax, probabilities, the entropy product, the logits gradient), as measured."""
     vocab_local = -(-cfg.vocab_size // layout.tp)
@@ -168,7 +168,7 @@ class Breakdown:
 
 def estimate(
     cfg: ModelConfig,
-    layout: Layout,
+    layout: PlanOption,
     *,
     prompt_len: int,
     response_len: int,

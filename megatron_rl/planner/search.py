@@ -8,7 +8,7 @@ from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.data.microbatch import align_to
-from megatron_rl.planner.memory import GiB, Breakdown, Layout, estimate
+from megatron_rl.planner.memory import GiB, Breakdown, PlanOption, estimate
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
@@ -37,7 +37,7 @@ def preset(name: str) -> ModelConfig:
 
 @dataclasses.dataclass
 class Candidate:
-    layout: Layout
+    layout: PlanOption
     tokens_per_rank: int
     breakdown: Breakdown
     fits: bool
@@ -74,7 +74,7 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
                         (None, "selective", "full"), (False, True), (False, True), (False, True)):
                     if (dist_opt and dp * cp == 1) or (sharded and tp == 1):
                         continue
-                    yield Layout(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
+                    yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
                                  distributed_optimizer=dist_opt, sharded_rollout=sharded)
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron_rl.config.errors import UserInputError
+from megatron_rl.errors import UserInputError
 
 RewardFn = Callable[..., object]
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_rl.config.schema import ParallelConfig
-from megatron_rl.distributed.runtime import Layout, active_layout, init_model_parallel
+from megatron_rl.distributed.runtime import ParallelLayout, active_layout, init_model_parallel
 
 
-def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None, seed=1234) -> Layout:
-    """(Re)build megatron's groups for this layout on the pool's world; returns the Layout."""
+def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None, seed=1234) -> ParallelLayout:
+    """(Re)build megatron's groups for this layout on the pool's world; returns the ParallelLayout."""
     cfg = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, cp_comm_type=cp_comm_type,
         batch_p2p_comm=batch_p2p_comm,
     )
-    layout = Layout.from_config(cfg, dist.get_world_size())
+    layout = ParallelLayout.from_config(cfg, dist.get_world_size())
     if layout != active_layout():
         init_model_parallel(layout, seed=seed)
     else:

@@ -19,7 +19,7 @@ import os
 import sys
 import warnings
 
-from megatron_rl.config.errors import EXIT_BAD_INPUT, UserInputError
+from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
 
 DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert")
 

@@ -17,9 +17,10 @@ import os
 
 import torch.distributed as dist
 
-from megatron_rl.config.errors import CheckpointError
-from megatron_rl.config.schema import Config, ModelConfig, RecomputeConfig
-from megatron_rl.distributed.runtime import Layout, init_model_parallel, resolve_device
+from megatron_rl.errors import CheckpointError
+from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
+from megatron_rl.config.schema import Config
+from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine.checkpoint import ModelPart, check_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import attach_value_head
@@ -27,18 +28,8 @@ from megatron_rl.models.hf_bridge import export_hf, load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
 
 
-def model_config_to_dict(cfg: ModelConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def model_config_from_dict(data: dict) -> ModelConfig:
-    data = dict(data)
-    data["recompute"] = RecomputeConfig(**data.get("recompute", {}))
-    return ModelConfig(**data)
-
-
 def _setup(cfg: Config):
-    layout = Layout.from_config(cfg.parallel, dist.get_world_size())
+    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     return layout, resolve_device(cfg.distributed)
 

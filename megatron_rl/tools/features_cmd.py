@@ -9,7 +9,7 @@ import re
 
 def installed_versions() -> dict[str, str]:
     from megatron_rl.compat import cuda_available
-    from megatron_rl.models.te import te_version
+    from megatron_rl.capabilities import te_version
 
     def version(pkg: str) -> str:
         try:

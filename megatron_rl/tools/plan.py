@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_rl.config.errors import ConfigError
+from megatron_rl.errors import ConfigError
 from megatron_rl.planner.memory import GiB, total_params
 from megatron_rl.planner.search import PRESETS, Candidate, plan, preset
 

@@ -16,9 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config.errors import DataError
+from megatron_rl.errors import DataError
 from megatron_rl.config.schema import Config
-from megatron_rl.distributed.runtime import Layout, init_model_parallel, resolve_device
+from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import LogProbHead
@@ -63,7 +63,7 @@ def read_score_input(path: str, hf_dir: str, vocab_size: int) -> list[list[int]]
 def run_score(cfg: Config, hf_dir: str, input_path: str, output_path: str, temperature: float = 1.0) -> int:
     model_cfg = cfg.model if cfg.model.hf_path else model_config_from_hf(read_hf_config(hf_dir), cfg.model)
     sequences = read_score_input(input_path, hf_dir, model_cfg.vocab_size)
-    layout = Layout.from_config(cfg.parallel, dist.get_world_size())
+    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
     chunks = build_gpt_chunks(model_cfg, layout, device)

@@ -15,7 +15,7 @@ from megatron.core import parallel_state as ps
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sum_count
-from megatron_rl.distributed.runtime import Layout, init_model_parallel, resolve_device
+from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine.pipeline import run_microbatches
 from megatron_rl.engine.trainable import make_trainable
 from megatron_rl.models.builder import build_gpt_chunks
@@ -79,7 +79,7 @@ def data_parallel_slice(tokens: torch.Tensor) -> torch.Tensor:
 def run_smoke(cfg: Config, log=print) -> list[float]:
     import torch.distributed as dist
 
-    layout = Layout.from_config(cfg.parallel, dist.get_world_size())
+    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
     chunks = build_gpt_chunks(cfg.model, layout, device)

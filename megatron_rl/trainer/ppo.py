@@ -25,14 +25,15 @@ from megatron.core import parallel_state as ps
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.algorithms import kl as kl_mod
 from megatron_rl.algorithms import losses
-from megatron_rl.config.errors import ConfigError, UserInputError
+from megatron_rl.errors import ConfigError, UserInputError
+from megatron_rl.config.model_io import model_config_to_dict
 from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, load_prompts
 from megatron_rl.data.tasks import load_task
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sum_count, reduce_sums
-from megatron_rl.distributed.runtime import Layout, init_model_parallel, resolve_device
+from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine import checkpoint as ckpt
 from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.engine.offload import Offloader
@@ -62,7 +63,7 @@ class PPOTrainer:
         self.stop = StopRequest()
         self.cfg = cfg
         self.log = log if _rank0() else (lambda *_: None)
-        self.layout = Layout.from_config(cfg.parallel, dist.get_world_size())
+        self.layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
         init_model_parallel(self.layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
         self.device = resolve_device(cfg.distributed)
         self.run_dir = os.path.join(cfg.run.dir, cfg.run.name)
@@ -187,8 +188,6 @@ class PPOTrainer:
         return parts
 
     def save(self, step: int) -> str:
-        from megatron_rl.tools.convert import model_config_to_dict
-
         meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()}}
         if self.cfg.model.hf_path:
             from megatron_rl.models.hf_config import read_hf_config

@@ -1,4 +1,8 @@
-"""The one error type users see for bad input: one line, naming the key, the value and the fix."""
+"""The errors users see for bad input (config, data, checkpoint, reward output).
+
+Every layer raises these; the CLI prints ``str(err)`` on one line and exits 2.  ``key`` is a real
+config key (``data.train_path``) or a file location (``prompts.jsonl:12``, ``CKPT/meta.json``).
+"""
 
 from __future__ import annotations
 

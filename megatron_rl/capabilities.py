@@ -1,0 +1,50 @@
+"""What this machine can do: CUDA present, TransformerEngine importable, the layer implementation
+``auto`` resolves to.
+
+It sits below both ``config/`` (validation checks resolved values, not ``auto``) and ``models/``
+(the builder picks the spec), and imports neither megatron-core nor the model code.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+from megatron_rl.compat import cuda_available
+from megatron_rl.errors import ConfigError
+
+# Layer implementations ``model.transformer_impl`` accepts besides ``auto``.
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+@functools.lru_cache(maxsize=1)
+def te_version() -> str | None:
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    try:
+        from transformer_engine import __version__ as version  # type: ignore
+
+        return str(version)
+    except Exception:  # installed but broken (e.g. no CUDA libraries)
+        return None
+
+
+def te_usable() -> bool:
+    return cuda_available() and te_version() is not None
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    """``auto`` -> TransformerEngine when it imports and CUDA is present, else ``local``."""
+    if requested == "auto":
+        return "transformer_engine" if te_usable() else "local"
+    if requested not in TRANSFORMER_IMPLS:
+        raise ConfigError("model.transformer_impl", requested, "unknown implementation",
+                          "use auto, " + " or ".join(TRANSFORMER_IMPLS))
+    if requested == "transformer_engine" and not te_usable():
+        why = "TransformerEngine is not installed" if te_version() is None else "CUDA is not available"
+        raise ConfigError(
+            "model.transformer_impl", requested, why,
+            "pip install -e .[gpu] on a CUDA machine, or use model.transformer_impl=local",
+            row="TransformerEngine layer spec",
+        )
+    return requested
