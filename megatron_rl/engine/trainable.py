@@ -17,6 +17,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_rl.engine.lr_schedules import LR_SCHEDULES
 from megatron_rl.config.schema import OptimConfig
 
 
@@ -99,14 +100,15 @@ def fresh_optimizer(wrapped: list, optim: OptimConfig, total_steps: int) -> Trai
     )
     optimizer = get_megatron_optimizer(opt_config, wrapped, use_gloo_process_groups=False)
     decay_steps = max(total_steps, optim.warmup_steps + 1)
+    decay_style, decays = LR_SCHEDULES[optim.schedule]
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if optim.warmup_steps else optim.lr,
         max_lr=optim.lr,
-        min_lr=optim.min_lr if optim.schedule == "cosine" else optim.lr,
+        min_lr=optim.min_lr if decays else optim.lr,
         lr_warmup_steps=optim.warmup_steps,
         lr_decay_steps=decay_steps,
-        lr_decay_style="cosine" if optim.schedule == "cosine" else "constant",
+        lr_decay_style=decay_style,
         start_wd=optim.weight_decay,
         end_wd=optim.weight_decay,
         wd_incr_steps=decay_steps,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -12,15 +11,9 @@ from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout
 from megatron_rl.models.gpt import RLGPTModel
 from megatron_rl.capabilities import resolve_transformer_impl
+from megatron_rl.models.arch import ACTIVATIONS, resolve_dtype
 from megatron_rl.models.specs import block_spec
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -41,8 +34,8 @@ def transformer_config(
         kv_channels=model.kv_channels,
         normalization=model.normalization,
         layernorm_epsilon=model.norm_epsilon,
-        gated_linear_unit=model.activation == "swiglu",
-        activation_func=F.silu if model.activation == "swiglu" else F.gelu,
+        gated_linear_unit=ACTIVATIONS[model.activation][0],
+        activation_func=ACTIVATIONS[model.activation][1],
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm,
