@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo")
+# Estimators whose baseline comes from the other samples of the same prompt (need rollout.n >= 2).
+GROUP_ESTIMATORS = ("grpo", "rloo")
 
 
 def needs_critic(name: str) -> bool:

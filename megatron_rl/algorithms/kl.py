@@ -11,6 +11,8 @@ import torch
 
 KL_KINDS = ("k1", "k2", "k3")
 _ALIASES = {"low_var_kl": "k3", "mse": "k2"}
+KL_NAMES = KL_KINDS + tuple(_ALIASES)  # what algorithm.kl_kind accepts
+KL_CONTROLLERS = ("fixed", "adaptive")
 
 # exp(r) overflows float32 near r = 88; beyond |r| = 20 the policies disagree completely anyway.
 _K3_LOG_RATIO_LIMIT = 20.0

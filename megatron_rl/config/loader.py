@@ -9,16 +9,30 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import typing
 from typing import Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.config.schema import Config, iter_fields
+from megatron_rl.config.schema import Config, leaf_types, literal_choices
 
-ALL_KEYS = [key for key, _, _ in iter_fields()]
-_KEY_TYPES = {key: str(f.type) for key, f, _ in iter_fields()}
+_LEAF_TYPES = leaf_types()
+ALL_KEYS = list(_LEAF_TYPES)
+_CHOICES = {key: literal_choices(tp) for key, tp in _LEAF_TYPES.items() if literal_choices(tp)}
+
+
+def _type_name(tp) -> str:
+    """``int``, ``Optional[float]``, ...; a field with ``Literal`` choices reads as a string."""
+    optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+    if optional:
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    name = "str" if literal_choices(tp) else getattr(tp, "__name__", str(tp))
+    return f"Optional[{name}]" if optional else name
+
+
+_KEY_TYPES = {key: _type_name(tp) for key, tp in _LEAF_TYPES.items()}
 _TYPE_WORDS = {
     "int": "an integer", "Optional[int]": "an integer or null",
     "float": "a number", "Optional[float]": "a number or null",
@@ -32,12 +46,24 @@ def _nearest_key(key: str) -> str:
     return f"did you mean {match[0]}?" if match else "see docs/config.md for the valid keys"
 
 
+def choice_error(key: str, value, choices) -> ConfigError:
+    """The one message for a value outside a field's choices (schema ``Literal`` or a registry)."""
+    names = [str(c) for c in choices]
+    near = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
+    fix = (f"did you mean {near[0]}? " if near else "") + "use one of " + ", ".join(names)
+    return ConfigError(key, value, "unknown choice", fix)
+
+
 def _convert(err: Exception, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or "?"
     if isinstance(err, (oc_errors.ConfigAttributeError, oc_errors.ConfigKeyError)):
         return ConfigError(key, None, f"unknown key (from {source})", _nearest_key(key))
     if isinstance(err, oc_errors.ValidationError):
         value = getattr(err, "value", None)
+        if key in _CHOICES:
+            if value is None:  # omegaconf keeps the offending value only in its message
+                value = str(err).split("'")[1] if "'" in str(err) else None
+            return choice_error(key, value, _CHOICES[key])
         if key not in _KEY_TYPES:
             group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None) if key != "?" else None
             where = f"{key} is a group of keys" if group else "not a value key"

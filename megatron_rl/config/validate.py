@@ -1,6 +1,9 @@
-"""Config validation: every constraint of every feature in the registry, before any process group.
+"""Config validation before any process group: field rules, then what this machine resolves
+``auto`` to, then every constraint of every feature in the registry.
 
-Raises :class:`ConfigError` (one line: key, value, problem, fix, feature-matrix row).
+Raises :class:`ConfigError` (one line: key, value, problem, fix, feature-matrix row).  What the
+config points at (prompt file, reward function, tokenizer) is checked by
+:mod:`megatron_rl.tools.preflight`.
 """
 
 from __future__ import annotations
@@ -8,12 +11,17 @@ from __future__ import annotations
 from typing import Optional
 
 from megatron_rl.capabilities import resolve_transformer_impl
-from megatron_rl.errors import ConfigError
+from megatron_rl.config.rules import check_field_rules
 from megatron_rl.config.schema import Config
+from megatron_rl.errors import ConfigError
 from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    check_field_rules(cfg)
+    # TransformerEngine availability is a property of this machine, not of the YAML; rules that
+    # depend on it read the resolved implementation.
+    resolve_transformer_impl(cfg.model.transformer_impl)
     for feat in FEATURES:
         if feat.status in (PLANNED, UNSUPPORTED) and feat.in_use is not None and feat.in_use(cfg):
             raise ConfigError(feat.config or feat.name, None, f"'{feat.name}' is {feat.status}",
@@ -23,5 +31,3 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             if problem is not None:
                 key, value, text, fix = problem
                 raise ConfigError(key, value, text, fix, row=feat.name)
-    # TransformerEngine availability is a property of this machine, not of the YAML.
-    resolve_transformer_impl(cfg.model.transformer_impl)

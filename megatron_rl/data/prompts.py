@@ -103,6 +103,45 @@ def _answer(record: dict, key: str, where: str) -> Optional[str]:
                     f"store the {key} as a string, or leave it out")
 
 
+def _records(path: str) -> Iterator[tuple[int, str, object]]:
+    """``(source index, location, record)`` for every record of a JSONL or Parquet file."""
+    if not os.path.isfile(path):
+        raise DataError("data.train_path", path, "no such file", "check the prompt data path (or use task:<name>)")
+    lower = path.lower()
+    if lower.endswith(JSONL_SUFFIXES):
+        return _records_jsonl(path)
+    if lower.endswith(PARQUET_SUFFIXES):
+        return _records_parquet(path)
+    raise DataError("data.train_path", path, "unknown prompt file type",
+                    f"use JSON lines ({', '.join(JSONL_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)})")
+
+
+def _prompt_of(record, where: str, prompt_key: str, messages_key: str):
+    """``("text", str)`` or ``("messages", list)``; a :class:`DataError` naming the key to set otherwise."""
+    if not isinstance(record, dict):
+        raise DataError(where, None, f"the record is a {type(record).__name__}, not an object",
+                        f"write one JSON object per line with a '{prompt_key}' or '{messages_key}' key")
+    if record.get(prompt_key) is not None:
+        return "text", _text(record, prompt_key, where)
+    if record.get(messages_key) is not None:
+        return "messages", _messages(record, messages_key, where)
+    text_keys = [k for k, v in record.items() if isinstance(v, str) and v.strip()]
+    hint = f"set data.prompt_key={text_keys[0]}" if text_keys else f"add a '{prompt_key}' string"
+    raise DataError(where, None, f"the record has neither '{prompt_key}' nor '{messages_key}' "
+                    f"(keys: {sorted(record)[:8]})",
+                    f"{hint}, or give each record a '{prompt_key}' string or a '{messages_key}' list")
+
+
+def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
+                      messages_key: str = "messages") -> None:
+    """Read only the first record and check it as :func:`load_prompts` would (before any launch)."""
+    for _, where, record in _records(os.fspath(path)):
+        _prompt_of(record, where, prompt_key, messages_key)
+        _answer(record, answer_key, where)
+        return
+    raise DataError("data.train_path", path, "the file holds no records", "give a prompt file with at least one record")
+
+
 def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
                  answer_key: str = "answer", messages_key: str = "messages") -> PromptSet:
     """Read a JSONL or Parquet prompt file, tokenize it, drop prompts over ``max_prompt_tokens``.
@@ -113,36 +152,18 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     """
     path = os.fspath(path)
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
-        raise DataError("max_prompt_tokens", max_prompt_tokens, "must be a positive integer",
+        raise DataError("data.max_prompt_tokens", max_prompt_tokens, "must be a positive integer",
                         "set the prompt token budget to at least 1")
-    if not os.path.isfile(path):
-        raise DataError(path, None, "no such file", "check the prompt data path")
-    lower = path.lower()
-    if lower.endswith(JSONL_SUFFIXES):
-        records = _records_jsonl(path)
-    elif lower.endswith(PARQUET_SUFFIXES):
-        records = _records_parquet(path)
-    else:
-        raise DataError(path, None, "unknown prompt file type",
-                        f"use JSON lines ({', '.join(JSONL_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)})")
+    records = _records(path)
 
     out = PromptSet([], [], [], [], path=path)
     total = 0
     for index, where, record in records:
-        if not isinstance(record, dict):
-            raise DataError(where, None, f"the record is a {type(record).__name__}, not an object",
-                            f"write one JSON object per line with a '{prompt_key}' or '{messages_key}' key")
-        if record.get(prompt_key) is not None:
-            text = _text(record, prompt_key, where)
-            ids = tokenizer.encode_prompt(text)
-        elif record.get(messages_key) is not None:
-            messages = _messages(record, messages_key, where)
-            text, ids = tokenizer.chat_text(messages), tokenizer.apply_chat_template(messages)
+        kind, prompt = _prompt_of(record, where, prompt_key, messages_key)
+        if kind == "text":
+            text, ids = prompt, tokenizer.encode_prompt(prompt)
         else:
-            raise DataError(where, None, f"the record has neither '{prompt_key}' nor '{messages_key}' "
-                            f"(keys: {sorted(record)[:8]})",
-                            f"add a '{prompt_key}' string or a '{messages_key}' list, or point the prompt key "
-                            "at the field that holds the prompt")
+            text, ids = tokenizer.chat_text(prompt), tokenizer.apply_chat_template(prompt)
         answer = _answer(record, answer_key, where)
         total += 1
         if len(ids) > max_prompt_tokens:
@@ -156,9 +177,10 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     if out.num_dropped:
         logger.warning("dropped %d of %d prompts longer than %d tokens", out.num_dropped, total, max_prompt_tokens)
     if total == 0:
-        raise DataError(path, None, "the file holds no records", "give a prompt file with at least one record")
+        raise DataError("data.train_path", path, "the file holds no records",
+                        "give a prompt file with at least one record")
     if not out.prompt_ids:
-        raise DataError("max_prompt_tokens", max_prompt_tokens,
+        raise DataError("data.max_prompt_tokens", max_prompt_tokens,
                         f"all {total} prompts in {path} are longer than this many tokens",
                         "raise the prompt token budget or shorten the prompts")
     return out

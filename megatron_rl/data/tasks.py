@@ -25,13 +25,18 @@ def _max_digit() -> list[tuple[str, str]]:
 
 
 TASKS = {"digit_sum": _digit_sum, "add_small": _add_small, "max_digit": _max_digit}
+TASK_PREFIX = "task:"
+
+
+def check_task(name: str) -> None:
+    if name not in TASKS:
+        raise DataError("data.train_path", f"{TASK_PREFIX}{name}", "unknown built-in task",
+                        f"use one of {', '.join(TASK_PREFIX + t for t in TASKS)}, or a JSONL/Parquet file")
 
 
 def load_task(name: str, tokenizer, max_prompt_tokens: int) -> PromptSet:
-    if name not in TASKS:
-        raise DataError("data.train_path", f"task:{name}", "unknown built-in task",
-                        f"use one of {', '.join('task:' + t for t in TASKS)}, or a JSONL/Parquet file")
-    out = PromptSet([], [], [], [], path=f"task:{name}")
+    check_task(name)
+    out = PromptSet([], [], [], [], path=f"{TASK_PREFIX}{name}")
     for index, (prompt, answer) in enumerate(TASKS[name]()):
         ids = tokenizer.encode_prompt(prompt)
         if len(ids) > max_prompt_tokens:

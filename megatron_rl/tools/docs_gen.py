@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
 import os
 import sys
 
-from megatron_rl.config.schema import Config, iter_fields
+from megatron_rl.config.rules import bounds_text, registry_choices
+from megatron_rl.config.schema import Config, iter_fields, leaf_types, literal_choices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,24 +62,45 @@ RUNTIME_ERRORS = [
 ]
 
 
+def _default_text(default) -> str:
+    return default if isinstance(default, str) else json.dumps(default)
+
+
+def _type_text(tp, field) -> str:
+    """``int (>= 1)``, ``one of `a`, `b```, ``str or null``: what the key accepts, from the schema."""
+    optional = typing.get_origin(tp) is typing.Union and type(None) in typing.get_args(tp)
+    choices = literal_choices(tp)
+    if field.metadata.get("choices"):
+        choices = registry_choices(field.metadata["choices"])
+    if choices:
+        text = "one of " + ", ".join(f"`{c}`" for c in choices)
+    else:
+        inner = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if optional else tp
+        text = getattr(inner, "__name__", str(inner))
+    bounds = field.metadata.get("bounds")
+    if bounds:
+        text += f" ({bounds_text(bounds)})"
+    return text + (" or null" if optional else "")
+
+
 def config_markdown() -> str:
     lines = ["# Configuration reference", "",
              "Generated from `megatron_rl/config/schema.py` by `python -m megatron_rl.tools.docs_gen --write`;",
              "do not edit by hand. Set keys in a YAML file (`--config FILE`) or on the command line",
-             "(`key=value`, e.g. `parallel.tp=2 actor.optim.lr=1e-6`). Unknown keys and wrong types are",
-             "rejected with a one-line error naming the key (exit code 2).", ""]
+             "(`key=value`, e.g. `parallel.tp=2 actor.optim.lr=1e-6`). Unknown keys, wrong types, values",
+             "outside a key's choices or range are rejected before any process starts, with a one-line",
+             "error naming the key (exit code 2).", ""]
+    types = leaf_types(Config)
+    keys = [k for k, _, _ in iter_fields(Config)]
     section = None
     for key, field, default in iter_fields(Config):
         top = key.split(".")[0]
         if top != section:
             section = top
             lines += [f"## `{section}`", "", "| Key | Type | Default | Meaning |", "|---|---|---|---|"]
-        kind = str(field.type).replace("Optional[", "").rstrip("]")
-        if str(field.type).startswith("Optional"):
-            kind += " or null"
-        value = default if isinstance(default, str) else json.dumps(default)
-        lines.append(f"| `{key}` | {kind} | `{value}` | {field.metadata.get('help', '')} |")
-        if key == list(k for k, _, _ in iter_fields(Config) if k.startswith(section + "."))[-1]:
+        lines.append(f"| `{key}` | {_type_text(types[key], field)} | `{_default_text(default)}` | "
+                     f"{field.metadata.get('help', '')} |")
+        if key == [k for k in keys if k.startswith(section + ".")][-1]:
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -1,0 +1,33 @@
+"""Checks of what a training config points at, before any process starts.
+
+Validation (``config/validate.py``) judges the values; this opens what they name: the prompt file
+(its first record), the reward function, the tokenizer (its vocabulary must fit the model's), the
+critic's HF directory and the initial checkpoint.  Each failure is one line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_rl.config.schema import Config
+from megatron_rl.data.sources import check_prompt_source, tokenizer_spec
+from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.errors import ConfigError
+from megatron_rl.rewards.registry import get_reward_fn
+
+
+def _check_dir(key: str, path: str | None, what: str) -> None:
+    if path and not os.path.isdir(path):
+        raise ConfigError(key, path, "no such directory", f"point {key} at {what}, or set it to null")
+
+
+def check_training_inputs(cfg: Config) -> None:
+    check_prompt_source(cfg.data)
+    get_reward_fn(cfg.reward.fn)
+    _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
+    _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
+    tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
+                          f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
+                          f"set model.vocab_size >= {tokenizer.vocab_size}")

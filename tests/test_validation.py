@@ -1,0 +1,181 @@
+"""Every class of bad value is refused before any process starts: one line naming the key, the
+value and the fix, exit code 2, and nothing written to the run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config.loader import load_config
+from megatron_rl.config.validate import validate
+from megatron_rl.errors import ConfigError
+from megatron_rl.tools.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
+
+
+def refused(capsys, tmp_path, *overrides: str, world: int = 4) -> str:
+    """Run ``megatron-rl validate DEMO --world-size N overrides``; return its one stderr line."""
+    code = main(["validate", DEMO, "--world-size", str(world), f"run.dir={tmp_path}/runs", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 1, lines
+    assert "fix:" in lines[0]
+    assert not (tmp_path / "runs").exists()
+    return lines[0]
+
+
+UNKNOWN_CHOICES = [
+    ("model.activation", "bogus", "swiglu, gelu"),
+    ("model.normalization", "bogus", "RMSNorm, LayerNorm"),
+    ("model.params_dtype", "fp8", "bfloat16"),
+    ("model.transformer_impl", "te", "transformer_engine"),
+    ("model.recompute.granularity", "partial", "full, selective"),
+    ("actor.optim.schedule", "bogus", "constant, linear, cosine"),
+    ("critic.optim.schedule", "cosin", "did you mean cosine?"),
+    ("parallel.cp_comm_type", "bogus", "p2p, all_gather"),
+    ("distributed.backend", "mpi", "nccl, gloo"),
+    ("distributed.device", "tpu", "cuda, cpu"),
+    ("trainer.sft_answers", "maybe", "true, shuffled"),
+    ("algorithm.kl_controller", "pid", "fixed, adaptive"),
+    # registries: read from the module that implements them
+    ("algorithm.advantage", "ppo", "gae, grpo, rloo"),
+    ("algorithm.kl_kind", "k4", "low_var_kl"),
+    ("algorithm.loss_agg", "mean", "token-mean"),
+    ("rollout.engine", "vllm", "torch, tp_sharded"),
+]
+
+
+@pytest.mark.parametrize("key,value,listed", UNKNOWN_CHOICES)
+def test_unknown_choice_is_refused_with_the_choices(capsys, tmp_path, key, value, listed):
+    line = refused(capsys, tmp_path, f"{key}={value}")
+    assert line.startswith(f"config error: {key}={value}: unknown choice; fix:"), line
+    assert listed in line
+
+
+OUT_OF_RANGE = [
+    ("rollout.temperature", "-1", "> 0"),
+    ("rollout.temperature", "0", "> 0"),
+    ("rollout.top_p", "1.5", "<= 1"),
+    ("rollout.top_p", "0", "> 0"),
+    ("rollout.top_k", "-1", ">= 0"),
+    ("rollout.n", "0", ">= 1"),
+    ("actor.optim.lr", "-1e-5", ">= 0"),
+    ("critic.optim.min_lr", "-1", ">= 0"),
+    ("actor.optim.adam_beta2", "1.0", "< 1"),
+    ("algorithm.clip_low", "-0.1", ">= 0"),
+    ("algorithm.clip_high", "-0.2", ">= 0"),
+    ("algorithm.dual_clip", "0.5", "> 1"),
+    ("algorithm.value_clip", "0", "> 0"),
+    ("algorithm.gamma", "1.5", "<= 1"),
+    ("batch.micro_batch_size", "0", ">= 1"),
+    ("batch.max_tokens_per_rank", "0", ">= 1"),
+    ("trainer.prompts_per_step", "0", ">= 1"),
+    ("trainer.keep_last", "0", ">= 1"),
+    # checked before the layout arithmetic, which used to divide by it
+    ("parallel.tp", "0", ">= 1"),
+    ("parallel.cp", "-2", ">= 1"),
+]
+
+
+@pytest.mark.parametrize("key,value,bound", OUT_OF_RANGE)
+def test_out_of_range_number_is_refused(capsys, tmp_path, key, value, bound):
+    line = refused(capsys, tmp_path, f"{key}={value}")
+    assert line.startswith(f"config error: {key}="), line
+    assert f"out of range (must be {bound}" in line or f"and {bound}" in line, line
+
+
+def test_prompt_file_that_does_not_exist(capsys, tmp_path):
+    line = refused(capsys, tmp_path, "data.train_path=/nonexistent.jsonl")
+    assert line.startswith("data error: data.train_path=/nonexistent.jsonl: no such file"), line
+
+
+def test_unknown_builtin_task(capsys, tmp_path):
+    line = refused(capsys, tmp_path, "data.train_path=task:no_such_task")
+    assert "unknown built-in task" in line and "task:digit_sum" in line
+
+
+def test_prompt_file_whose_first_record_does_not_parse(capsys, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"\n')
+    line = refused(capsys, tmp_path, f"data.train_path={path}")
+    assert line.startswith(f"data error: {path}:1: line 1 is not valid JSON"), line
+
+
+def test_prompt_file_with_another_prompt_key_names_the_setting(capsys, tmp_path):
+    path = tmp_path / "questions.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    line = refused(capsys, tmp_path, f"data.train_path={path}")
+    assert "neither 'prompt' nor 'messages'" in line and "set data.prompt_key=question" in line
+    assert main(["validate", DEMO, f"data.train_path={path}", "data.prompt_key=question"]) == 0
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("no_such_fn", "unknown reward function"),
+    ("no_such_module_xyz:score", "cannot import module"),
+    ("megatron_rl.rewards.math_answer:no_such_function", "has no attribute"),
+])
+def test_reward_that_does_not_resolve(capsys, tmp_path, spec, words):
+    line = refused(capsys, tmp_path, f"reward.fn={spec}")
+    assert line.startswith(f"reward error: reward.fn={spec}: ") and words in line, line
+
+
+def test_tokenizer_directory_that_does_not_exist(capsys, tmp_path):
+    line = refused(capsys, tmp_path, f"data.tokenizer={tmp_path}/no_tokenizer")
+    assert line.startswith(f"data error: data.tokenizer={tmp_path}/no_tokenizer"), line
+
+
+def test_tokenizer_vocabulary_larger_than_the_model(capsys, tmp_path):
+    line = refused(capsys, tmp_path, "model.vocab_size=10")
+    assert line.startswith("config error: model.vocab_size=10: smaller than the tokenizer's vocabulary"), line
+
+
+@pytest.mark.parametrize("key,what", [("model.hf_path", "no config.json"), ("critic.hf_path", "no such directory"),
+                                      ("actor.init_checkpoint", "no such directory")])
+def test_model_directory_that_does_not_exist(capsys, tmp_path, key, what):
+    line = refused(capsys, tmp_path, f"{key}={tmp_path}/missing")
+    assert line.startswith(f"config error: {key}={tmp_path}/missing: {what}"), line
+
+
+def test_train_refuses_before_starting_any_process(tmp_path):
+    """The launcher validates before it starts ranks: a bad value never reaches a process group."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config", DEMO, "--nproc", "4",
+                           f"run.dir={tmp_path}", "rollout.temperature=-1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "config error: rollout.temperature=-1.0: out of range (must be > 0); "
+        "fix: set rollout.temperature to a value > 0"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
+    """With ``auto`` the a2a CP rule asks what auto resolves to on this machine, not the literal."""
+    cfg = load_config(DEMO, ["parallel.cp=2", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
+                             "model.transformer_impl=auto"])
+    with pytest.raises(ConfigError, match="only p2p and all_gather exist without TransformerEngine"):
+        validate(cfg, 2)
+    import megatron_rl.config.validate as validate_mod
+    import megatron_rl.features as features
+
+    def resolves_to_te(requested):
+        return "transformer_engine"
+
+    monkeypatch.setattr(features, "resolve_transformer_impl", resolves_to_te)
+    monkeypatch.setattr(validate_mod, "resolve_transformer_impl", resolves_to_te)
+    validate(cfg, 2)  # accepted where auto means TransformerEngine
+
+
+def test_config_layer_does_not_import_megatron_core():
+    """Validation runs on the launcher before any rank: it must not pay for (or depend on) megatron-core."""
+    code = ("import sys, megatron_rl.config.validate, megatron_rl.config.loader; "
+            "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith(('megatron.', 'megatron_rl.models.'))"
+            " and m != 'megatron_rl.models.arch'); print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
