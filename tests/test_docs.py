@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
 from megatron_rl.tools.docs_gen import stale
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_generated_docs_are_current():
     assert stale() == [], "run: python -m megatron_rl.tools.docs_gen --write"
-
-
-import os  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def quickstart_commands() -> list[str]:

@@ -1,7 +1,7 @@
 """Megatron models built from Hugging Face checkpoints compute what HF transformers computes.
 
-Tiny Llama / Qwen2 / Qwen3 / Mistral checkpoints are created here with random weights (no
-downloads).  `score` on each parallel layout must reproduce HF's per-token log-probs in fp32; the
+Tiny Llama / Qwen2 / Qwen3 / Mistral checkpoints are created with random weights by
+``tests/_helpers.py`` (no downloads).  `score` on each parallel layout must reproduce HF's per-token log-probs in fp32; the
 bridge must round-trip HF -> Megatron (TP2xPP2) -> HF bit-exactly; the critic's values must not
 depend on the layout, and its value head must get the same gradient on every TP rank.
 """
@@ -17,19 +17,9 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
+from tests._helpers import ARCHS, COMMON, check_scores, hf_logprobs, make_hf_model, score_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-ARCHS = {
-    "llama": dict(rope_theta=10000.0),
-    "qwen2": dict(tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3": dict(head_dim=32, rope_theta=1e6),
-    "mistral": dict(sliding_window=None),
-    "llama3_rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                        max_position_embeddings=16384),
-}
 LAYOUTS = {
     "tp1": (1, []),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
@@ -38,33 +28,6 @@ LAYOUTS = {
     "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2"]),
 }
 LENGTHS = (37, 5, 64, 2, 23)
-
-
-def make_hf_model(kind: str, path: str, seed: int = 0):
-    import transformers
-
-    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "llama3_rope": "Llama"}
-    name = classes[kind]
-    config_cls = getattr(transformers, f"{name}Config")
-    model_cls = getattr(transformers, f"{name}ForCausalLM")
-    torch.manual_seed(seed)
-    kwargs = dict(COMMON)
-    kwargs.update(ARCHS[kind])
-    model = model_cls(config_cls(**kwargs)).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.normal_(1.0, 0.1)  # non-trivial norms catch a missing or misplaced norm
-            elif pname.endswith("bias"):
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(path)
-    return model
-
-
-def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
 @pytest.fixture(scope="module")
@@ -81,33 +44,6 @@ def hf_models(tmp_path_factory):
                 fh.write(json.dumps({"input_ids": ids}) + "\n")
         out[kind] = (path, [hf_logprobs(model, ids) for ids in sequences])
     return out
-
-
-def score_body(hf_dir: str, overrides: list[str], output: str):
-    from megatron_rl.config.loader import load_config
-    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
-    from megatron_rl.tools.score import run_score
-
-    cfg = load_config(None, overrides)
-    cfg.model = model_config_from_hf(read_hf_config(hf_dir), cfg.model)
-    cfg.model.hf_path = hf_dir
-    run_score(cfg, hf_dir, os.path.join(hf_dir, "in.jsonl"), output)
-
-
-def read_scores(path: str) -> list[dict]:
-    with open(path) as fh:
-        return [json.loads(line) for line in fh]
-
-
-def check_scores(path: str, reference: list[torch.Tensor]) -> float:
-    rows = read_scores(path)
-    assert len(rows) == len(reference)
-    worst = 0.0
-    for row, ref in zip(rows, reference):
-        assert len(row["logprobs"]) == len(ref) == len(row["entropy"])
-        if len(ref):
-            worst = max(worst, float((torch.tensor(row["logprobs"]) - ref).abs().max()))
-    return worst
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

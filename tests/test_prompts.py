@@ -1,20 +1,15 @@
 """Tokenizers, prompt loading and filtering, and the resumable prompt sampler."""
 
+import importlib.util
 import json
 import logging
 
 import pytest
 
-from megatron_rl.errors import DataError, UserInputError
 from megatron_rl.data import CharTokenizer, HFTokenizer, PromptSampler, PromptSet, load_prompts, load_tokenizer
+from megatron_rl.errors import DataError, UserInputError
 
-try:
-    import pyarrow  # noqa: F401
-    import pyarrow.parquet  # noqa: F401
-
-    HAVE_PYARROW = True
-except ImportError:
-    HAVE_PYARROW = False
+HAVE_PYARROW = importlib.util.find_spec("pyarrow") is not None
 
 needs_pyarrow = pytest.mark.skipif(not HAVE_PYARROW, reason="pyarrow is not installed (pip install pyarrow)")
 

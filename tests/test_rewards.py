@@ -154,16 +154,27 @@ def user_reward(prompts, responses, answers, bonus=0.0):
 
 
 def test_register_reward():
-    @register_reward("test_only_const", "test_only_const_alias")
+    from megatron_rl.rewards import registry
+
+    names = ("test_only_const", "test_only_const_alias")
+
+    @register_reward(*names)
     def const(prompts, responses, answers, value=1.0):
         return [value] * len(responses)
 
-    assert get_reward_fn("test_only_const") is get_reward_fn("test_only_const_alias") is const
-    assert compute_rewards("test_only_const_alias", ["p"], ["r"], [None], [0], value=2.0).tolist() == [2.0]
-    with pytest.raises(RewardFunctionError, match="reward.fn=test_only_const: raised"):
-        compute_rewards(const, ["p"], ["r"], [None], [0], valu=2.0)  # a misspelt keyword names the fn
-    with pytest.raises(ValueError, match="already registered"):
-        register_reward("math_answer")(const)
+    try:
+        assert get_reward_fn("test_only_const") is get_reward_fn("test_only_const_alias") is const
+        assert compute_rewards("test_only_const_alias", ["p"], ["r"], [None], [0], value=2.0).tolist() == [2.0]
+        with pytest.raises(RewardFunctionError, match="reward.fn=test_only_const: raised"):
+            compute_rewards(const, ["p"], ["r"], [None], [0], valu=2.0)  # a misspelt keyword names the fn
+        with pytest.raises(ValueError, match="already registered"):
+            register_reward("math_answer")(const)
+    finally:
+        # The registry is process-global (no unregister): leave it as later tests expect it.
+        for name in names:
+            registry._REWARDS.pop(name, None)
+        registry._NAMES.pop(const, None)
+    assert "test_only_const" not in list_rewards()
 
 
 def test_builtins_listed():

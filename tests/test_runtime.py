@@ -92,3 +92,35 @@ def test_layout_switches_release_process_groups():
     counts = run_distributed(2, rebuild_with_rope_model, 8)[0]
     print(f"threads after each of 8 layout switches: {counts}")
     assert counts[-1] <= counts[1], counts
+
+
+# ----------------------------------------------------------------------------- reused workers
+
+
+def lower_block_cap():
+    from megatron_rl.ops import cp_attention, zigzag
+
+    zigzag.local_positions_thd((0, 8), 2, 0)  # fills a cache
+    cp_attention._MAX_BLOCK_ELEMENTS = 7  # and "forgets" to restore a tunable
+    return zigzag._thd_positions.cache_info().currsize
+
+
+def read_state():
+    from megatron_rl.ops import cp_attention, zigzag
+
+    return cp_attention._MAX_BLOCK_ELEMENTS, zigzag._thd_positions.cache_info().currsize
+
+
+def test_each_body_starts_from_the_default_state():
+    """What one body leaves in a reused worker's caches and tunables, the next body does not see."""
+    import importlib
+
+    from megatron_rl.ops import cp_attention
+    from megatron_rl.testing import harness
+
+    for module, attr, method in harness._CACHES:  # every name the reset touches still exists
+        assert callable(getattr(getattr(importlib.import_module(module), attr), method)), (module, attr)
+    for module, attr in harness._TUNABLES:
+        assert hasattr(importlib.import_module(module), attr), (module, attr)
+    assert run_distributed(1, lower_block_cap) == [1]
+    assert run_distributed(1, read_state) == [(cp_attention._MAX_BLOCK_ELEMENTS, 0)]

@@ -2,7 +2,7 @@
 
     pytest -m slow tests/test_slurm.py
 
-The cluster (munged, slurmctld, slurmd) comes from :class:`megatron_rl.testing.slurm.LocalSlurm`,
+The cluster (munged, slurmctld, slurmd) comes from :class:`tests.support.local_slurm.LocalSlurm`,
 which installs Debian's slurm-wlm on first use; where that is impossible the tests skip with the
 reason.  Jobs run the script exactly as users submit it: knobs in the environment, the repo's
 virtualenv, torchrun under srun.
@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from megatron_rl.testing.slurm import TERMINAL_STATES, LocalSlurm, SlurmUnavailable, run_log_path
+from tests._helpers import TINY
+from tests.support.local_slurm import TERMINAL_STATES, LocalSlurm, SlurmUnavailable, run_log_path
 
 pytestmark = pytest.mark.slow
 
@@ -189,8 +190,6 @@ def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
 
     ``trainer.save_every=0``: the only checkpoint before the end is the one the signal asked
     for, so resuming after step N proves the signal path wrote it."""
-    from tests.test_ppo import TINY  # imports torch: only here, not when the file is collected
-
     overrides = [*TINY, f"trainer.steps={PPO_STEPS}", "trainer.save_every=0",
                  "distributed.device=cpu", "distributed.backend=gloo"]
     knobs = _knobs(tmp_path, COMMAND="train", CONFIG="", NPROC_PER_NODE="2", RUN_NAME="ppo",

@@ -1,14 +1,39 @@
 """Run a function on N gloo worker processes and collect per-rank results.
 
-Tests use one shared pool per world size for the whole session: workers are forked from a
-forkserver that has already imported torch and megatron-core, initialise torch.distributed once,
-and then run any number of test bodies (each may set up its own parallel layout with
-:func:`megatron_rl.testing.layouts.use_layout`).  A body that raises on any rank fails the
-caller with that rank's traceback; a body that hangs is killed after ``timeout`` seconds and the
-pool is rebuilt, so one bad test never blocks the suite.
+This is for parallel tests and benchmarks of code built on megatron_rl, ours (``tests/``,
+``benchmarks/``) and yours: it needs no GPU, no launcher and no cluster, only CPU cores.
 
-    pool = get_pool(4)
-    results = pool.run(my_module.body, arg1, arg2)   # list, one entry per rank
+    from megatron_rl.testing.harness import run_distributed
+
+    def body(tp):                       # module level: see below
+        from megatron_rl.testing.layouts import use_layout
+
+        layout = use_layout(tp=tp)
+        return layout.dp
+
+    def test_dp_size():
+        assert run_distributed(4, body, 2) == [2, 2, 2, 2]    # one entry per rank
+
+One shared pool per world size serves the whole session: workers are forked from a forkserver
+that has already imported torch and megatron-core, initialise torch.distributed once, and then
+run any number of bodies (each may set up its own parallel layout with
+:func:`megatron_rl.testing.layouts.use_layout`).  A body that raises on any rank fails the caller
+with that rank's traceback; a body that hangs is killed after ``timeout`` seconds and the pool is
+rebuilt, so one bad test never blocks the rest.
+
+What this design costs:
+
+* The body and its arguments are pickled, and a function pickles *by reference* (its module and
+  name).  So a body must be a module-level function of an importable module (no lambdas, no
+  nested functions, no functions defined in ``__main__`` of a script the workers cannot import),
+  and its return value must pickle.  Bodies import what they use inside themselves, which also
+  keeps collecting a test file cheap.
+* Workers are reused, so whatever a body leaves in module globals reaches the next body in that
+  pool.  :func:`reset_state` runs before every body: it clears the caches megatron_rl keeps and
+  restores the tunables tests lower (``_CACHES``, ``_TUNABLES``).  Anything else a body patches
+  (a method, a registry entry) it must restore in ``finally``.  For fresh processes, call
+  ``get_pool(n).close()``: the next ``get_pool(n)`` starts new workers.
+* Pools are never shrunk: sizes 1, 2, 4 and 8 all stay alive until the session ends.
 """
 
 from __future__ import annotations
@@ -26,9 +51,34 @@ import torch.multiprocessing as mp
 
 _DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_RL_TEST_TIMEOUT", "300"))
 
+# Process-wide state one body may change and the next should not inherit.  Caches, cleared
+# (``cache_clear`` for functools caches, ``clear`` for dicts): (module, attribute, method).
+_CACHES = (
+    ("megatron_rl.ops.zigzag", "_thd_positions", "cache_clear"),
+    ("megatron_rl.ops.zigzag", "_bshd_positions", "cache_clear"),
+    ("megatron_rl.ops.cp_attention", "_MASKS", "clear"),
+)
+# Tunables tests lower, set back to their values when the worker started: (module, attribute).
+_TUNABLES = (("megatron_rl.ops.cp_attention", "_MAX_BLOCK_ELEMENTS"),)
+_DEFAULTS: dict[tuple[str, str], Any] = {}
+
 
 class RankError(RuntimeError):
     """A test body raised on a worker rank."""
+
+
+def reset_state() -> None:
+    """Clear megatron_rl's process-wide caches and restore the tunables tests change.
+
+    The worker runs it before every body.  tests/test_runtime.py checks that every name in
+    ``_CACHES`` and ``_TUNABLES`` still exists, so a rename cannot make this a silent no-op."""
+    import importlib
+
+    for module, attr, method in _CACHES:
+        getattr(getattr(importlib.import_module(module), attr), method)()
+    for module, attr in _TUNABLES:
+        mod = importlib.import_module(module)
+        setattr(mod, attr, _DEFAULTS.setdefault((module, attr), getattr(mod, attr)))
 
 
 def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
@@ -41,7 +91,8 @@ def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
         from megatron_rl.distributed.runtime import init_distributed
 
         init_distributed(DistributedConfig(timeout_s=int(_DEFAULT_TIMEOUT)))
-    except BaseException:
+        reset_state()  # before any body: records the tunables' defaults
+    except BaseException:  # noqa: BLE001 - reported to the test process, which raises it
         results.put((rank, False, traceback.format_exc()))
         return
     results.put((rank, True, "ready"))
@@ -57,10 +108,11 @@ def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
             if entry not in sys.path:
                 sys.path.append(entry)
         try:
+            reset_state()
             fn, args, kwargs = pickle.loads(payload)
             value = fn(*args, **kwargs)
             results.put((rank, True, (task_id, pickle.dumps(value))))
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - reported to the test process, which raises it
             results.put((rank, False, (task_id, traceback.format_exc())))
 
 
@@ -148,7 +200,7 @@ class WorkerPool:
         for q in self._tasks:
             try:
                 q.put_nowait(None)
-            except Exception:
+            except (ValueError, OSError, queue.Full):  # closed already, or the worker is gone
                 pass
         for proc in self._procs:
             proc.join(timeout=2)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import ParallelConfig
 from megatron_rl.distributed.runtime import ParallelLayout, active_layout, init_model_parallel
 
 
-def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None, seed=1234) -> ParallelLayout:
-    """(Re)build megatron's groups for this layout on the pool's world; returns the ParallelLayout."""
+def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None,
+               seed=1234) -> ParallelLayout:
+    """(Re)build megatron's groups for this layout on the pool's world; returns the ParallelLayout.
+
+    Every call leaves the RNGs seeded with ``seed``, as a fresh ``init_model_parallel`` does; the
+    groups are rebuilt only when the layout changes (that is the slow part)."""
     cfg = ParallelConfig(
         tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, cp_comm_type=cp_comm_type,
         batch_p2p_comm=batch_p2p_comm,
@@ -18,8 +23,8 @@ def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p
     if layout != active_layout():
         init_model_parallel(layout, seed=seed)
     else:
+        # The same reseed as the end of init_model_parallel, without rebuilding the groups.
         from megatron.core import tensor_parallel
-        import torch
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
         torch.manual_seed(seed)

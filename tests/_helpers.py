@@ -1,0 +1,106 @@
+"""Fixtures shared by several test modules: the tiny PPO run, its reward, and tiny HF checkpoints.
+
+Kept out of the ``test_*`` modules so that importing one never collects or runs another, and so
+that ``reward.fn`` names a plugin module rather than a test module.  Importing this module is
+cheap (torch and transformers are imported by the functions that need them): ``test_slurm.py``
+reads ``TINY`` at collection time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# A PPO run small enough for a few steps on CPU in seconds; tests append layout and run overrides.
+TINY = [
+    "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.vocab_size=64", "model.max_position_embeddings=64",
+    "data.train_path=task:add_small", "data.tokenizer=char", "data.max_prompt_tokens=16",
+    "reward.fn=tests._helpers:digit_share", "rollout.n=2", "rollout.max_new_tokens=3",
+    "trainer.prompts_per_step=4", "trainer.plot=false", "actor.optim.lr=0.003", "critic.optim.lr=0.003",
+    "batch.micro_batch_size=2", "algorithm.kl_coef=0.05", "algorithm.mini_batches=2",
+]
+
+
+def digit_share(prompts, responses, answers, **kwargs) -> list[float]:
+    """Share of digits in the response: a tiny random model scores 0.1-0.2 from the first step, so
+    every metric moves (an exact-answer reward would stay 0 and leave nothing to compare)."""
+    return [sum(ch.isdigit() for ch in r) / max(len(r), 1) for r in responses]
+
+
+# ----------------------------------------------------------------------------- tiny HF checkpoints
+
+COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+ARCHS = {
+    "llama": dict(rope_theta=10000.0),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3": dict(head_dim=32, rope_theta=1e6),
+    "mistral": dict(sliding_window=None),
+    "llama3_rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                        max_position_embeddings=16384),
+}
+
+
+def make_hf_model(kind: str, path: str, seed: int = 0):
+    """A random tiny HF model of ``kind`` (a key of ``ARCHS``), saved to ``path``; returns it."""
+    import torch
+    import transformers
+
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "llama3_rope": "Llama"}
+    name = classes[kind]
+    config_cls = getattr(transformers, f"{name}Config")
+    model_cls = getattr(transformers, f"{name}ForCausalLM")
+    torch.manual_seed(seed)
+    kwargs = dict(COMMON)
+    kwargs.update(ARCHS[kind])
+    model = model_cls(config_cls(**kwargs)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0, 0.1)  # non-trivial norms catch a missing or misplaced norm
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_logprobs(model, ids: list[int]):
+    """HF's log-prob of each token after the first, in fp32."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def score_body(hf_dir: str, overrides: list[str], output: str):
+    """Worker body: ``megatron-rl score`` of ``hf_dir/in.jsonl`` into ``output`` on this layout."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.tools.score import run_score
+
+    cfg = load_config(None, overrides)
+    cfg.model = model_config_from_hf(read_hf_config(hf_dir), cfg.model)
+    cfg.model.hf_path = hf_dir
+    run_score(cfg, hf_dir, os.path.join(hf_dir, "in.jsonl"), output)
+
+
+def read_scores(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def check_scores(path: str, reference: list) -> float:
+    """Largest |log-prob - reference| over the scored file; checks the row and token counts."""
+    import torch
+
+    rows = read_scores(path)
+    assert len(rows) == len(reference)
+    worst = 0.0
+    for row, ref in zip(rows, reference):
+        assert len(row["logprobs"]) == len(ref) == len(row["entropy"])
+        if len(ref):
+            worst = max(worst, float((torch.tensor(row["logprobs"]) - ref).abs().max()))
+    return worst

@@ -1,0 +1,1 @@
+"""Test-only infrastructure that must never ship with the trainer (it installs system packages)."""
