@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
-from megatron_rl.algorithms.advantages import GROUP_ESTIMATORS
 from megatron_rl.capabilities import TE_CP_COMM_TYPES, resolve_transformer_impl
 from megatron_rl.models.arch import RECOMPUTE_MODULES
 from megatron_rl.ops.cp_attention import CP_COMM_TYPES

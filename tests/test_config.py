@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.errors import ConfigError
 from megatron_rl.config.loader import load_config, save_config
 from megatron_rl.config.validate import validate
+from megatron_rl.errors import ConfigError
 
 
 def _error(overrides, world=None, path=None) -> str:

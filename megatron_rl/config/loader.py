@@ -12,11 +12,12 @@ import os
 import typing
 from typing import Iterable, Optional
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
-from megatron_rl.errors import ConfigError
 from megatron_rl.config.schema import Config, leaf_types, literal_choices
+from megatron_rl.errors import ConfigError
 
 _LEAF_TYPES = leaf_types()
 ALL_KEYS = list(_LEAF_TYPES)
@@ -88,7 +89,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
             raise ConfigError("--config", path, "file not found", "give the path of a YAML file, e.g. configs/demo_cpu.yaml")
         try:
             file_cfg = OmegaConf.load(path)
-        except Exception as err:  # yaml syntax errors
+        except (yaml.YAMLError, UnicodeDecodeError) as err:
             first = str(err).splitlines()[0]
             raise ConfigError("--config", path, f"not valid YAML ({first})", "fix the YAML syntax") from None
         try:

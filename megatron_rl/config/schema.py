@@ -21,8 +21,13 @@ from typing import Any, Literal, Optional
 from megatron_rl.algorithms.kl import KL_CONTROLLERS
 from megatron_rl.capabilities import BACKENDS, DEVICES, TE_CP_COMM_TYPES, TRANSFORMER_IMPLS
 from megatron_rl.engine.lr_schedules import LR_SCHEDULE_NAMES
-from megatron_rl.models.arch import (ACTIVATION_NAMES, NORMALIZATIONS, PARAMS_DTYPES, RECOMPUTE_GRANULARITIES,
-                                     RECOMPUTE_METHODS)
+from megatron_rl.models.arch import (
+    ACTIVATION_NAMES,
+    NORMALIZATIONS,
+    PARAMS_DTYPES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+)
 from megatron_rl.ops.cp_attention import CP_COMM_TYPES
 
 ALL_CP_COMM_TYPES = CP_COMM_TYPES + TE_CP_COMM_TYPES

@@ -18,8 +18,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from megatron_rl.errors import DataError
 from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.errors import DataError
 
 logger = logging.getLogger("megatron_rl.data")
 

@@ -8,8 +8,8 @@ a model that only knows the answer format scores about 1/12 on ``add_small``.
 
 from __future__ import annotations
 
-from megatron_rl.errors import DataError
 from megatron_rl.data.prompts import PromptSet
+from megatron_rl.errors import DataError
 
 
 def _digit_sum() -> list[tuple[str, str]]:

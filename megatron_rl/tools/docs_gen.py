@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import typing
 import os
 import sys
+import typing
 
 from megatron_rl.config.rules import bounds_text, registry_choices
 from megatron_rl.config.schema import Config, iter_fields, leaf_types, literal_choices
