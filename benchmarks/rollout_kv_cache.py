@@ -25,7 +25,7 @@ import time
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.rollout.decoder import random_canonical
+from megatron_rl.rollout.decoder import left_pad, random_canonical, row_positions
 from megatron_rl.rollout.engine import TorchRolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 
@@ -38,17 +38,13 @@ def _sync(device: torch.device) -> None:
 @torch.inference_mode()
 def recompute_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Greedy decoding that reruns the full left-padded prefix for every new token."""
-    longest = max(map(len, prompts))
     device = model.embedding.word_embeddings.weight.device
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
-    for r, p in enumerate(prompts):
-        ids[r, longest - len(p):] = torch.tensor(p)
-        mask[r, longest - len(p):] = True
+    ids, mask, _ = left_pad(prompts)
+    longest = ids.size(1)
     ids, mask = ids.to(device), mask.to(device)
     ones = torch.ones(len(prompts), 1, dtype=torch.bool, device=device)
     for _ in range(new_tokens):
-        positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+        positions = row_positions(mask)
         nxt = model(ids, positions, attention_mask=mask, last_only=True)[:, -1].argmax(-1)
         ids, mask = torch.cat([ids, nxt[:, None]], 1), torch.cat([mask, ones], 1)
     return ids[:, longest:].tolist()

@@ -36,6 +36,7 @@ def measure_rank(cfg: ModelConfig, tp: int, prompts: list[list[int]], new_tokens
 
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical, load_canonical
+    from megatron_rl.planner.memory import kv_cache_bytes
     from megatron_rl.rollout.decoder import random_canonical
     from megatron_rl.rollout.engine import make_engine
     from megatron_rl.rollout.sampling import SamplingParams
@@ -59,9 +60,9 @@ def measure_rank(cfg: ModelConfig, tp: int, prompts: list[list[int]], new_tokens
         t0 = time.perf_counter()
         tokens = engine.generate(prompts, params, seed=0).response_ids
         decode = time.perf_counter() - t0
-        model = engine.model
         longest = max(map(len, prompts)) + new_tokens
-        kv = 2 * model.num_layers * len(prompts) * model.num_kv_heads * longest * model.head_dim * 4
+        shards = engine.model.tp.size  # the sharded engine's cache holds this rank's KV heads only
+        kv = kv_cache_bytes(cfg, len(prompts), longest, engine.model.output_weight().element_size()) / shards
         out[name] = dict(weights=engine.weight_bytes(), kv=kv, sync=sync, decode=decode, tokens=tokens)
         engine.release_weights()
     return out

@@ -8,12 +8,20 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.rollout.decoder import KVCache, TorchDecoder, random_canonical, rope_inv_freq
+from megatron_rl.rollout.decoder import (
+    KVCache,
+    TorchDecoder,
+    left_pad,
+    random_canonical,
+    rope_inv_freq,
+    row_positions,
+)
 from megatron_rl.rollout.engine import (
     ENGINES,
     RolloutBatch,
     RolloutEngine,
     TorchRolloutEngine,
+    engine_class,
     make_engine,
 )
 from megatron_rl.rollout.sampling import SamplingParams, sample, top_k_filter, top_p_filter
@@ -102,19 +110,9 @@ def test_rope_scaling_frequencies():
 
 
 # -- decoder -----------------------------------------------------------------------------------
-def _left_pad(prompts):
-    longest = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
-    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
-    for r, p in enumerate(prompts):
-        ids[r, longest - len(p):] = torch.tensor(p)
-        mask[r, longest - len(p):] = True
-    return ids, mask, (mask.long().cumsum(1) - 1).clamp_min(0)
-
-
 def test_left_padding_matches_unpadded_rows():
     model = _decoder(_cfg(qk_layernorm=True))
-    ids, mask, pos = _left_pad(PROMPTS)
+    ids, mask, pos = left_pad(PROMPTS)
     with torch.no_grad():
         padded = model(ids, pos, attention_mask=mask)
         for r, p in enumerate(PROMPTS):
@@ -125,12 +123,12 @@ def test_left_padding_matches_unpadded_rows():
 def test_kv_cache_greedy_equals_recompute():
     model = _decoder(_cfg())
     steps = 12
-    ids, mask, pos = _left_pad(PROMPTS)
+    ids, mask, pos = left_pad(PROMPTS)
     with torch.no_grad():
         # Reference: rerun the whole (left-padded) prefix for every new token.
         ref_ids, ref_mask = ids, mask
         for _ in range(steps):
-            ref_pos = (ref_mask.long().cumsum(1) - 1).clamp_min(0)
+            ref_pos = row_positions(ref_mask)
             nxt = model(ref_ids, ref_pos, attention_mask=ref_mask)[:, -1].argmax(-1)
             ref_ids = torch.cat([ref_ids, nxt[:, None]], 1)
             ref_mask = torch.cat([ref_mask, torch.ones(len(PROMPTS), 1, dtype=torch.bool)], 1)
@@ -318,7 +316,10 @@ def test_released_weights_free_their_memory_and_reload():
 def test_engine_interface():
     engine = _engine(_cfg())
     assert isinstance(engine, RolloutEngine)
-    assert ENGINES["torch"]() is TorchRolloutEngine
+    assert type(engine) is TorchRolloutEngine
+    for name in ENGINES:  # every registered "module:class" resolves to an engine
+        cls = engine_class(name)
+        assert all(callable(getattr(cls, m, None)) for m in ("load_weights", "load_from_chunks", "generate"))
     with pytest.raises(ValueError, match="unknown rollout engine"):
         make_engine("nope", _cfg())
     with pytest.raises(RuntimeError):

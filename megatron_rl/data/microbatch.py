@@ -49,10 +49,6 @@ class Microbatch:
     tensors: dict  # name -> host tensor, [1, T_local] packed or [B, S_local] unpacked
 
     @property
-    def num_tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
     def local_tokens(self) -> int:
         return int(self.tensors["tokens"].numel())
 
@@ -98,15 +94,12 @@ class Microbatch:
             dist.all_gather(shards, local, group=cp_group)
         else:
             shards = [local]
-        per_rank = [self._split_like_self(s) for s in shards]
+        per_rank = [self.local_pieces(s) for s in shards]
         out = []
         for i, length in enumerate(self.lengths):
             full = zigzag.unshard([pieces[i] for pieces in per_rank], dim=0)
             out.append(full[:length].cpu())
         return out
-
-    def _split_like_self(self, local: torch.Tensor) -> list[torch.Tensor]:
-        return self.local_pieces(local)
 
 
 def _cumsum(values: Sequence[int]):

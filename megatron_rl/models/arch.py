@@ -33,3 +33,53 @@ def resolve_dtype(name: str, device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+def attention_dims(model_cfg) -> tuple[int, int, int]:
+    """``(heads, kv_heads, head_dim)`` with megatron's defaults: no ``num_query_groups`` means
+    one KV head per head, no ``kv_channels`` means ``hidden_size / heads``.
+
+    Takes our ``ModelConfig`` or megatron's ``TransformerConfig`` (same field names)."""
+    heads = model_cfg.num_attention_heads
+    return heads, model_cfg.num_query_groups or heads, model_cfg.kv_channels or model_cfg.hidden_size // heads
+
+
+# Llama-3 RoPE scaling as megatron-core applies it: GPTModel(rope_scaling=True) calls
+# RotaryEmbedding._apply_scaling with only the factor configurable; the low/high frequency factors
+# and the original context length keep its defaults (1, 4, 8192).  HF's names for them:
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# GPTModel's own rope_scaling_factor default; passed when model.rope_scaling_factor is unset
+# (megatron ignores it then, as rope_scaling is off).
+MEGATRON_ROPE_SCALING_FACTOR = 8.0
+
+
+def fp32_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+              rms: bool) -> torch.Tensor:
+    """RMSNorm (``bias`` unused) or LayerNorm computed in fp32 and cast back to ``x.dtype``, as HF
+    computes it; the trainer's norms and the rollout decoder both call this, so they agree."""
+    dtype = x.dtype
+    x = x.float()
+    if rms:
+        y = weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    else:
+        y = torch.nn.functional.layer_norm(x, (x.size(-1),), weight.float(), bias.float(), eps)
+    return y.to(dtype)
+
+
+# TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer, so a TE
+# model names the same tensors differently.  TE name -> local-spec (canonical) name, per layer.
+TE_FUSED_NORM_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def local_norm_name(name: str) -> str:
+    """The local-spec name of a parameter named the TE way (a layer-relative or full name);
+    other names are returned unchanged."""
+    for te, local in TE_FUSED_NORM_NAMES.items():
+        if name == te or name.endswith("." + te):
+            return name[: len(name) - len(te)] + local
+    return name

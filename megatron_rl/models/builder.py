@@ -6,19 +6,14 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.capabilities import resolve_transformer_impl
 from megatron_rl.compat.megatron_fixes import transformer_config_fixes
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout
+from megatron_rl.models.arch import ACTIVATIONS, MEGATRON_ROPE_SCALING_FACTOR, resolve_dtype
+from megatron_rl.models.canonical import padded_vocab_size
 from megatron_rl.models.gpt import RLGPTModel
-from megatron_rl.capabilities import resolve_transformer_impl
-from megatron_rl.models.arch import ACTIVATIONS, resolve_dtype
 from megatron_rl.models.specs import block_spec
-
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = max(1, divisible_by) * tp
-    return -(-vocab_size // multiple) * multiple
 
 
 def transformer_config(
@@ -96,7 +91,7 @@ def build_gpt_chunks(
             position_embedding_type="rope",
             rotary_base=int(model.rotary_base),
             rope_scaling=model.rope_scaling_factor is not None,
-            rope_scaling_factor=model.rope_scaling_factor or 8.0,
+            rope_scaling_factor=model.rope_scaling_factor or MEGATRON_ROPE_SCALING_FACTOR,
             vp_stage=stage,
             **model_kwargs,
         )

@@ -5,12 +5,17 @@ hold it, with global layer numbers and the *true* vocabulary size (TP padding re
 the meeting point of every layout: tests compare gradients across layouts with it, the HF bridge
 maps HF names onto it, and weights move between layouts through it.
 
-Sharding rules, from megatron-core's own parameter attributes:
+Megatron's tensor-parallel split, defined here once for every user (gather and load below, the
+HF bridge's slice-wise import and export, the TP-sharded rollout engine):
 
-* ``tensor_model_parallel`` params are split on ``partition_dim`` across the TP group;
-* the gated MLP input projection (SwiGLU) holds ``[gate_r; up_r]`` on rank r, so its canonical
-  form ``[gate; up]`` is re-interleaved on gather and scatter;
-* vocabulary-parallel tensors (embedding, output layer) are padded on the last TP rank;
+* ``tensor_model_parallel`` params are split on ``partition_dim`` into contiguous blocks
+  (:func:`tp_block`), one per TP rank;
+* the gated MLP input projection (SwiGLU) is ``[gate; up]`` in canonical form and holds
+  ``[gate_r; up_r]`` on rank r, so it is re-interleaved on gather and scatter;
+* the fused QKV projection is grouped per KV group (:func:`fuse_qkv`), so a contiguous block of
+  its rows is a block of whole KV groups;
+* vocabulary-parallel tensors (embedding, output layer) are padded to :func:`padded_vocab_size`
+  rows, the padding on the last TP rank;
 * with tied embeddings and PP>1 the last stage's ``output_layer.weight`` is a copy of the
   embedding and is left out of the canonical dict.
 """
@@ -23,6 +28,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_rl.models.arch import local_norm_name
+
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -32,69 +39,104 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-# TransformerEngine fuses the pre-attention / pre-MLP norms into the following linear layer;
-# canonical names are the local spec's.
-_TE_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-
-
 def global_named_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``(global_name, param)`` with layer indices counted over the whole model."""
+    """``(global_name, param)`` with layer indices counted over the whole model and the local
+    spec's norm names (TE fuses the norms into the next linear layer)."""
     model = unwrap(chunk)
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
             _, _, idx, rest = name.split(".", 3)
             global_idx = model.decoder.layers[int(idx)].layer_number - 1
-            name = f"decoder.layers.{global_idx}.{_TE_NAMES.get(rest, rest)}"
+            name = f"decoder.layers.{global_idx}.{local_norm_name(rest)}"
         yield name, param
 
 
-def _tp_info(param: torch.Tensor) -> tuple[bool, int]:
-    return bool(getattr(param, "tensor_model_parallel", False)), int(getattr(param, "partition_dim", 0))
+# -- the tensor-parallel split rule -------------------------------------------------------------
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Rows megatron gives the vocabulary: a multiple of ``divisible_by * tp``, so every TP rank
+    holds the same number."""
+    multiple = max(1, divisible_by) * tp
+    return -(-vocab_size // multiple) * multiple
 
 
-def split_canonical(full: torch.Tensor, name: str, dim: int, local_rows: int, tp_rank: int, tp_size: int,
-                    gated: bool) -> torch.Tensor:
-    """TP rank ``tp_rank``'s piece of canonical ``full``, split on ``dim`` the way megatron splits it.
+def tp_block(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """``[start, end)`` of TP rank ``tp_rank``'s contiguous block of ``total`` rows or columns."""
+    per = total // tp_size
+    return tp_rank * per, (tp_rank + 1) * per
 
-    Vocabulary-parallel tensors are padded to ``local_rows * tp_size`` rows first; a gated MLP
-    input ``[gate; up]`` becomes ``[gate_r; up_r]``."""
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (the vocabulary padding)."""
+    if t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP input projection as megatron holds it: ``[gate; up]`` (per TP rank too)."""
+    return torch.cat([gate, up])
+
+
+def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_gate_up`."""
+    gate, up = fc1.chunk(2, dim=0)
+    return gate, up
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q/k/v projections (rows of ``groups`` KV groups) -> megatron's fused QKV: per KV
+    group, its query heads, then its key, then its value."""
+    rest = q.shape[1:]
+    per_group = [t.reshape(groups, -1, *rest) for t in (q, k, v)]
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(fused: torch.Tensor, heads: int, groups: int, head_dim: int):
+    """Inverse of :func:`fuse_qkv`: ``(q, k, v)`` of a fused QKV weight or bias."""
+    rest = fused.shape[1:]
+    per_group = heads // groups
+    grouped = fused.reshape(groups, (per_group + 2) * head_dim, *rest)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
+
+
+def tp_shard(full: torch.Tensor, name: str, *, dim: int | None, local_rows: int, tp_rank: int,
+             tp_size: int, gated: bool) -> torch.Tensor:
+    """TP rank ``tp_rank``'s piece of canonical tensor ``full`` (named ``name``), split on ``dim``
+    the way megatron splits it; ``dim=None`` is a replicated tensor.
+
+    ``local_rows`` is the shard's first dimension: a vocabulary-parallel tensor is padded to
+    ``local_rows * tp_size`` rows first.  A gated MLP input ``[gate; up]`` becomes ``[gate_r; up_r]``."""
+    if dim is None:
+        return full
     if name in VOCAB_PARALLEL:
-        padded_rows = local_rows * tp_size
-        if full.shape[0] < padded_rows:
-            pad = full.new_zeros((padded_rows - full.shape[0], *full.shape[1:]))
-            full = torch.cat([full, pad])
+        full = pad_rows(full, local_rows * tp_size)
         return full.chunk(tp_size, dim=0)[tp_rank]
     if gated and ".mlp.linear_fc1." in name:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
+        gate, up = split_gate_up(full)
+        return fuse_gate_up(gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank])
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def shard_for_rank(full: torch.Tensor, name: str, model, param, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The piece of canonical ``full`` that TP rank ``tp_rank`` holds for ``param``."""
-    is_tp, dim = _tp_info(param)
-    if not is_tp:
-        return full
-    return split_canonical(full, name, dim, param.shape[0], tp_rank, tp_size, model.config.gated_linear_unit)
-
-
-def merge_shards(shards: list[torch.Tensor], name: str, model, param, true_vocab: int) -> torch.Tensor:
-    """Inverse of :func:`shard_for_rank` over all TP ranks."""
-    is_tp, dim = _tp_info(param)
-    if not is_tp:
+def tp_merge(shards: list[torch.Tensor], name: str, *, dim: int | None, true_vocab: int,
+             gated: bool) -> torch.Tensor:
+    """Inverse of :func:`tp_shard` over all TP ranks' ``shards`` (vocabulary padding dropped)."""
+    if dim is None:
         return shards[0]
-    if model.config.gated_linear_unit and ".mlp.linear_fc1." in name:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if gated and ".mlp.linear_fc1." in name:
+        halves = [split_gate_up(s) for s in shards]
+        return fuse_gate_up(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
     full = torch.cat(shards, dim=dim)
     if name in VOCAB_PARALLEL:
         full = full[:true_vocab]
     return full
+
+
+def tp_split_dim(param: torch.Tensor) -> int | None:
+    """The dimension megatron splits ``param`` on over TP (its own attributes); ``None`` if replicated."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return int(getattr(param, "partition_dim", 0))
 
 
 def _value(param: torch.nn.Parameter, attr: str) -> torch.Tensor | None:
@@ -121,12 +163,14 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
             if value is None:
                 continue
             value = value.detach().float().clone()
-            if _tp_info(param)[0] and tp_size > 1:
+            dim = tp_split_dim(param)
+            if dim is not None and tp_size > 1:
                 shards = [torch.empty_like(value) for _ in range(tp_size)]
                 dist.all_gather(shards, value, group=tp_group)
             else:
                 shards = [value]
-            local[name] = merge_shards(shards, name, model, param, true_vocab).cpu()
+            local[name] = tp_merge(shards, name, dim=dim, true_vocab=true_vocab,
+                                   gated=model.config.gated_linear_unit).cpu()
     # Pipeline stages hold different layers: exchange them.
     if ps.get_pipeline_model_parallel_world_size() > 1:
         gathered: list = [None] * ps.get_pipeline_model_parallel_world_size()
@@ -153,7 +197,8 @@ def load_canonical(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tens
                 if strict:
                     raise KeyError(f"canonical state has no tensor {key!r}")
                 continue
-            piece = shard_for_rank(full[key], name, model, param, tp_rank, tp_size)
+            piece = tp_shard(full[key], name, dim=tp_split_dim(param), local_rows=param.shape[0],
+                             tp_rank=tp_rank, tp_size=tp_size, gated=model.config.gated_linear_unit)
             if tuple(piece.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: canonical shard {tuple(piece.shape)} != parameter {tuple(param.shape)}")
             param.copy_(piece.to(param.dtype))

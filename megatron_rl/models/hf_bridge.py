@@ -30,7 +30,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.errors import CheckpointError
-from megatron_rl.models.canonical import VOCAB_PARALLEL, gather_canonical, global_named_parameters, unwrap
+from megatron_rl.models.arch import DTYPES, attention_dims
+from megatron_rl.models.canonical import (
+    VOCAB_PARALLEL,
+    fuse_gate_up,
+    fuse_qkv,
+    gather_canonical,
+    global_named_parameters,
+    pad_rows,
+    split_gate_up,
+    split_qkv,
+    tp_block,
+    tp_split_dim,
+    unwrap,
+)
 
 _LAYER_DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -102,16 +115,10 @@ class HFReader:
         return list(self._file(name).get_slice(name).get_shape())
 
 
-def _range(total: int, rank: int, size: int) -> tuple[int, int]:
-    per = total // size
-    return rank * per, (rank + 1) * per
-
-
 def _read_shard(reader: HFReader, name: str, model, param, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's shard of canonical tensor ``name``, read slice-wise from HF tensors."""
-    cfg = model.config
-    is_tp = bool(getattr(param, "tensor_model_parallel", False))
-    dim = int(getattr(param, "partition_dim", 0))
+    """This rank's shard of canonical tensor ``name``, read slice-wise from HF tensors with the
+    split rule of :mod:`megatron_rl.models.canonical`."""
+    dim = tp_split_dim(param)
     m = _LAYER.match(name)
     if m is None:
         hf_name = _TOP_DIRECT[name]
@@ -119,39 +126,30 @@ def _read_shard(reader: HFReader, name: str, model, param, tp_rank: int, tp_size
             return torch.zeros(1)
         if name in VOCAB_PARALLEL:
             vocab = reader.shape(hf_name)[0]
-            lo, hi = _range(param.shape[0] * tp_size, tp_rank, tp_size)
-            rows = reader.read(hf_name, rows=(min(lo, vocab), min(hi, vocab)))
-            pad = rows.new_zeros((hi - lo - rows.shape[0], rows.shape[1]))
-            return torch.cat([rows, pad])
+            lo, hi = tp_block(param.shape[0] * tp_size, tp_rank, tp_size)
+            return pad_rows(reader.read(hf_name, rows=(min(lo, vocab), min(hi, vocab))), hi - lo)
         return reader.read(hf_name)
     layer, rest = m.group(1), m.group(2)
     prefix = f"model.layers.{layer}."
     if rest in _LAYER_DIRECT:
         hf_name = prefix + _LAYER_DIRECT[rest]
-        if not is_tp or tp_size == 1:
+        if dim is None or tp_size == 1:
             return reader.read(hf_name)
-        total = reader.shape(hf_name)[dim]
-        span = _range(total, tp_rank, tp_size)
+        span = tp_block(reader.shape(hf_name)[dim], tp_rank, tp_size)
         return reader.read(hf_name, rows=span) if dim == 0 else reader.read(hf_name, cols=span)
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]  # weight | bias
-        groups = cfg.num_query_groups or cfg.num_attention_heads
-        per_group = cfg.num_attention_heads // groups
-        head = cfg.kv_channels
-        g0, g1 = _range(groups, tp_rank, tp_size)
+        heads, groups, head = attention_dims(model.config)
+        per_group = heads // groups
+        g0, g1 = tp_block(groups, tp_rank, tp_size)  # this rank's KV groups
         q = reader.read(f"{prefix}self_attn.q_proj.{kind}", rows=(g0 * per_group * head, g1 * per_group * head))
         k = reader.read(f"{prefix}self_attn.k_proj.{kind}", rows=(g0 * head, g1 * head))
         v = reader.read(f"{prefix}self_attn.v_proj.{kind}", rows=(g0 * head, g1 * head))
-        n = g1 - g0
-        q = q.reshape(n, per_group * head, *q.shape[1:])
-        k = k.reshape(n, head, *k.shape[1:])
-        v = v.reshape(n, head, *v.shape[1:])
-        return torch.cat([q, k, v], dim=1).reshape(-1, *q.shape[2:])
+        return fuse_qkv(q, k, v, g1 - g0)
     if rest == "mlp.linear_fc1.weight":
-        span = _range(reader.shape(f"{prefix}mlp.gate_proj.weight")[0], tp_rank, tp_size)
-        gate = reader.read(f"{prefix}mlp.gate_proj.weight", rows=span)
-        up = reader.read(f"{prefix}mlp.up_proj.weight", rows=span)
-        return torch.cat([gate, up])
+        span = tp_block(reader.shape(f"{prefix}mlp.gate_proj.weight")[0], tp_rank, tp_size)
+        return fuse_gate_up(reader.read(f"{prefix}mlp.gate_proj.weight", rows=span),
+                            reader.read(f"{prefix}mlp.up_proj.weight", rows=span))
     raise CheckpointError("model.hf_path", reader.dir, f"no HF source for parameter {name!r}",
                           "this architecture variant is not supported by the bridge")
 
@@ -181,9 +179,7 @@ def load_hf_weights(chunks: list, hf_dir: str) -> int:
 def canonical_to_hf(canonical: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """Canonical tensors -> HF names and shapes (used by export)."""
     out: dict[str, torch.Tensor] = {}
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    per_group = cfg.num_attention_heads // groups
-    head = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    heads, groups, head = attention_dims(cfg)
     for name, tensor in canonical.items():
         m = _LAYER.match(name)
         if m is None:
@@ -194,15 +190,12 @@ def canonical_to_hf(canonical: dict[str, torch.Tensor], cfg) -> dict[str, torch.
             out[prefix + _LAYER_DIRECT[rest]] = tensor
         elif rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
-            fused = tensor.reshape(groups, (per_group + 2) * head, *tensor.shape[1:])
-            q, k, v = fused.split([per_group * head, head, head], dim=1)
-            out[f"{prefix}self_attn.q_proj.{kind}"] = q.reshape(-1, *tensor.shape[1:])
-            out[f"{prefix}self_attn.k_proj.{kind}"] = k.reshape(-1, *tensor.shape[1:])
-            out[f"{prefix}self_attn.v_proj.{kind}"] = v.reshape(-1, *tensor.shape[1:])
+            q, k, v = split_qkv(tensor, heads, groups, head)
+            out[f"{prefix}self_attn.q_proj.{kind}"] = q
+            out[f"{prefix}self_attn.k_proj.{kind}"] = k
+            out[f"{prefix}self_attn.v_proj.{kind}"] = v
         elif rest == "mlp.linear_fc1.weight":
-            gate, up = tensor.chunk(2)
-            out[f"{prefix}mlp.gate_proj.weight"] = gate
-            out[f"{prefix}mlp.up_proj.weight"] = up
+            out[f"{prefix}mlp.gate_proj.weight"], out[f"{prefix}mlp.up_proj.weight"] = split_gate_up(tensor)
         else:
             raise ValueError(f"no HF name for {name}")
     return out
@@ -218,7 +211,7 @@ def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir
         canonical.pop("output_layer.weight", None)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+    dtype = DTYPES.get(
         str(hf_config.get("torch_dtype", hf_config.get("dtype", "float32"))).replace("torch.", ""), torch.float32)
     tensors = {k: v.to(dtype).contiguous() for k, v in canonical_to_hf(canonical, model_cfg).items()}
     os.makedirs(out_dir, exist_ok=True)

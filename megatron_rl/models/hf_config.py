@@ -11,8 +11,9 @@ import dataclasses
 import json
 import os
 
-from megatron_rl.errors import ConfigError
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.errors import ConfigError
+from megatron_rl.models.arch import LLAMA3_ROPE_FIXED
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -58,11 +59,12 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
     factor = None
     if scaling:
         kind_s = scaling.get("rope_type", scaling.get("type"))
-        fixed = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-        if kind_s != "llama3" or any(float(scaling.get(k, v)) != v for k, v in fixed.items()):
+        if kind_s != "llama3" or any(float(scaling.get(k, v)) != v for k, v in LLAMA3_ROPE_FIXED.items()):
+            fixed = LLAMA3_ROPE_FIXED
             raise ConfigError("model.hf_path", f"rope_scaling={scaling}",
-                              "only Llama-3 RoPE scaling with low/high frequency factors 1/4 and "
-                              "original length 8192 is supported (megatron-core's fixed values)",
+                              f"only Llama-3 RoPE scaling with low/high frequency factors "
+                              f"{fixed['low_freq_factor']:g}/{fixed['high_freq_factor']:g} and original length "
+                              f"{fixed['original_max_position_embeddings']} is supported (megatron-core's fixed values)",
                               "use a model with default or Llama-3.1 style RoPE")
         factor = float(scaling["factor"])
     heads = hf["num_attention_heads"]

@@ -3,13 +3,16 @@
 megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism.  These norms are plain torch
 modules whose parameters carry ``sequence_parallel`` so that megatron's
 ``finalize_model_grads`` sums their gradients over the tensor-parallel group, which is all
-sequence parallelism needs from a norm.  The norm is computed in fp32 (as HF does) and cast back.
+sequence parallelism needs from a norm.  The math is :func:`megatron_rl.models.arch.fp32_norm`,
+shared with the rollout decoder.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer import TransformerConfig
+
+from megatron_rl.models.arch import NORMALIZATIONS, fp32_norm
 
 
 class _FP32Norm(torch.nn.Module):
@@ -25,15 +28,7 @@ class _FP32Norm(torch.nn.Module):
             setattr(param, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        if self.rms:
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (self.weight.float() * y).to(dtype)
-        y = torch.nn.functional.layer_norm(
-            x, (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps
-        )
-        return y.to(dtype)
+        return fp32_norm(x, self.weight, self.bias, self.eps, self.rms)
 
 
 class LocalNorm:
@@ -49,6 +44,6 @@ class LocalNorm:
         normalization: str | None = None,
     ):
         kind = normalization or config.normalization
-        if kind not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"model.normalization={kind!r} is not supported; use LayerNorm or RMSNorm")
+        if kind not in NORMALIZATIONS:
+            raise ValueError(f"model.normalization={kind!r} is not supported; use one of {', '.join(NORMALIZATIONS)}")
         return _FP32Norm(config, hidden_size, eps, rms=kind == "RMSNorm")

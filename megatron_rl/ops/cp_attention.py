@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.ops.precision import compute_dtype
+
 PositionFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
 CP_COMM_TYPES = ("p2p", "all_gather")
@@ -151,11 +153,6 @@ def _wait(reqs) -> None:
         req.wait()
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """fp32 for fp32/bf16/fp16 inputs; float64 stays float64 (what exactness tests feed in)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 # Largest score block (elements) one query tile may create per ring step: the transient
 # [b, heads, tile, S/cp] fp32 scores stay near 64 MiB however long the sequence is.
 _MAX_BLOCK_ELEMENTS = 1 << 24
@@ -208,7 +205,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, positions_of: PositionFn, group, scale: float):
         cp, rank = group.size(), group.rank()
         kv_heads, d = k.size(1), k.size(-1)
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         qf = _group_heads(q.to(dtype), kv_heads)  # [b, h, g, sq, d]
         pos_q, seg_q = (t.to(q.device) for t in positions_of(rank))
 
@@ -241,7 +238,7 @@ class RingAttention(torch.autograd.Function):
         positions_of, group, scale = ctx.positions_of, ctx.group, ctx.scale
         cp, rank = group.size(), group.rank()
         kv_heads, d = k.size(1), k.size(-1)
-        dtype = _compute_dtype(q)
+        dtype = compute_dtype(q)
         qf = _group_heads(q.to(dtype), kv_heads)
         do = _group_heads(grad_out.to(dtype), kv_heads)
         delta = (do * out).sum(-1)  # [b, h, g, sq]

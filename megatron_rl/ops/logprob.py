@@ -22,16 +22,13 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from megatron_rl.ops.precision import compute_dtype
+
 DEFAULT_CHUNK_SIZE = 1024
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """fp32 for fp32/bf16/fp16 inputs; float64 stays float64 (used by the exactness tests)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _chunk_logits(h, weight, vocab_start, true_vocab, temperature):
-    dtype = _compute_dtype(h)
+    dtype = compute_dtype(h)
     z = torch.matmul(h.to(dtype), weight.to(dtype).t())
     if temperature != 1.0:
         z = z / temperature
@@ -50,7 +47,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         vocab_local = weight.size(0)
         vocab_start = tp_rank * vocab_local
         tokens = hidden.size(0)
-        logp = torch.empty(tokens, dtype=_compute_dtype(hidden), device=hidden.device)
+        logp = torch.empty(tokens, dtype=compute_dtype(hidden), device=hidden.device)
         log_z = torch.empty_like(logp)
         mean_z = torch.empty_like(logp)
         for start in range(0, tokens, chunk_size):
@@ -93,7 +90,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         true_vocab, temperature, chunk_size, group, with_entropy, vocab_start = ctx.cfg
         vocab_local = weight.size(0)
         grad_hidden = torch.empty_like(hidden)
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         grad_logp = grad_logp.to(dtype)
         grad_entropy = grad_entropy.to(dtype) if with_entropy else None
@@ -162,7 +159,7 @@ def vocab_parallel_logprobs(
 
 def naive_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
     """Reference: full ``[.., vocab]`` fp32 log-softmax (what the op avoids)."""
-    logits = logits if logits.dtype == torch.float64 else logits.float()
+    logits = logits.to(compute_dtype(logits))
     logp_all = torch.log_softmax(logits / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)

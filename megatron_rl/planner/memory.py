@@ -23,8 +23,18 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.models.arch import attention_dims
 
 GiB = 2**30
+
+# Per parameter of a trainable model: fp32 main gradient, and what Adam keeps in fp32 (master
+# weight, first and second moment).
+GRAD_BYTES_PER_PARAM = 4
+ADAM_BYTES_PER_PARAM = 3 * 4
+# Per token, outside the layers: the two fp32 statistics the log-prob op saves for backward (log
+# normaliser, mean logit) and two int64 label vectors (the batch's labels on the device and the
+# clamped copy the op saves).
+LOGPROB_SAVED_BYTES_PER_TOKEN = 2 * 4 + 2 * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +70,14 @@ class PlanOption:
         return out
 
 
-def _heads(cfg: ModelConfig) -> tuple[int, int, int]:
-    d = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads, d
+def sequence_parallel_divisor(layout: PlanOption) -> int:
+    """What hidden-sized activations are divided by: TP under sequence parallelism, else 1."""
+    return layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
 
 
 def layer_params(cfg: ModelConfig) -> int:
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    nq, nkv, d = _heads(cfg)
+    nq, nkv, d = attention_dims(cfg)
     qkv = h * (nq + 2 * nkv) * d + ((nq + 2 * nkv) * d if cfg.add_qkv_bias else 0)
     proj = nq * d * h
     mlp = h * f * (2 if cfg.activation == "swiglu" else 1) + f * h
@@ -90,9 +100,9 @@ def params_per_gpu(cfg: ModelConfig, layout: PlanOption) -> float:
 
 def activation_elems_per_token_layer(cfg: ModelConfig, layout: PlanOption) -> float:
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    nq, nkv, d = _heads(cfg)
+    nq, nkv, d = attention_dims(cfg)
     tp = layout.tp
-    sp = tp if (layout.sequence_parallel and tp > 1) else 1
+    sp = sequence_parallel_divisor(layout)
     ffn_terms = 4 * f if cfg.activation == "swiglu" else 2 * f
     return 7 * h / sp + ffn_terms / tp + (2 * nq * d + 2 * nkv * d + nq) / tp + 2 / sp + 4 * d
 
@@ -105,19 +115,17 @@ def activation_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, by
     ``seq_len`` matters only to :func:`attention_transient_bytes`."""
     layers = cfg.num_layers / layout.pp
     per_layer = activation_elems_per_token_layer(cfg, layout) * tokens_local * bytes_per
-    nq, nkv, d = _heads(cfg)
-    shared = 0.0
+    nq, nkv, d = attention_dims(cfg)
     if layout.cp > 1 and layout.cp_comm_type == "all_gather":
         per_layer -= (nq * d + nq) / layout.tp * tokens_local * bytes_per  # no output / lse: recomputed
     # 1F1B keeps up to pp micro-batches in flight on the first stage: pp x (L/pp) layers' worth.
     in_flight = layout.pp
     if layout.recompute == "full":
-        sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-        inputs = cfg.hidden_size / sp * tokens_local * bytes_per
-        return layers * inputs * in_flight + per_layer + shared
+        inputs = cfg.hidden_size / sequence_parallel_divisor(layout) * tokens_local * bytes_per
+        return layers * inputs * in_flight + per_layer
     if layout.recompute == "selective":
         per_layer -= (nq * d + nq) / layout.tp * tokens_local * bytes_per  # attention output + lse recomputed
-    return layers * per_layer * in_flight + shared
+    return layers * per_layer * in_flight
 
 
 def attention_transient_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
@@ -128,16 +136,16 @@ def attention_transient_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local
     mask (cached across layers).  The ring's query tiles cap its score blocks near 64 MiB."""
     if layout.cp == 1 or layout.cp_comm_type != "all_gather":
         return 0.0
-    _, nkv, d = _heads(cfg)
+    _, nkv, d = attention_dims(cfg)
     full = seq_len or tokens_local * layout.cp
     return (2 * nkv * d / layout.tp) * full * bytes_per + tokens_local * full * bytes_per
 
 
 def head_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
     """Outside the layers: saved for backward, and the log-prob path's transient chunk buffers."""
-    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    sp = sequence_parallel_divisor(layout)
     h = cfg.hidden_size
-    saved = tokens_local * bytes_per * (2 * h / sp + h + 1 / sp) + tokens_local * (4 * 2 + 8 * 2)
+    saved = tokens_local * bytes_per * (2 * h / sp + h + 1 / sp) + tokens_local * LOGPROB_SAVED_BYTES_PER_TOKEN
     vocab_local = -(-cfg.vocab_size // layout.tp)
     # Two fp32 [chunk, vocab/TP] buffers, the fp32 output-weight gradient, the hidden gradient.
     transient = 2 * min(chunk, tokens_local) * vocab_local * 4 + vocab_local * h * 4 + tokens_local * h * bytes_per
@@ -152,7 +160,8 @@ def naive_logits_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int) 
 
 
 def kv_cache_bytes(cfg: ModelConfig, sequences: int, length: int, bytes_per: int = 2) -> float:
-    _, nkv, d = _heads(cfg)
+    """Keys and values of every layer for ``sequences`` sequences of ``length`` tokens (whole model)."""
+    _, nkv, d = attention_dims(cfg)
     return 2 * cfg.num_layers * nkv * d * sequences * length * bytes_per
 
 
@@ -186,8 +195,8 @@ def estimate(
     p_gpu = params_per_gpu(cfg, layout)
     shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
     weights = p_gpu * param_bytes
-    grads = p_gpu * 4
-    optim = p_gpu * 12 / shard
+    grads = p_gpu * GRAD_BYTES_PER_PARAM
+    optim = p_gpu * ADAM_BYTES_PER_PARAM / shard
     trainable = weights + grads + optim
     seq_len = prompt_len + response_len
     acts = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)

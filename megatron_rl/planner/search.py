@@ -7,11 +7,18 @@ import itertools
 from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.data.microbatch import align_to
-from megatron_rl.planner.memory import GiB, Breakdown, PlanOption, estimate
+from megatron_rl.data.microbatch import align_to, alignment
+from megatron_rl.models.arch import attention_dims
+from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, estimate
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
+# Sizes tried for each of TP, PP and CP: powers of two up to 64.
+PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# TP stays inside a node, on at most this many GPUs (one NVLink domain).
+MAX_TP = 8
+# When no layout fits, the largest cluster (nodes) searched for the smallest one that does.
+MAX_SEARCH_NODES = 64
 
 PRESETS = {
     "qwen2.5-0.5b": dict(num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14,
@@ -57,13 +64,13 @@ class Plan:
 
 
 def _divisors(n: int, limit: int) -> list[int]:
-    return [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= limit and n % d == 0]
+    return [d for d in PARALLEL_SIZES if d <= limit and n % d == 0]
 
 
 def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
-    groups = cfg.num_query_groups or cfg.num_attention_heads
-    for tp in _divisors(gpus, min(8, gpus_per_node)):  # TP stays inside a node
-        if cfg.num_attention_heads % tp or groups % tp:
+    heads, groups, _ = attention_dims(cfg)
+    for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
+        if heads % tp or groups % tp:
             continue
         for pp in _divisors(gpus // tp, gpus):
             if cfg.num_layers % pp:
@@ -88,13 +95,12 @@ def _cost(c: Candidate) -> tuple:
 
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,
          gpu_memory_gib: float, max_tokens_per_rank: Optional[int] = None, rollout_batch: int = 256,
-         with_critic: bool = True, with_reference: bool = True, search_nodes: int = 64) -> Plan:
+         with_critic: bool = True, with_reference: bool = True, search_nodes: int = MAX_SEARCH_NODES) -> Plan:
     gpus = nodes * gpus_per_node
     seq = prompt_len + response_len
     candidates = []
     for lay in layouts_for(cfg, gpus, gpus_per_node):
-        align = (2 * lay.cp if lay.cp > 1 else 1) * (lay.tp if lay.sequence_parallel else 1)
-        needed = align_to(seq, align) // lay.cp
+        needed = align_to(seq, alignment(lay.cp, lay.tp, lay.sequence_parallel)) // lay.cp
         tokens = max(needed, max_tokens_per_rank or 0)
         budget = HEADROOM * gpu_memory_gib * GiB
         est = estimate(cfg, lay, prompt_len=prompt_len, response_len=response_len, tokens_per_microbatch=tokens,

@@ -1,20 +1,24 @@
-"""A plain-PyTorch decoder that runs the actor's canonical weights for generation.
+"""A plain-PyTorch decoder that runs the actor's weights for generation.
 
 Training may shard the actor over any TP/PP/VPP/CP layout, and megatron's forward is built for
-whole sequences.  Generation wants the opposite: one token at a time, a KV cache, and no
-collectives.  So the trainer gathers the canonical state dict (TP=1/PP=1 names and shapes, true
-vocabulary size; see :mod:`megatron_rl.models.canonical`) and this module runs it.  Its module
-tree mirrors the canonical names, so loading is a key-for-key copy and nothing here depends on
-the training layout or on megatron-core.
+whole sequences.  Generation wants the opposite: one token at a time and a KV cache.  This
+module's tree mirrors the canonical names (TP=1/PP=1 names and shapes, true vocabulary size; see
+:mod:`megatron_rl.models.canonical`), so loading is a key-for-key copy.  It holds either the whole
+model (``rollout.engine=torch`` loads the gathered canonical state dict) or one tensor-parallel
+shard in megatron's own split (``tp_sharded``); then :class:`TensorParallel` carries the TP
+process group and the forward runs the all-reduces and the logits all-gather over it.  Pipeline,
+data and context parallelism never reach the decoder, and it does not import megatron-core.
 
 The math follows megatron-core's GPT with the local layer spec exactly (checked by the tests
 against the megatron model to 1e-4): pre-norm blocks; norms in fp32; fused QKV grouped per KV
 group; q/k norm per head before RoPE; rotate-half RoPE (with Llama-3 scaling when configured);
-causal GQA attention with scale 1/sqrt(head_dim); SwiGLU or gelu MLP.
+causal GQA attention with scale 1/sqrt(head_dim); SwiGLU or gelu MLP.  The facts it shares with
+the megatron model (activations, norms, head sizes, RoPE constants) come from
+:mod:`megatron_rl.models.arch`.
 
-Batches are left-padded.  ``attention_mask`` marks the real tokens of the new input; pad keys
-are never attended, and positions are given per row (counting from the row's first real token),
-so a padded row computes what the same row computes alone.
+Batches are left-padded (:func:`left_pad`).  ``attention_mask`` marks the real tokens of the new
+input; pad keys are never attended, and positions are given per row (counting from the row's
+first real token), so a padded row computes what the same row computes alone.
 """
 
 from __future__ import annotations
@@ -29,20 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl.config.schema import ModelConfig
-
-# megatron's Llama-3 RoPE scaling constants (RotaryEmbedding._apply_scaling defaults).
-_LLAMA3_LOW_FREQ_FACTOR = 1.0
-_LLAMA3_HIGH_FREQ_FACTOR = 4.0
-_LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
-
-# TransformerEngine fuses the pre-attention / pre-MLP norms into the next linear layer, so a
-# canonical dict gathered from a TE model names them differently.  Same tensors, other names.
-_TE_ALIASES = {
-    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
-    ".self_attention.linear_qkv.layer_norm_bias": ".input_layernorm.bias",
-    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
-    ".mlp.linear_fc1.layer_norm_bias": ".pre_mlp_layernorm.bias",
-}
+from megatron_rl.models.arch import (
+    ACTIVATIONS,
+    LLAMA3_ROPE_FIXED,
+    NORMALIZATIONS,
+    attention_dims,
+    fp32_norm,
+    local_norm_name,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +51,8 @@ class TensorParallel:
     and the MLP's hidden units are split in contiguous blocks, the gated MLP input holds
     ``[gate_r; up_r]``, and the embedding / output layer hold rows ``[r*V/size, (r+1)*V/size)`` of
     the vocabulary padded to ``padded_vocab`` -- exactly the tensors megatron's TP rank ``r``
-    holds, so they load without any reshuffling.
+    holds (the split rule of :mod:`megatron_rl.models.canonical`), so they load without any
+    reshuffling.
     """
 
     size: int = 1
@@ -73,15 +72,18 @@ class TensorParallel:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
+    def first_rank_draw(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+        """TP rank 0's sampled ``(tokens, logprobs)`` on every rank, so all shards continue the
+        same sequences."""
+        if self.size == 1:
+            return tokens, logprobs
+        # float64 holds every token id exactly; one broadcast carries both.
+        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
+        dist.broadcast(both, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return both[0].long(), both[1].to(logprobs.dtype)
+
 
 WHOLE_MODEL = TensorParallel()
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``ModelConfig.params_dtype`` -> torch dtype, with the builder's ``auto`` rule."""
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling_factor: Optional[float]) -> torch.Tensor:
@@ -90,13 +92,14 @@ def rope_inv_freq(head_dim: int, base: float, scaling_factor: Optional[float]) -
     if scaling_factor is None:
         return inv_freq
     # Llama-3: keep high frequencies, divide low ones by the factor, blend in between.
-    low_wavelen = _LLAMA3_ORIGINAL_MAX_POSITIONS / _LLAMA3_LOW_FREQ_FACTOR
-    high_wavelen = _LLAMA3_ORIGINAL_MAX_POSITIONS / _LLAMA3_HIGH_FREQ_FACTOR
+    low_freq_factor = LLAMA3_ROPE_FIXED["low_freq_factor"]
+    high_freq_factor = LLAMA3_ROPE_FIXED["high_freq_factor"]
+    original_max_positions = LLAMA3_ROPE_FIXED["original_max_position_embeddings"]
+    low_wavelen = original_max_positions / low_freq_factor
+    high_wavelen = original_max_positions / high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling_factor, inv_freq)
-    smooth = (_LLAMA3_ORIGINAL_MAX_POSITIONS / wavelen - _LLAMA3_LOW_FREQ_FACTOR) / (
-        _LLAMA3_HIGH_FREQ_FACTOR - _LLAMA3_LOW_FREQ_FACTOR
-    )
+    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
     blended = (1 - smooth) * scaled / scaling_factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, blended, scaled)
@@ -143,23 +146,18 @@ class KVCache:
 
 
 class _Norm(nn.Module):
-    """RMSNorm / LayerNorm computed in fp32 and cast back, like the trainer's norms."""
+    """RMSNorm / LayerNorm with the trainer's math (:func:`~megatron_rl.models.arch.fp32_norm`)."""
 
     def __init__(self, size: int, kind: str, eps: float, dtype):
         super().__init__()
-        if kind not in ("RMSNorm", "LayerNorm"):
+        if kind not in NORMALIZATIONS:
             raise ValueError(f"normalization {kind!r} is not supported")
         self.rms, self.eps = kind == "RMSNorm", eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.bias = None if self.rms else nn.Parameter(torch.zeros(size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype, x = x.dtype, x.float()
-        if self.rms:
-            y = self.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        else:
-            y = F.layer_norm(x, (x.size(-1),), self.weight.float(), self.bias.float(), self.eps)
-        return y.to(dtype)
+        return fp32_norm(x, self.weight, self.bias, self.eps, self.rms)
 
 
 class _RowParallelLinear(nn.Linear):
@@ -237,9 +235,9 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, tp: TensorParallel = WHOLE_MODEL):
         super().__init__()
-        if cfg.activation not in ("swiglu", "gelu"):
+        if cfg.activation not in ACTIVATIONS:
             raise ValueError(f"activation {cfg.activation!r} is not supported")
-        self.gated = cfg.activation == "swiglu"
+        self.gated, self.activation = ACTIVATIONS[cfg.activation]  # what megatron is built with
         ffn = cfg.ffn_hidden_size // tp.size
         fc1_out = ffn * (2 if self.gated else 1)
         self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear, dtype=dtype)
@@ -249,9 +247,9 @@ class _MLP(nn.Module):
         h = self.linear_fc1(x)
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = self.activation(gate) * up
         else:
-            h = F.gelu(h)
+            h = self.activation(h)
         return self.linear_fc2(h)
 
 
@@ -278,9 +276,7 @@ class TorchDecoder(nn.Module):
     def __init__(self, model_cfg: ModelConfig, dtype: torch.dtype = torch.float32, tp: TensorParallel = WHOLE_MODEL):
         super().__init__()
         cfg = self.cfg = model_cfg
-        heads = cfg.num_attention_heads
-        groups = cfg.num_query_groups or heads
-        head_dim = cfg.kv_channels or cfg.hidden_size // heads
+        heads, groups, head_dim = attention_dims(cfg)
         if heads % groups:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_query_groups={groups}")
         if head_dim % 2:
@@ -314,7 +310,7 @@ class TorchDecoder(nn.Module):
     @torch.no_grad()
     def load_canonical(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a canonical state dict in (cast to this module's dtype and device); strict."""
-        state = {_te_to_local(name): t for name, t in state.items()}
+        state = {local_norm_name(name): t for name, t in state.items()}
         expected = self.state_dict()
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
@@ -400,11 +396,22 @@ class TorchDecoder(nn.Module):
         return self.tp.all_gather_last(logits)[..., : self.cfg.vocab_size]
 
 
-def _te_to_local(name: str) -> str:
-    for te, local in _TE_ALIASES.items():
-        if name.endswith(te):
-            return name[: -len(te)] + local
-    return name
+def row_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions of a left-padded batch: counted from each row's first real token (0 on pads)."""
+    return (attention_mask.long().cumsum(1) - 1).clamp_min(0)
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, positions)``, each ``[len(prompts), longest]`` on the CPU:
+    prompts right-aligned, so the last token of every row is real and generation appends to all
+    rows at the same offset."""
+    longest = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), longest, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.bool)
+    for r, p in enumerate(prompts):
+        ids[r, longest - len(p):] = torch.tensor(p)
+        mask[r, longest - len(p):] = True
+    return ids, mask, row_positions(mask)
 
 
 def random_canonical(model_cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -1,7 +1,11 @@
-"""Rollout engines: the interface the trainer talks to, and the plain-PyTorch engine.
+"""Rollout engines: the interface the trainer talks to, the registry, and the plain-PyTorch engine.
 
-The trainer only ever hands an engine a canonical state dict and asks for samples, so engines
-are interchangeable (the registry picks one by name) and none needs to know the training layout.
+Before each rollout the trainer hands an engine the actor's megatron chunks
+(:meth:`RolloutEngine.load_from_chunks`) and each engine takes the weights it needs from them:
+this one gathers a full canonical copy onto every rank, the TP-sharded engine
+(:mod:`megatron_rl.rollout.tp_engine`) keeps its rank's shard.  Tests and benchmarks may hand a
+canonical state dict instead (:meth:`RolloutEngine.load_weights`).  Engines are picked by name
+from :data:`ENGINES`.
 
 :class:`TorchRolloutEngine` runs :class:`~megatron_rl.rollout.decoder.TorchDecoder` on the rank's
 device: left-padded prompts are prefilled in one batched forward, then every unfinished row
@@ -12,13 +16,15 @@ steps do not pay for them.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.rollout.decoder import WHOLE_MODEL, KVCache, TensorParallel, TorchDecoder, resolve_dtype
+from megatron_rl.models.arch import resolve_dtype
+from megatron_rl.rollout.decoder import WHOLE_MODEL, KVCache, TensorParallel, TorchDecoder, left_pad
 from megatron_rl.rollout.sampling import SamplingParams, sample
 
 
@@ -152,14 +158,9 @@ class TorchRolloutEngine:
         )
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator):
-        b, longest, dev = len(prompts), max(len(p) for p in prompts), self.device
-        ids = torch.zeros(b, longest, dtype=torch.long)
-        mask = torch.zeros(b, longest, dtype=torch.bool)
-        for r, p in enumerate(prompts):  # left padding: the last token of every row is real
-            ids[r, longest - len(p):] = torch.tensor(p)
-            mask[r, longest - len(p):] = True
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.long().cumsum(1) - 1).clamp_min(0)  # from each row's first real token
+        dev = self.device
+        ids, mask, positions = (t.to(dev) for t in left_pad(prompts))
+        b, longest = ids.shape
         cache = KVCache.for_model(self.model, b, longest + params.max_new_tokens)
         logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
         next_pos = mask.sum(1)
@@ -169,7 +170,7 @@ class TorchRolloutEngine:
         reasons = ["length"] * b
         rows = list(range(b))  # batch row -> sample; shrinks when finished rows are dropped
         for step in range(params.max_new_tokens):
-            tokens, token_logp = self._agree(*sample(logits, params, generator))
+            tokens, token_logp = self.model.tp.first_rank_draw(*sample(logits, params, generator))
             running = []
             for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
                 if reasons[s] == "stop":
@@ -196,24 +197,23 @@ class TorchRolloutEngine:
             next_pos = next_pos + 1
         return responses, logprobs, reasons
 
-    def _agree(self, tokens: torch.Tensor, logprobs: torch.Tensor):
-        """The drawn tokens every rank of a sharded engine continues with (here: as drawn)."""
-        return tokens, logprobs
+
+# name -> "module:class"; imported when built, so naming an engine (config validation) never
+# imports megatron-core, which the TP-sharded engine needs for its process groups.
+ENGINES = {
+    "torch": "megatron_rl.rollout.engine:TorchRolloutEngine",
+    "tp_sharded": "megatron_rl.rollout.tp_engine:TPShardedRolloutEngine",
+}
 
 
-def _tp_sharded():
-    from megatron_rl.rollout.tp_engine import TPShardedRolloutEngine  # needs megatron's groups
-
-    return TPShardedRolloutEngine
-
-
-ENGINES = {"torch": lambda: TorchRolloutEngine, "tp_sharded": _tp_sharded}
+def engine_class(name: str) -> type:
+    """The class registered as ``name`` in :data:`ENGINES`."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}")
+    module, cls = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
     """Build the engine registered as ``name`` (e.g. ``make_engine("torch", model_cfg, device)``)."""
-    try:
-        cls = ENGINES[name]()
-    except KeyError:
-        raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}") from None
-    return cls(*args, **kwargs)
+    return engine_class(name)(*args, **kwargs)

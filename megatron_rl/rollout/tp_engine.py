@@ -19,9 +19,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.builder import padded_vocab_size
-from megatron_rl.models.canonical import global_named_parameters, split_canonical
-from megatron_rl.rollout.decoder import TensorParallel, _te_to_local
+from megatron_rl.models.arch import ACTIVATIONS, local_norm_name
+from megatron_rl.models.canonical import global_named_parameters, padded_vocab_size, tp_shard
+from megatron_rl.rollout.decoder import TensorParallel
 from megatron_rl.rollout.engine import TorchRolloutEngine
 
 
@@ -34,14 +34,10 @@ def current_tensor_parallel(model_cfg: ModelConfig) -> TensorParallel:
     )
 
 
-def shard_canonical(full: torch.Tensor, name: str, local_shape: torch.Size, tp: TensorParallel,
-                    gated: bool) -> torch.Tensor:
-    """TP rank ``tp.rank``'s piece of a canonical (full, unpadded) tensor; a decoder parameter has
-    no megatron split attributes, so the split dimension is the one whose size differs."""
-    if tuple(full.shape) == tuple(local_shape):
-        return full
-    dim = next(d for d, (a, b) in enumerate(zip(full.shape, local_shape)) if a != b)
-    return split_canonical(full, name, dim, local_shape[0], tp.rank, tp.size, gated)
+def _split_dim(full: torch.Tensor, local_shape: torch.Size) -> int | None:
+    """A decoder parameter has no megatron split attributes: its TP split dimension is the one
+    whose size differs from the canonical tensor's (``None``: replicated)."""
+    return next((d for d, (a, b) in enumerate(zip(full.shape, local_shape)) if a != b), None)
 
 
 class TPShardedRolloutEngine(TorchRolloutEngine):
@@ -49,7 +45,6 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
 
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None):
         super().__init__(model_cfg, device, max_batch_size, dtype, tp=current_tensor_parallel(model_cfg))
-        self._tp_src = ps.get_tensor_model_parallel_src_rank()
 
     @property
     def tp(self) -> TensorParallel:
@@ -57,15 +52,19 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
 
     @torch.no_grad()
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
-        """Load from a full canonical dict (HF import, tests): each rank keeps its slice."""
+        """Load from a full canonical dict (tests, benchmarks): each rank keeps its slice."""
         self._materialize()
         target = self.model.state_dict()
-        gated = self.model.cfg.activation == "swiglu"
+        gated = ACTIVATIONS[self.model.cfg.activation][0]
         state = {}
         for name, full in canonical.items():
-            name = _te_to_local(name)
-            # Names the decoder does not know pass through, so load_canonical reports them.
-            state[name] = shard_canonical(full, name, target[name].shape, self.tp, gated) if name in target else full
+            name = local_norm_name(name)
+            if name not in target:  # passed through, so load_canonical reports it
+                state[name] = full
+                continue
+            shape = target[name].shape
+            state[name] = tp_shard(full, name, dim=_split_dim(full, shape), local_rows=shape[0],
+                                   tp_rank=self.tp.rank, tp_size=self.tp.size, gated=gated)
         self.model.load_canonical(state)
         self._loaded = True
 
@@ -98,11 +97,3 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
             if pp_size > 1:
                 dist.broadcast(target[name], src=stage_ranks[owner], group=group)
         self._loaded = True
-
-    def _agree(self, tokens: torch.Tensor, logprobs: torch.Tensor):
-        if self.tp.size == 1:
-            return tokens, logprobs
-        # float64 holds every token id exactly; one broadcast carries both.
-        both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)])
-        dist.broadcast(both, src=self._tp_src, group=self.tp.group)
-        return both[0].long(), both[1].to(logprobs.dtype)
