@@ -33,9 +33,12 @@ def _model() -> ModelConfig:
     return ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                        num_query_groups=2, vocab_size=4096)
 
+# The accuracy quoted in the feature matrix and docs/long_context.md (measured 0.0-0.5%).
+PLANNER_TOLERANCE = 0.01
+
 
 @pytest.mark.parametrize("cp,comm", [(1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "all_gather")])
-def test_activation_estimate_within_15_percent_of_measurement(cp, comm):
+def test_activation_estimate_within_1_percent_of_measurement(cp, comm):
     bench = _benchmark()
     rows = run_distributed(cp, bench.measure_rank, BENCH, cp, comm)
     layout = memory.PlanOption(cp=cp, cp_comm_type=comm, sequence_parallel=False)
@@ -46,10 +49,10 @@ def test_activation_estimate_within_15_percent_of_measurement(cp, comm):
         error = estimate / row["saved"] - 1
         print(f"cp={cp} {comm} length={row['length']}: measured {row['saved'] / 2**20:.2f} MiB, "
               f"planned {estimate / 2**20:.2f} MiB ({error:+.1%})")
-        assert abs(error) <= 0.15
+        assert abs(error) <= PLANNER_TOLERANCE
 
 
-def test_logprob_estimate_within_15_percent_of_measurement():
+def test_logprob_estimate_within_1_percent_of_measurement():
     bench = _benchmark()
     import torch
 
@@ -61,8 +64,8 @@ def test_logprob_estimate_within_15_percent_of_measurement():
     chunked, naive = measured["chunked"]["peak"], measured["naive"]["peak"]
     print(f"log-prob path: measured {chunked / 2**20:.1f} MiB vs planned {planned_chunks / 2**20:.1f}; "
           f"naive measured {naive / 2**20:.1f} vs planned {planned_naive / 2**20:.1f}")
-    assert abs(planned_chunks / chunked - 1) <= 0.15
-    assert abs(planned_naive / naive - 1) <= 0.15
+    assert abs(planned_chunks / chunked - 1) <= PLANNER_TOLERANCE
+    assert abs(planned_naive / naive - 1) <= PLANNER_TOLERANCE
 
 
 def test_qwen7b_at_32k_fits_one_node_of_8x80gb():
