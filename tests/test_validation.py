@@ -60,8 +60,7 @@ def test_unknown_choice_is_refused_with_the_choices(capsys, tmp_path, key, value
 
 
 OUT_OF_RANGE = [
-    ("rollout.temperature", "-1", "> 0"),
-    ("rollout.temperature", "0", "> 0"),
+    ("rollout.temperature", "-1", ">= 0"),
     ("rollout.top_p", "1.5", "<= 1"),
     ("rollout.top_p", "0", "> 0"),
     ("rollout.top_k", "-1", ">= 0"),
@@ -150,8 +149,8 @@ def test_train_refuses_before_starting_any_process(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "config error: rollout.temperature=-1.0: out of range (must be > 0); "
-        "fix: set rollout.temperature to a value > 0"]
+        "config error: rollout.temperature=-1.0: out of range (must be >= 0); "
+        "fix: set rollout.temperature to a value >= 0"]
     assert not list(tmp_path.iterdir())
 
 

@@ -158,7 +158,10 @@ class RolloutConfig:
     engine: str = _f("torch", choices="megatron_rl.rollout.engine:ENGINES", help="Generation engine: torch (KV-cache decoder on a full copy of the actor's weights on every rank) or tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
-    temperature: float = _f(1.0, "Sampling temperature (also used to recompute log-probs); must be > 0.", gt=0)
+    temperature: float = _f(
+        1.0, "Sampling temperature (also used to recompute log-probs); 0 = greedy, with log-probs at temperature 1.",
+        ge=0,
+    )
     top_p: float = _f(1.0, "Nucleus sampling; 1 = off.", gt=0, le=1)
     top_k: int = _f(0, "Top-k sampling; 0 = off.", ge=0)
     stop: list = _f([], "Extra stop strings (EOS always stops).")
