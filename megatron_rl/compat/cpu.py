@@ -5,9 +5,12 @@ megatron-core assumes CUDA in a few dozen places (buffers on ``current_device()`
 strings in the optimizers).  Rather than fork those files we:
 
 * map ``torch.cuda.current_device`` / ``synchronize`` / the CUDA RNG functions to the CPU;
-* enter one process-wide :class:`CudaToCpuMode` (a ``TorchFunctionMode``) that rewrites
+* enter :class:`CudaToCpuMode` (a ``TorchFunctionMode``) in the thread that enables compat -- a
+  mode holds per thread, so threads started later run without it -- which rewrites
   ``device="cuda"`` to CPU, drops ``pin_memory``, makes ``Tensor.cuda()`` the identity and
-  reports CUDA type strings from ``Tensor.type()`` so megatron's dtype dispatch works.
+  reports CUDA type strings from ``Tensor.type()`` so megatron's dtype dispatch works;
+* disable ``torch._dynamo``, so megatron's compiled fusions (and any other ``torch.compile``
+  in the process) run eagerly.
 
 Everything is enabled only when CUDA is absent (see :func:`enable_cpu_compat`), and every
 rewritten megatron call site can be listed with trace mode (``MEGATRON_RL_COMPAT_TRACE=1``) --
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_rl.compat.registry import Patch, register_patch
+from megatron_rl.compat.registry import MEGATRON_TESTED, TORCH_TESTED, Patch, register_patch
 
 _TYPE_STRINGS = {
     torch.float32: "torch.cuda.FloatTensor",
@@ -155,7 +158,8 @@ def _patch_torch_cuda() -> None:
     for name in ("get_rng_state", "set_rng_state", "manual_seed"):
         setattr(cuda.random, name, getattr(cuda, name))
     # megatron-core wraps small fusions in torch.compile at import; compiling C++ kernels for
-    # them on CPU costs far more than it saves, so run them eagerly.
+    # them on CPU costs far more than it saves, so run them eagerly.  This is process-wide: a
+    # user's own torch.compile runs eagerly on CPU too.
     import torch._dynamo as dynamo
 
     dynamo.config.disable = True
@@ -172,10 +176,13 @@ def _patch_megatron_rng() -> None:
 register_patch(
     Patch(
         name="cpu.torch_cuda_functions",
-        megatron_versions=">=0.16,<0.17",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
         reason=(
             "torch.cuda.current_device/synchronize/RNG raise or no-op on CPU builds; "
-            "megatron calls them in buffers, p2p, DDP, dist_checkpointing and the RNG tracker"
+            "megatron calls them in buffers, p2p, DDP, dist_checkpointing and the RNG tracker. "
+            "Also sets torch._dynamo.config.disable so megatron's compiled fusions run eagerly: "
+            "every torch.compile in the process, the user's included, runs uncompiled on CPU"
         ),
         apply=_patch_torch_cuda,
         cpu_only=True,
@@ -184,7 +191,8 @@ register_patch(
 register_patch(
     Patch(
         name="cpu.megatron_rng_tracker",
-        megatron_versions=">=0.16,<0.17",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
         reason=(
             "tensor_parallel/random.py _get/_set_cuda_rng_state use torch._C CUDA hooks; on a CPU "
             "build the setter silently does nothing, so forked RNG streams never advance"
@@ -196,10 +204,13 @@ register_patch(
 register_patch(
     Patch(
         name="cpu.cuda_to_cpu_function_mode",
-        megatron_versions=">=0.16,<0.17",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
         reason=(
             "device='cuda' factories, .cuda(), pin_memory and 'torch.cuda.FloatTensor' type "
-            "checks across schedules, p2p, DDP, optimizers, clip_grads, dist_checkpointing"
+            "checks across schedules, p2p, DDP, optimizers, clip_grads, dist_checkpointing. "
+            "A TorchFunctionMode holds for the thread that enters it: threads started later "
+            "(e.g. checkpoint writers) run without it"
         ),
         apply=lambda: enter_cpu_mode(),
         cpu_only=True,
@@ -208,7 +219,7 @@ register_patch(
 
 
 def enter_cpu_mode() -> None:
-    """Enter the CUDA->CPU function mode in this thread (idempotent)."""
+    """Enter the CUDA->CPU function mode in this thread (idempotent; other threads do not get it)."""
     global _mode
     if _mode is None:
         _mode = CudaToCpuMode()

@@ -1,13 +1,15 @@
-"""Workarounds for megatron-core behaviour that is wrong or missing on every device.
+"""Workarounds for megatron-core behaviour that is wrong, missing or internal on every device.
 
-Each is registered with the megatron-core versions it was checked against.
+Each is registered with the megatron-core versions it was checked against: a :class:`Patch` when
+importing and applying changes megatron, a :class:`Workaround` when the code here is called (or
+a value used) where it is needed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_rl.compat.registry import Patch, register_patch
+from megatron_rl.compat.registry import MEGATRON_TESTED, Patch, Workaround, register_patch, register_workaround
 
 
 def transformer_config_fixes() -> dict:
@@ -16,31 +18,139 @@ def transformer_config_fixes() -> dict:
     megatron-core 0.16.1: ``TransformerConfig.__post_init__`` rejects
     ``variable_seq_lengths=True`` (needed for token-budget micro-batches through the pipeline)
     whenever ``moe_token_dispatcher_type == "allgather"`` -- its default -- even for dense models
-    without experts.  The dispatcher is unused by dense models, so name the one that passes.
+    without experts.  The dispatcher is unused by dense models, so name the one that passes.  Its
+    ``cuda_graph_scope`` default ``"full"`` warns as deprecated and is turned into ``[]``, so pass
+    ``[]`` directly.
     """
-    return {"moe_token_dispatcher_type": "alltoall"}
+    return {"moe_token_dispatcher_type": "alltoall", "cuda_graph_scope": []}
 
 
-register_patch(
-    Patch(
+register_workaround(
+    Workaround(
         name="config.moe_dispatcher_for_variable_seq_lengths",
-        megatron_versions=">=0.16,<0.17",
+        megatron_versions=MEGATRON_TESTED,
         reason=(
             "TransformerConfig rejects variable_seq_lengths with the default 'allgather' MoE "
             "dispatcher even for dense models; transformer_config_fixes() names 'alltoall'"
         ),
-        apply=lambda: None,
+        used_in="models/builder.py:transformer_config",
     )
 )
-register_patch(
-    Patch(
+register_workaround(
+    Workaround(
+        name="config.cuda_graph_scope_default",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "TransformerConfig's own default cuda_graph_scope='full' warns 'full scope is deprecated' "
+            "on every model build; transformer_config_fixes() passes the [] it is converted to"
+        ),
+        used_in="models/builder.py:transformer_config",
+    )
+)
+register_workaround(
+    Workaround(
         name="model.gptmodel_postprocess_hook",
-        megatron_versions=">=0.16,<0.18",
+        megatron_versions=MEGATRON_TESTED,
         reason=(
             "RLGPTModel overrides GPTModel._postprocess (private) to return hidden states so the "
             "chunked log-prob and value heads replace the output layer; checked by the model tests"
         ),
-        apply=lambda: None,
+        used_in="models/gpt.py:_postprocess",
+    )
+)
+register_workaround(
+    Workaround(
+        name="rope.llama3_fixed_factors",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "GPTModel(rope_scaling=True) applies Llama-3 scaling with only the factor configurable "
+            "(low/high frequency factors 1/4, original length 8192 fixed in RotaryEmbedding); HF "
+            "configs with other values are refused and the rollout decoder uses the same constants"
+        ),
+        used_in="models/arch.py:LLAMA3_ROPE_FIXED",
+    )
+)
+register_workaround(
+    Workaround(
+        name="transformer.selective_recompute_needs_te",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "selective recompute of the mlp/layernorm modules needs TransformerEngine layers (and "
+            "hangs with linear biases); validation refuses it for the local implementation"
+        ),
+        used_in="features.py:model.recompute.modules",
+    )
+)
+
+
+def default_batch_p2p_comm(pp: int, vpp: int | None) -> bool:
+    """``batch_p2p_comm`` when the config leaves it unset: off for interleaved PP=2.
+
+    megatron-core 0.16.1: the interleaved 1F1B schedule with two pipeline ranks and batched p2p
+    gives silently wrong losses and gradients; unbatched p2p is exact.
+    """
+    return not (pp == 2 and (vpp or 1) > 1)
+
+
+register_workaround(
+    Workaround(
+        name="pipeline.batch_p2p_comm_pp2_vpp",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "interleaved 1F1B with PP=2 and batch_p2p_comm=True gives wrong losses and gradients; "
+            "default_batch_p2p_comm() turns it off there and validation refuses it when set"
+        ),
+        used_in="distributed/runtime.py:ParallelLayout.from_config; features.py:parallel.batch_p2p_comm",
+    )
+)
+
+
+def distributed_optimizer_checkpoint_metadata() -> dict:
+    """The ``metadata`` for ``DistributedOptimizer.sharded_state_dict``.
+
+    megatron-core 0.16.1: the default format (``fully_sharded_model_space``) is refused by its own
+    ShardedTensor validation; ``fully_reshardable`` is accepted and also lets a run resume on
+    another TP/PP/DP layout, as the plain optimizer's checkpoints do.
+    """
+    return {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+register_workaround(
+    Workaround(
+        name="dist_checkpointing.fully_reshardable_optimizer",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "the DistributedOptimizer's default checkpoint format fails megatron's own ShardedTensor "
+            "validation; checkpoints use distrib_optim_sharding_type='fully_reshardable'"
+        ),
+        used_in="engine/checkpoint.py:_part_sharded",
+    )
+)
+
+
+def pre_normalised_count() -> torch.Tensor:
+    """The token count a loss function returns with a loss already divided by its global denominator.
+
+    megatron-core 0.16.1 with ``calculate_per_token_loss=True``: the schedule neither divides the
+    loss by the number of micro-batches nor averages over data-parallel ranks; it sums the counts
+    the loss functions return, and ``finalize_model_grads`` all-reduces that sum over DP x CP and
+    divides every gradient by it -- only ``if num_tokens > 0``.  A count of 0 therefore leaves the
+    gradients as the pre-divided losses made them.  A release that divides unconditionally would
+    make them inf, and the DP/PP parity tests fail.
+    """
+    return torch.tensor(0, dtype=torch.int)
+
+
+register_workaround(
+    Workaround(
+        name="finalize_model_grads.zero_count_not_rescaled",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "losses are divided by the mini-batch denominator on the host; returning count 0 relies "
+            "on finalize_model_grads skipping its 1/num_tokens scaling when the summed count is 0 "
+            "(internal behaviour, not a documented contract)"
+        ),
+        used_in="engine/forward.py:run_sequences",
     )
 )
 
@@ -48,64 +158,30 @@ register_patch(
 def _patch_tp_reduce() -> None:
     from megatron.core.tensor_parallel import mappings
 
-    def _reduce(input_, group):
-        assert group is not None, "group should not be None"
-        if group.size() == 1:
-            return input_
-        if not input_.is_contiguous():
-            input_ = input_.contiguous()
-        torch.distributed.all_reduce(input_, group=group)
-        return input_
+    original = mappings._reduce
+    if getattr(original, "_megatron_rl_contiguous", False):
+        return
 
+    def _reduce(input_, group):
+        # The original all-reduces ``input_.contiguous()`` and returns ``input_``: hand it the
+        # contiguous tensor, so the tensor it reduces is the one it returns.
+        return original(input_.contiguous(), group)
+
+    _reduce._megatron_rl_contiguous = True
     mappings._reduce = _reduce
 
 
 register_patch(
     Patch(
         name="tensor_parallel.reduce_noncontiguous",
-        megatron_versions=">=0.16,<0.18",
+        megatron_versions=MEGATRON_TESTED,
         reason=(
             "tensor_parallel.mappings._reduce all-reduces input_.contiguous() and returns input_: "
             "for a non-contiguous tensor (e.g. the gradient of a transposed view entering "
             "copy_to_tensor_model_parallel_region) the reduced copy is dropped and each TP rank "
-            "keeps its partial sum"
+            "keeps its partial sum; the patch wraps _reduce to pass it a contiguous tensor"
         ),
         apply=_patch_tp_reduce,
-    )
-)
-
-
-def release_group_caches() -> None:
-    """Drop megatron-core caches that keep process groups alive after their layout is gone.
-
-    megatron-core 0.16.1: ``RotaryEmbedding.forward`` (and the YaRN variant) is wrapped in a
-    class-level ``functools.lru_cache`` keyed on ``self`` and ``cp_group``, so up to 32 modules and
-    their context-parallel groups outlive the model.  A destroyed gloo group whose backend is still
-    referenced keeps its three threads polling closed sockets; rebuilding layouts (the test pool,
-    elastic restarts) then piles up hundreds of busy threads.  Modules freed by the cache may sit in
-    reference cycles, so collect them before the groups are destroyed.
-    """
-    import gc
-
-    from megatron.core.models.common.embeddings import rotary_pos_embedding, yarn_rotary_pos_embedding
-
-    for cls in (rotary_pos_embedding.RotaryEmbedding, yarn_rotary_pos_embedding.YarnRotaryEmbedding):
-        clear = getattr(cls.forward, "cache_clear", None)
-        if clear is not None:
-            clear()
-    gc.collect()
-
-
-register_patch(
-    Patch(
-        name="parallel_state.release_group_caches",
-        megatron_versions=">=0.16,<0.18",
-        reason=(
-            "RotaryEmbedding.forward is lru_cached on self and cp_group; the cache keeps destroyed "
-            "process groups (and their gloo threads) alive; release_group_caches() clears it before "
-            "a layout is torn down"
-        ),
-        apply=lambda: None,
     )
 )
 
@@ -179,7 +255,7 @@ def _patch_distributed_optimizer_shared_step() -> None:
 register_patch(
     Patch(
         name="distrib_optimizer.torch_adam_resume",
-        megatron_versions=">=0.16,<0.17",
+        megatron_versions=MEGATRON_TESTED,
         reason=(
             "without TE/Apex, DistributedOptimizer.state_dict() asserts on a fresh optimizer (no "
             "Adam 'step' yet) and load_state_dict() gives every parameter the same 'step' tensor, "

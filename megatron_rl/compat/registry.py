@@ -1,17 +1,32 @@
-"""One list of every workaround we apply to megatron-core, torch or TransformerEngine.
+"""One list of every workaround for megatron-core, torch or TransformerEngine.
 
-Each :class:`Patch` names the megatron-core versions it was written for and why it exists, so an
-upgrade shows at a glance what to re-check.  ``megatron-rl features`` prints this list.
+Three kinds of record, each naming the versions it was written for and why it exists, so an
+upgrade shows at a glance what to re-check (``megatron-rl features`` prints all of them):
+
+* :class:`Patch` -- changes megatron-core or torch when :func:`apply_patches` runs;
+* :class:`Workaround` -- code that avoids a megatron-core behaviour where it is needed (a config
+  value, a call, an override); nothing is applied, ``used_in`` says where it acts;
+* :class:`KnownWarning` -- a warning megatron-core or torch emits on the tested stack that the
+  user cannot act on, silenced by message (:mod:`megatron_rl.compat.warning_filters`).
+
+Ranges name what was tested -- only the pinned stack of requirements-cpu.txt -- so a newer release
+falls outside them and :func:`warn_untested` names the records to re-check, once per process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+ANY = ""  # a version range that matches every release
+# What the pinned stack (requirements-cpu.txt) tests: megatron-core 0.16.1, torch 2.13 (CPU).
+MEGATRON_TESTED = ">=0.16.1,<0.17"
+TORCH_TESTED = ">=2.13,<2.14"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,10 +36,39 @@ class Patch:
     reason: str
     apply: Callable[[], None]
     cpu_only: bool = False
+    torch_versions: str = ANY
+
+
+@dataclasses.dataclass(frozen=True)
+class Workaround:
+    """``used_in`` is ``path:symbol`` below ``megatron_rl/`` (``; `` between several places)."""
+
+    name: str
+    megatron_versions: str
+    reason: str
+    used_in: str
+    torch_versions: str = ANY
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownWarning:
+    """``message`` and ``module`` are regular expressions as ``warnings.filterwarnings`` takes them."""
+
+    name: str
+    message: str
+    category: type
+    module: str
+    reason: str
+    megatron_versions: str = ANY
+    torch_versions: str = ANY
+    cpu_only: bool = False
 
 
 _PATCHES: dict[str, Patch] = {}
+_WORKAROUNDS: dict[str, Workaround] = {}
+_WARNINGS: dict[str, KnownWarning] = {}
 _APPLIED: set[str] = set()
+_WARNED_UNTESTED = False
 
 
 def register_patch(patch: Patch) -> Patch:
@@ -32,8 +76,33 @@ def register_patch(patch: Patch) -> Patch:
     return patch
 
 
+def register_workaround(workaround: Workaround) -> Workaround:
+    _WORKAROUNDS[workaround.name] = workaround
+    return workaround
+
+
+def register_warning(known: KnownWarning) -> KnownWarning:
+    _WARNINGS[known.name] = known
+    return known
+
+
+def _load_records() -> None:
+    from megatron_rl.compat import cpu, megatron_fixes, parallel_state, warning_filters  # noqa: F401
+
+
 def all_patches() -> list[Patch]:
+    _load_records()
     return list(_PATCHES.values())
+
+
+def all_workarounds() -> list[Workaround]:
+    _load_records()
+    return list(_WORKAROUNDS.values())
+
+
+def all_known_warnings() -> list[KnownWarning]:
+    _load_records()
+    return list(_WARNINGS.values())
 
 
 def applied_patches() -> list[str]:
@@ -46,20 +115,57 @@ def megatron_core_version() -> Version:
     return Version(package_info.__version__)
 
 
+def torch_version() -> Version:
+    return Version(importlib.metadata.version("torch"))
+
+
+def in_range(version: Version, spec: str) -> bool:
+    """Whether ``version`` (local tags like ``+cpu`` ignored) is inside ``spec``."""
+    return Version(version.public) in SpecifierSet(spec) if spec else True
+
+
+def untested_records(cpu: bool, megatron: Optional[Version] = None, torch: Optional[Version] = None) -> list[str]:
+    """Names of the patches (those this process applies) and workarounds whose version ranges
+    exclude the installed megatron-core or torch.  Warning filters are left out: a stale one
+    matches nothing."""
+    _load_records()
+    megatron = megatron or megatron_core_version()
+    torch = torch or torch_version()
+    records = [p for p in _PATCHES.values() if cpu or not p.cpu_only] + list(_WORKAROUNDS.values())
+    return [r.name for r in records if not is_tested(r, megatron, torch)]
+
+
+def is_tested(record, megatron: Optional[Version] = None, torch: Optional[Version] = None) -> bool:
+    """Whether the installed (or given) versions are inside ``record``'s ranges."""
+    megatron = megatron or megatron_core_version()
+    torch = torch or torch_version()
+    return in_range(megatron, record.megatron_versions) and in_range(torch, record.torch_versions)
+
+
+def warn_untested(cpu: bool) -> None:
+    """One warning per process naming every record written for other versions than these."""
+    global _WARNED_UNTESTED
+    if _WARNED_UNTESTED:
+        return
+    _WARNED_UNTESTED = True
+    names = untested_records(cpu)
+    if names:
+        warnings.warn(
+            f"megatron_rl compat workarounds written for other versions than megatron-core "
+            f"{megatron_core_version()} / torch {torch_version()}: {', '.join(names)}; they are used "
+            f"anyway -- run the parity tests (make test) before trusting this combination",
+            stacklevel=3,
+        )
+
+
 def apply_patches(cpu: bool) -> list[str]:
     """Apply every registered patch that fits this process; return the names applied now."""
-    version = megatron_core_version()
+    _load_records()
+    warn_untested(cpu)
     done = []
     for patch in _PATCHES.values():
         if patch.name in _APPLIED or (patch.cpu_only and not cpu):
             continue
-        if version not in SpecifierSet(patch.megatron_versions):
-            warnings.warn(
-                f"megatron_rl compat patch {patch.name!r} was written for megatron-core "
-                f"{patch.megatron_versions}, found {version}; applying it anyway -- run the "
-                f"parity tests (make test) before trusting this combination",
-                stacklevel=2,
-            )
         patch.apply()
         _APPLIED.add(patch.name)
         done.append(patch.name)

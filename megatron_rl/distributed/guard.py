@@ -24,13 +24,32 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
 
 
+def _lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is torch.distributed giving up on another rank.
+
+    NCCL (watchdog timeouts), the TCP store and the network layer raise the typed
+    ``torch.distributed.DistError`` subclasses.  gloo does not: in torch 2.13 a gloo collective
+    that times out raises a plain ``RuntimeError`` ("Timed out waiting ...ms for recv"), so its
+    text is the fallback.
+    """
+    import torch.distributed as dist
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, dist.DistError) or "timed out" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def report_failure(exc: BaseException, code: int) -> None:
     rank = _rank()
     if isinstance(exc, UserInputError):
         text = str(exc)
     else:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
-        if "Timed out" in text or "timed out" in text:
+        if _lost_a_peer(exc):
             text += (
                 f"\nrank {rank} waited longer than distributed.timeout_s for a collective: another rank "
                 "is hung or dead (see its log), or the timeout is too short for this step"
@@ -51,14 +70,16 @@ def _reap_children() -> None:
     outlive the job and keep its output pipes open."""
     try:
         import psutil
-
+    except ImportError:
+        return
+    try:
         children = psutil.Process().children(recursive=True)
         for child in children:
             child.terminate()
         _, alive = psutil.wait_procs(children, timeout=3)
         for child in alive:
             child.kill()
-    except Exception:  # psutil missing or processes already gone
+    except psutil.Error:  # processes already gone
         pass
 
 

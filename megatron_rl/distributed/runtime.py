@@ -14,9 +14,13 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_rl.capabilities import BACKENDS, DEVICES
 from megatron_rl.compat import cuda_available, enable_compat
+from megatron_rl.compat.megatron_fixes import default_batch_p2p_comm
+from megatron_rl.compat.parallel_state import destroy_model_parallel_groups
 from megatron_rl.config.schema import DistributedConfig, ParallelConfig
 from megatron_rl.distributed.env import LaunchEnv, detect_launch_env
+from megatron_rl.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +45,7 @@ class ParallelLayout:
         mp = parallel.tp * parallel.pp * parallel.cp
         batch = parallel.batch_p2p_comm
         if batch is None:
-            # megatron-core 0.16 gives wrong results for PP=2 + VPP with batched p2p.
-            batch = not (parallel.vpp and parallel.pp == 2)
+            batch = default_batch_p2p_comm(parallel.pp, parallel.vpp)
         return cls(
             tp=parallel.tp,
             pp=parallel.pp,
@@ -55,11 +58,28 @@ class ParallelLayout:
         )
 
 
+AUTO, CUDA, CPU = DEVICES
+_, NCCL, GLOO = BACKENDS  # the first is AUTO again
+
+
 def resolve_device(dist_cfg: DistributedConfig | None = None) -> torch.device:
-    want = dist_cfg.device if dist_cfg else "auto"
-    if want == "cpu" or (want == "auto" and not cuda_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    """``distributed.device`` resolved: ``auto`` is CUDA when this machine has it."""
+    want = dist_cfg.device if dist_cfg else AUTO
+    if want not in DEVICES:
+        raise ConfigError("distributed.device", want, "unknown device", f"use one of {', '.join(DEVICES)}")
+    if want == CPU or (want == AUTO and not cuda_available()):
+        return torch.device(CPU)
+    return torch.device(CUDA, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def resolve_backend(dist_cfg: DistributedConfig, device: torch.device) -> str:
+    """``distributed.backend`` resolved: ``auto`` is NCCL on CUDA, gloo on the CPU."""
+    if dist_cfg.backend not in BACKENDS:
+        raise ConfigError("distributed.backend", dist_cfg.backend, "unknown backend",
+                          f"use one of {', '.join(BACKENDS)}")
+    if dist_cfg.backend != AUTO:
+        return dist_cfg.backend
+    return NCCL if device.type == CUDA else GLOO
 
 
 def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = None) -> LaunchEnv:
@@ -67,46 +87,21 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
     enable_compat()
     launch = launch or detect_launch_env()
     device = resolve_device(dist_cfg)
-    if device.type == "cuda":
+    if device.type == CUDA:
         torch.cuda.set_device(device)
     else:
         # Several ranks share the CPU cores; more threads per rank only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.world_size)))
     if dist.is_initialized():
         return launch
-    backend = dist_cfg.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend=backend,
+        backend=resolve_backend(dist_cfg, device),
         init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=datetime.timedelta(seconds=dist_cfg.timeout_s),
     )
     return launch
-
-
-def _destroy_groups() -> None:
-    """Destroy every process group megatron's parallel_state created (frees gloo sockets)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.compat.megatron_fixes import release_group_caches
-
-    release_group_caches()
-    seen = set()
-    for name, value in list(vars(ps).items()):
-        if not name.startswith("_") or name.startswith("__"):
-            continue
-        values = value if isinstance(value, (list, tuple)) else [value]
-        for group in values:
-            if isinstance(group, dist.ProcessGroup) and id(group) not in seen and group != dist.group.WORLD:
-                seen.add(id(group))
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # already destroyed or not a member
-                    pass
-    ps.destroy_model_parallel()
 
 
 _CURRENT: ParallelLayout | None = None
@@ -124,7 +119,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int
     from megatron.core import tensor_parallel
 
     if ps.model_parallel_is_initialized():
-        _destroy_groups()
+        destroy_model_parallel_groups()
         _CURRENT = None
     world = dist.get_world_size()
     if world % layout.model_parallel_size:
@@ -143,14 +138,3 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     torch.manual_seed(seed)
 
-
-def current_layout() -> ParallelLayout:
-    from megatron.core import parallel_state as ps
-
-    return ParallelLayout(
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
-        cp=ps.get_context_parallel_world_size(),
-        dp=ps.get_data_parallel_world_size(),
-    )

@@ -32,7 +32,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.compat.megatron_fixes import init_distributed_optimizer_state
+from megatron_rl.compat.megatron_fixes import (
+    distributed_optimizer_checkpoint_metadata,
+    init_distributed_optimizer_state,
+)
 from megatron_rl.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -70,12 +73,6 @@ def _model_sharded(chunks: list) -> dict:
     return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
 
 
-# megatron-core's default DistributedOptimizer format ("fully_sharded_model_space") is refused by
-# its own ShardedTensor validation in 0.16; "fully_reshardable" also lets a run resume on another
-# TP/PP/DP layout, as the plain optimizer's checkpoints do.
-_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
 def _part_sharded(part: ModelPart, with_optimizer: bool, loading: bool = False) -> dict:
     state = _model_sharded(part.chunks)
     if with_optimizer and part.optimizer is not None:
@@ -83,7 +80,8 @@ def _part_sharded(part: ModelPart, with_optimizer: bool, loading: bool = False) 
             init_distributed_optimizer_state(part.optimizer)
         # is_loading creates Adam's moment tensors before the first step; without them nothing
         # of the optimizer state would be requested, and a resumed run would silently restart Adam.
-        state["optimizer"] = part.optimizer.sharded_state_dict(state, is_loading=loading, metadata=_OPTIM_METADATA)
+        state["optimizer"] = part.optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata=distributed_optimizer_checkpoint_metadata())
     if with_optimizer and part.scheduler is not None:
         state["scheduler"] = part.scheduler.state_dict()
     return state
@@ -124,7 +122,7 @@ def rng_state() -> dict:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         state["tracker"] = get_cuda_rng_tracker().get_states()
-    except Exception:  # tracker not initialised
+    except (ImportError, RuntimeError, AssertionError):  # tracker not initialised
         pass
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -271,7 +269,7 @@ def load_checkpoint(
         request = _part_sharded(part, want_opt, loading=True)
         try:
             loaded = dist_checkpointing.load(request, os.path.join(path, name))
-        except Exception as err:  # truncated tensor files, mismatched shapes
+        except Exception as err:  # noqa: BLE001 - any unreadable part (truncated files, mismatched shapes) is a bad checkpoint
             raise CheckpointError("checkpoint", path, f"part {name!r} could not be read ({type(err).__name__}: "
                                   f"{str(err).splitlines()[0][:200]})", "use an earlier checkpoint") from None
         keys = ["model"] if len(part.chunks) == 1 else [f"model{i}" for i in range(len(part.chunks))]

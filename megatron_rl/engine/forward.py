@@ -9,6 +9,12 @@ This is the one data path for scoring, the reference/old log-prob passes and tra
 4. megatron's pipeline schedule runs forward (and backward when training) over the micro-batches;
 5. the head's per-token outputs are gathered over CP as ``[T]`` vectors, over DP, and broadcast
    from the last pipeline stage, so every rank gets every sequence's outputs in the original order.
+
+When training, each micro-batch's loss is already divided by the denominator of the whole
+mini-batch.  With ``calculate_per_token_loss`` megatron sums (not averages) over micro-batches and
+DP x CP ranks, and the count 0 returned with every loss
+(:func:`megatron_rl.compat.megatron_fixes.pre_normalised_count`) keeps ``finalize_model_grads``
+from dividing again: the gradients are those of the mini-batch loss, however the batch was cut.
 """
 
 from __future__ import annotations
@@ -20,12 +26,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_rl.compat.megatron_fixes import pre_normalised_count
 from megatron_rl.data.batching import plan_microbatches, split_data_parallel
 from megatron_rl.data.microbatch import Microbatch, alignment, build_microbatch
 from megatron_rl.engine.pipeline import run_microbatches
 from megatron_rl.models.canonical import unwrap
 
-# loss_fn(outputs, tensors, microbatch) -> (loss already divided by its global denominator, logs)
+# loss_fn(outputs, tensors, microbatch) -> (loss, logs): the loss already divided by the
+# denominator of the whole mini-batch (trainer/update.py), so that megatron's sum of the
+# gradients over micro-batches and DP x CP ranks is the gradient of the mini-batch loss.
 LossFn = Callable[[dict, dict, Microbatch], tuple]
 
 
@@ -81,12 +90,9 @@ def run_sequences(
             outs = head(unwrap(model), output, tensors)
             collected.append((mb, {k: v.detach() for k, v in outs.items()}))
             if loss_fn is None:
-                zero = output.sum() * 0.0
-                return zero, torch.tensor(0, dtype=torch.int), {}
+                return output.sum() * 0.0, pre_normalised_count(), {}
             loss, logs = loss_fn(outs, tensors, mb)
-            # The loss is already divided by its global denominator: a zero count tells megatron
-            # (finalize_model_grads) not to rescale the gradients again.
-            return loss, torch.tensor(0, dtype=torch.int), logs
+            return loss, pre_normalised_count(), logs
 
         return hidden, loss_func
 

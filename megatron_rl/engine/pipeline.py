@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
@@ -48,7 +47,3 @@ def run_microbatches(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-
-
-def is_last_stage_rank() -> bool:
-    return ps.is_pipeline_last_stage(ignore_virtual=True)

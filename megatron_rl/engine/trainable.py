@@ -1,9 +1,11 @@
 """A model that trains: megatron DDP around each chunk, megatron's optimizer and LR schedule.
 
-Gradients are normalised by megatron's per-token path (``calculate_per_token_loss``): each
-micro-batch's loss function returns ``(loss_sum, count, logs)``; the schedule sums them and
-``finalize_model_grads`` divides the gradients once by the count summed over micro-batches and
-data/context-parallel ranks.  The result does not depend on how the batch was cut.
+Gradient normalisation: each micro-batch's loss is already divided by the denominator of the whole
+mini-batch (:mod:`megatron_rl.trainer.update`) and returned with a count of 0
+(:mod:`megatron_rl.engine.forward`).  With ``calculate_per_token_loss`` megatron sums the
+gradients over micro-batches and data/context-parallel ranks instead of averaging them, and
+``finalize_model_grads`` skips its division by the count when that is 0.  The result does not
+depend on how the batch was cut.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_rl.engine.lr_schedules import LR_SCHEDULES
 from megatron_rl.config.schema import OptimConfig
+from megatron_rl.engine.lr_schedules import LR_SCHEDULES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +125,3 @@ def freeze(chunks: list) -> list:
         for param in chunk.parameters():
             param.requires_grad_(False)
     return chunks
-
-
-def model_memory_bytes(chunks: list) -> int:
-    return sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-
-
-def to_device_(module: torch.nn.Module, device: torch.device) -> None:
-    module.to(device)

@@ -1,14 +1,8 @@
 """Imported once by the test forkserver, so every forked worker starts with these loaded."""
 
-import warnings
+from megatron_rl.compat import quiet_known_warnings
 
-warnings.filterwarnings("ignore")
-
-import torch
-
-from megatron_rl.compat import quiet_optional_dependency_warnings
-
-quiet_optional_dependency_warnings()
+quiet_known_warnings()
 
 import megatron.core
 from megatron.core.distributed import DistributedDataParallel

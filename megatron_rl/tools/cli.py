@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
 
@@ -165,7 +164,6 @@ def _validate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    pass  # TEMP-WARN-PROBE
     parser = _parser()
     # Overrides may come before and after options (`train --nproc 2 a=1 --config f b=2`):
     # whatever argparse leaves over must be key=value overrides.
@@ -180,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             args.config = None
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from megatron_rl.compat import quiet_known_warnings  # imports torch: not for --help
+
+    quiet_known_warnings()
     try:
         if args.command == "features":
             return _features(args)

@@ -8,8 +8,8 @@ import re
 
 
 def installed_versions() -> dict[str, str]:
-    from megatron_rl.compat import cuda_available
     from megatron_rl.capabilities import te_version
+    from megatron_rl.compat import cuda_available
 
     def version(pkg: str) -> str:
         try:
@@ -50,7 +50,6 @@ def print_features(markdown: bool = False) -> None:
     if markdown:
         print(matrix_markdown(), end="")
         return
-    from megatron_rl.compat.registry import all_patches
     from megatron_rl.features import FEATURES
 
     print("Installed: " + ", ".join(f"{k} {v}" for k, v in installed_versions().items()))
@@ -63,9 +62,28 @@ def print_features(markdown: bool = False) -> None:
             print(f"[{area}]")
         print(f"  {f.name:<{width}}  {f.status:<26}  {f.config}")
     print()
-    print("megatron-core workarounds (megatron_rl/compat):")
-    import megatron_rl.compat.cpu  # noqa: F401  (registers its patches)
+    print_compat_records()
 
+
+def print_compat_records() -> None:
+    """Every compat record, with ``UNTESTED`` where the installed versions are outside its range."""
+    from megatron_rl.compat.registry import all_known_warnings, all_patches, all_workarounds, is_tested
+
+    def versions(record) -> str:
+        ranges = [f"{name} {spec}" for name, spec in (("megatron-core", record.megatron_versions),
+                                                      ("torch", record.torch_versions)) if spec]
+        return ", ".join(ranges or ["any version"]) + ("" if is_tested(record) else "; UNTESTED here")
+
+    print("Patches applied by megatron_rl.compat.enable_compat():")
     for patch in all_patches():
         where = "CPU only" if patch.cpu_only else "always"
-        print(f"  {patch.name} [{where}; megatron-core {patch.megatron_versions}]: {patch.reason}")
+        print(f"  {patch.name} [{where}; {versions(patch)}]: {patch.reason}")
+    print()
+    print("Workarounds in the code (megatron_rl/compat, used where named):")
+    for w in all_workarounds():
+        print(f"  {w.name} [{versions(w)}; used in {w.used_in}]: {w.reason}")
+    print()
+    print("Known warnings silenced by message (megatron_rl/compat/warning_filters.py):")
+    for k in all_known_warnings():
+        where = "CPU only" if k.cpu_only else "always"
+        print(f"  {k.name} [{where}; {k.category.__name__}; {versions(k)}]: {k.reason}")

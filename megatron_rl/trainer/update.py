@@ -3,8 +3,9 @@
 Each loss function returns ``numerator / denominator`` where the denominator -- valid tokens
 (``token-mean``) or sequences (``seq-mean-*``) of the *whole mini-batch* -- is known on the host
 before the step.  Summed over micro-batches and over data- and context-parallel ranks (megatron
-DDP sums when ``calculate_per_token_loss`` is on), the gradients are those of the mini-batch
-loss, whatever the micro-batch, DP or CP split.  Packed micro-batches are turned back into one
+sums when ``calculate_per_token_loss`` is on, and :mod:`megatron_rl.engine.forward` returns a
+count of 0 so ``finalize_model_grads`` does not divide again), the gradients are those of the
+mini-batch loss, whatever the micro-batch, DP or CP split.  Packed micro-batches are turned back into one
 row per sequence first, so the sequence-level aggregations see sequences, not packs.
 """
 

@@ -1,0 +1,150 @@
+"""The warnings megatron-core and torch emit on the tested stack that a user cannot act on.
+
+Each is silenced by its message (and, where the message is generic, the module that triggers
+it), never by category: a warning that is not listed here still shows, which is what an upgrade
+needs.  The list was taken from ``-W default`` runs of ``megatron-rl smoke`` (TP, SP, PP+VPP, CP,
+DP with the distributed optimizer), a training run that saves and resumes, and the test suite.
+:func:`pytest_filter_lines` gives the same filters in ``pytest.ini`` syntax (kept in step by
+``tests/test_compat_registry.py``).
+
+On CPU, torch calls made under :class:`megatron_rl.compat.cpu.CudaToCpuMode` run from that
+mode's frame, so a warning torch raises for its caller is attributed to
+``megatron_rl.compat.cpu``; the module patterns name it next to the megatron or torch module.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from megatron_rl.compat.registry import (
+    MEGATRON_TESTED,
+    TORCH_TESTED,
+    KnownWarning,
+    all_known_warnings,
+    register_warning,
+)
+
+_CPU_MODE = r"megatron_rl\.compat\.cpu"
+
+for _known in (
+    KnownWarning(
+        name="megatron.optional_dependencies_missing",
+        message=r".*(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed",
+        category=UserWarning,
+        module=r"megatron\.core|megatron_fsdp",
+        reason="warned at import when TE/Apex are absent; `megatron-rl features` reports what is installed",
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="torch.collective_tensor_names_deprecated",
+        message=r".*`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+        category=FutureWarning,
+        module="",
+        reason=(
+            "torch 2.13 renames these collectives; megatron-core 0.16 and ops/cp_attention.py keep "
+            "the old names, which the torch builds on GPU machines (2.11) still need"
+        ),
+        torch_versions=TORCH_TESTED,
+    ),
+    KnownWarning(
+        name="torch.jit_script_method_deprecated",
+        message=r"`torch\.jit\.script_method` is deprecated",
+        category=DeprecationWarning,
+        module=r"torch\.jit\._script",
+        reason="torch's own torch/utils/mkldnn.py uses it when torch._inductor is imported",
+        torch_versions=TORCH_TESTED,
+    ),
+    KnownWarning(
+        name="megatron.inference_contexts_imports",
+        message=r"The following imports from `dynamic_context\.py` will be removed",
+        category=DeprecationWarning,
+        module=r"megatron\.core\.inference\.contexts",
+        reason="megatron-core's own import chain reaches its deprecated re-exports",
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="megatron.custom_layers_module_deprecated",
+        message=r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine'\s+module is deprecated",
+        category=DeprecationWarning,
+        module=r"megatron\.core\.transformer\.multi_latent_attention",
+        reason="megatron-core's multi_latent_attention imports its own deprecated module",
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="megatron.mlp_spec_without_ffn_hidden_size",
+        message=r"MLP requires ffn_hidden_size, but it was not provided",
+        category=DeprecationWarning,
+        module=r"megatron\.core\.transformer\.spec_utils",
+        reason="megatron-core's own layer specs build the MLP without ffn_hidden_size",
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="megatron.linear_layers_default_tp_group",
+        message=r"Warning. tp_group is None, using default tp group",
+        category=DeprecationWarning,
+        module=r"megatron\.core\.tensor_parallel\.layers",
+        reason=(
+            "RowParallelLinear and frozen-weight linears call megatron's own linear functions "
+            "without their tp_group (calls from our code, attributed to mappings, still warn)"
+        ),
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="megatron.cuda_device_max_connections_hint",
+        message=r"When using (sequence parallelism|async grad allreduce) it is recommended to set the "
+                r"environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+        category=UserWarning,
+        module=r"megatron\.core\.tensor_parallel\.layers",
+        reason="a CUDA stream-scheduling hint; there are no CUDA streams on the CPU",
+        megatron_versions=MEGATRON_TESTED,
+        cpu_only=True,
+    ),
+    KnownWarning(
+        name="megatron.distrib_optimizer_zero_grad_of_views",
+        message=r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+        category=UserWarning,
+        module=rf"(megatron\.core\.optimizer\.optimizer|{_CPU_MODE})",
+        reason=(
+            "DistributedOptimizer.zero_grad reads .grad of its fp32 shard views (megatron marks it "
+            "'throws grad-access warning'); harmless, the shards' gradients live elsewhere"
+        ),
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="torch.dcp_load_state_dict_deprecated",
+        message=r"`load_state_dict` is deprecated and will be removed in future versions",
+        category=FutureWarning,
+        module=r"megatron\.core\.dist_checkpointing\.strategies\.torch",
+        reason="megatron-core's torch dist-checkpoint strategy loads with the deprecated DCP call",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
+    ),
+    KnownWarning(
+        name="torch.sharded_tensor_deprecated",
+        message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+        category=FutureWarning,
+        module=rf"(torch\.distributed\.checkpoint|{_CPU_MODE})",
+        reason="megatron-core's dist_checkpointing stores torch ShardedTensors; loading them warns",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
+    ),
+):
+    register_warning(_known)
+
+
+def quiet_known_warnings(cpu: bool | None = None) -> None:
+    """Install a filter for every :class:`KnownWarning` (the CPU-only ones when ``cpu``)."""
+    if cpu is None:
+        from megatron_rl.compat import cuda_available
+
+        cpu = not cuda_available()
+    for known in all_known_warnings():
+        if known.cpu_only and not cpu:
+            continue
+        warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
+
+
+def pytest_filter_lines() -> list[str]:
+    """The ``filterwarnings`` lines of ``pytest.ini`` (pytest cannot call into the package)."""
+    return [f"ignore:{k.message}:{k.category.__name__}" + (f":{k.module}" if k.module else "")
+            for k in all_known_warnings()]
