@@ -78,12 +78,13 @@ def wrap_ddp(chunks: list, use_distributed_optimizer: bool = False) -> list:
 
 def make_trainable(chunks: list, optim: OptimConfig, total_steps: int) -> Trainable:
     """Wrap ``chunks`` in DDP and build the optimizer and LR schedule."""
-    return fresh_optimizer(wrap_ddp(chunks, optim.use_distributed_optimizer), optim, total_steps)
+    return rebuild_optimizer(wrap_ddp(chunks, optim.use_distributed_optimizer), optim, total_steps)
 
 
-def fresh_optimizer(wrapped: list, optim: OptimConfig, total_steps: int) -> Trainable:
-    """A new optimizer and schedule for already DDP-wrapped chunks (wrapping twice would register
-    megatron's gradient hooks twice and double every gradient)."""
+def rebuild_optimizer(wrapped: list, optim: OptimConfig, total_steps: int) -> Trainable:
+    """A :class:`Trainable` with a new optimizer and schedule around already DDP-wrapped chunks
+    (wrapping twice would register megatron's gradient hooks twice and double every gradient).
+    The old optimizer is dropped: whoever held it must take the returned Trainable."""
     config = wrapped[0].module.config
     opt_config = OptimizerConfig(
         optimizer="adam",

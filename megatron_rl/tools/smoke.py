@@ -7,9 +7,8 @@ optimizer.  The sequences follow ``x[t+1] = (5 * x[t] + 3) mod V``, so the loss 
 
 from __future__ import annotations
 
-import time
-
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import Config
@@ -22,6 +21,7 @@ from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import unwrap
 from megatron_rl.ops import zigzag
 from megatron_rl.ops.logprob import vocab_parallel_logprobs
+from megatron_rl.utils.timing import timed, timing_key
 
 
 def synthetic_sequences(step: int, count: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
@@ -77,8 +77,6 @@ def data_parallel_slice(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def run_smoke(cfg: Config, log=print) -> list[float]:
-    import torch.distributed as dist
-
     layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
@@ -91,19 +89,20 @@ def run_smoke(cfg: Config, log=print) -> list[float]:
         log(f"smoke: layout tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp} "
             f"sp={layout.sequence_parallel} on {device}; {sm.steps} steps x {sm.num_microbatches} micro-batches")
     for step in range(sm.steps):
-        t0 = time.perf_counter()
-        faults.maybe_inject(step + 1)
-        tokens = synthetic_sequences(step, layout.dp * sm.num_microbatches * sm.micro_batch_size,
-                                     sm.seq_length, cfg.model.vocab_size, cfg.run.seed)
-        mbs = lm_microbatches(data_parallel_slice(tokens), sm.micro_batch_size, layout.cp,
-                              ps.get_context_parallel_rank())
-        trainable.zero_grad()
-        logs = run_microbatches(trainable.chunks, mbs, step_fn, forward_only=False,
-                                seq_length=sm.seq_length // layout.cp, micro_batch_size=sm.micro_batch_size)
-        grad_norm = trainable.step().grad_norm
-        loss = reduce_sum_count(logs, ["lm_loss"])["lm_loss"]
+        timings: dict = {}
+        with timed("step", timings):
+            faults.maybe_inject(step + 1)
+            tokens = synthetic_sequences(step, layout.dp * sm.num_microbatches * sm.micro_batch_size,
+                                         sm.seq_length, cfg.model.vocab_size, cfg.run.seed)
+            mbs = lm_microbatches(data_parallel_slice(tokens), sm.micro_batch_size, layout.cp,
+                                  ps.get_context_parallel_rank())
+            trainable.zero_grad()
+            logs = run_microbatches(trainable.chunks, mbs, step_fn, forward_only=False,
+                                    seq_length=sm.seq_length // layout.cp, micro_batch_size=sm.micro_batch_size)
+            grad_norm = trainable.step().grad_norm
+            loss = reduce_sum_count(logs, ["lm_loss"])["lm_loss"]
         losses.append(loss)
         if dist.get_rank() == 0:
             log(f"step {step + 1:3d}  loss {loss:.4f}  grad_norm {grad_norm:.3f}  "
-                f"lr {trainable.lr:.2e}  {time.perf_counter() - t0:.2f}s")
+                f"lr {trainable.lr:.2e}  {timings[timing_key('step')]:.2f}s")
     return losses

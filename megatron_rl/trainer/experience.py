@@ -1,9 +1,9 @@
 """From rollouts to training data: sequences, rewards, old/ref log-probs, values, advantages.
 
 A sample is ``prompt + response``.  Position ``t`` of a sequence predicts token ``t+1``, so the
-response tokens are predicted at positions ``P-1 .. P+R-2`` (``P`` prompt tokens, ``R``
-response tokens); every per-token quantity here (``[B, R]`` tensors) lives at those positions.
-All of it is built on the host, identically on every rank.
+response tokens are predicted at the positions :func:`response_positions` gives; every per-token
+quantity here (``[B, R]`` tensors) lives at those positions.  All of it is built on the host,
+identically on every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from typing import Optional
 import torch
 
 from megatron_rl.algorithms import advantages as adv
-from megatron_rl.algorithms import kl as kl_mod
+from megatron_rl.rollout.engine import RolloutBatch
+
+
+def response_positions(prompt_len: int, response_len: int) -> slice:
+    """The positions whose outputs predict the response tokens: token ``t`` is predicted at
+    position ``t - 1``, so a ``P``-token prompt's ``R`` response tokens at ``P-1 .. P+R-2``."""
+    return slice(prompt_len - 1, prompt_len + response_len - 1)
 
 
 @dataclasses.dataclass
@@ -26,6 +32,15 @@ class Samples:
     rollout_logprob: list[list[float]]
     finish_reason: list[str]
 
+    @classmethod
+    def from_rollout(cls, rollout: RolloutBatch, dataset_index: list[int]) -> "Samples":
+        """Samples of a rollout over the prompts ``dataset_index`` (PromptSet indices, in rollout order)."""
+        return cls(
+            prompt_index=list(rollout.prompt_index), dataset_index=[dataset_index[i] for i in rollout.prompt_index],
+            prompt_ids=rollout.prompt_ids, response_ids=rollout.response_ids,
+            rollout_logprob=rollout.response_logprobs, finish_reason=rollout.finish_reason,
+        )
+
     def __len__(self) -> int:
         return len(self.response_ids)
 
@@ -34,8 +49,7 @@ class Samples:
         return [{"tokens": torch.tensor(p + r, dtype=torch.long)} for p, r in zip(self.prompt_ids, self.response_ids)]
 
     def response_slice(self, i: int) -> slice:
-        p, r = len(self.prompt_ids[i]), len(self.response_ids[i])
-        return slice(p - 1, p + r - 1)
+        return response_positions(len(self.prompt_ids[i]), len(self.response_ids[i]))
 
     def pad_responses(self, per_seq: list[torch.Tensor]) -> torch.Tensor:
         """``[B, R_max]`` from per-sequence full-length vectors (response positions only)."""
@@ -44,6 +58,13 @@ class Samples:
         for i, vec in enumerate(per_seq):
             piece = vec[self.response_slice(i)]
             out[i, : piece.numel()] = piece
+        return out
+
+    def rollout_logprobs(self) -> torch.Tensor:
+        """``[B, R_max]`` log-probs the rollout engine sampled the response tokens with."""
+        out = torch.zeros(len(self), max(len(r) for r in self.response_ids))
+        for i, logprobs in enumerate(self.rollout_logprob):
+            out[i, : len(logprobs)] = torch.tensor(logprobs)
         return out
 
     def response_mask(self) -> torch.Tensor:
@@ -120,6 +141,3 @@ def compute_advantages(
         return adv.compute_rloo(scores, group_index, mask), None
     raise ValueError(f"unknown advantage estimator {kind!r}")
 
-
-def kl_per_token(old_logprob, ref_logprob, mask, kind: str) -> torch.Tensor:
-    return kl_mod.estimate(old_logprob, ref_logprob, kind) * mask

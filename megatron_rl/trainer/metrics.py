@@ -1,5 +1,5 @@
-"""Where the numbers go: ``metrics.jsonl`` (one JSON line per step), a console progress line,
-optional TensorBoard / Weights & Biases, and ``plot.png`` at the end.  Rank 0 writes.
+"""The numbers of a step and where they go: ``metrics.jsonl`` (one JSON line per step), a console
+progress line, optional TensorBoard / Weights & Biases, and ``plot.png`` at the end.  Rank 0 writes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,14 @@ import math
 import os
 import sys
 import time
-from typing import Optional
+from typing import Optional, Sequence
+
+import psutil
+import torch
+
+from megatron_rl.algorithms import losses
+from megatron_rl.engine.trainable import StepResult
+from megatron_rl.trainer.experience import Experience
 
 KEY_FIGURES = {"reward/mean": "reward", "actor/kl": "kl", "actor/pg_loss": "pg_loss", "critic/vf_loss": "vf_loss",
                "actor/entropy": "entropy", "response_length/mean": "resp_len", "actor/grad_norm": "grad_norm"}
@@ -85,6 +92,41 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def experience_metrics(exp: Experience) -> dict:
+    """Rewards, response lengths, entropy, advantages, rollout-vs-trainer log-prob mismatch, values."""
+    mask, samples = exp.mask, exp.samples
+    lengths = mask.sum(-1)
+    out = {
+        "reward/mean": float(exp.scores.mean()), "reward/std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
+        "reward/max": float(exp.scores.max()), "reward/min": float(exp.scores.min()),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/stopped_frac": sum(r == "stop" for r in samples.finish_reason) / len(samples),
+        "actor/entropy": float(losses.aggregate(exp.entropy, mask, "token-mean")),
+        "advantages/mean": float(losses.aggregate(exp.advantages, mask, "token-mean")),
+    }
+    diff = (samples.rollout_logprobs() - exp.old_logprob).abs() * mask
+    out["rollout/logprob_mismatch_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
+    out["rollout/logprob_mismatch_max"] = float(diff.max())
+    if exp.values is not None:
+        out["critic/explained_var"] = float(losses.explained_variance(exp.values, exp.returns, mask))
+        out["critic/values_mean"] = float(losses.aggregate(exp.values, mask, "token-mean"))
+    return out
+
+
+def optimizer_step_metrics(phase: str, results: Sequence[StepResult]) -> dict:
+    """Mean gradient norm of the applied steps (NaN when none was) and the count of skipped ones."""
+    norms = [r.grad_norm for r in results if r.ok]
+    return {f"{phase}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
+            f"{phase}/skipped_updates": sum(1 for r in results if not r.ok)}
+
+
+def memory_metrics() -> dict:
+    """Peak CUDA memory allocated, or the process's resident memory on CPU, in GiB."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"memory/max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30}
+    return {"memory/rss_gb": psutil.Process().memory_info().rss / 2**30}
 
 
 def read_metrics(path: str) -> list[dict]:

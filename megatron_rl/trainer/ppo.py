@@ -1,11 +1,14 @@
 """The PPO loop, read top to bottom: build, (warm up), then per step
 
 1. hand the actor's current weights to the rollout engine and sample ``rollout.n`` responses per
-   prompt (prompts split over data-parallel ranks, samples gathered so every rank holds them);
-2. score them (rank 0 calls the reward function, everyone receives the result);
+   prompt (``rollout/dp.py``: prompts split over data-parallel ranks, samples gathered so every
+   rank holds them);
+2. score them (``rewards/distributed.py``: rank 0 calls the reward function, everyone receives
+   the result);
 3. recompute old log-probs (and entropy) with the training model, reference log-probs, values;
    token rewards, KL, advantages;
-4. update actor and critic over ``ppo_epochs`` x ``mini_batches`` optimizer steps;
+4. update actor and critic over ``ppo_epochs`` x ``mini_batches`` optimizer steps, and stop the
+   run when every step of a phase was skipped as non-finite (``trainer/guards.py``);
 5. log metrics, checkpoint when due or when SIGTERM/SIGUSR1 asked for it.
 
 Works for GAE (with a critic), GRPO and RLOO (without), on every TP/PP/VPP/CP/DP layout.
@@ -15,41 +18,50 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
-from megatron_rl.algorithms import advantages as adv
-from megatron_rl.algorithms import kl as kl_mod
 from megatron_rl.algorithms import losses
-from megatron_rl.errors import ConfigError, UserInputError
+from megatron_rl.algorithms.advantages import needs_critic
+from megatron_rl.algorithms.kl import apply_kl_penalty, make_kl_controller
 from megatron_rl.config.model_io import model_config_to_dict
 from megatron_rl.config.schema import Config
-from megatron_rl.data.prompts import PromptSampler, load_prompts
-from megatron_rl.data.tasks import load_task
+from megatron_rl.data.prompts import PromptSampler, PromptSet
+from megatron_rl.data.sources import load_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sum_count, reduce_sums
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
-from megatron_rl.engine import checkpoint as ckpt
+from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.engine.offload import Offloader
-from megatron_rl.engine.trainable import Trainable, freeze, fresh_optimizer, make_trainable
+from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
 from megatron_rl.models.hf_bridge import load_hf_weights
+from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.rewards.distributed import rewards_from_rank0
 from megatron_rl.rewards.registry import compute_rewards, get_reward_fn
+from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import make_engine
 from megatron_rl.rollout.sampling import SamplingParams
-from megatron_rl.trainer.experience import (Experience, Samples, compute_advantages, kl_per_token,
-                                            token_rewards_from_scores)
-from megatron_rl.trainer.metrics import MetricsWriter, plot_metrics
+from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
+from megatron_rl.trainer.guards import check_updates_applied
+from megatron_rl.trainer.metrics import (
+    MetricsWriter,
+    experience_metrics,
+    memory_metrics,
+    optimizer_step_metrics,
+    plot_metrics,
+)
+from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
-from megatron_rl.trainer.update import actor_loss_fn, critic_loss_fn, loss_denominator, mini_batches
+from megatron_rl.trainer.update import actor_loss_fn, critic_loss_fn, loss_denominator, mini_batches, scheduled_updates
+from megatron_rl.utils.seeds import derive_seed
+from megatron_rl.utils.timing import timed, timing_key
 
 
 def _rank0() -> bool:
@@ -70,27 +82,23 @@ class PPOTrainer:
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         os.makedirs(self.run_dir, exist_ok=True)
         alg = cfg.algorithm
-        self.use_critic = adv.needs_critic(alg.advantage)
+        self.use_critic = needs_critic(alg.advantage)
         self.use_ref = alg.kl_coef > 0
-        self.plan = BatchPlan(cfg.batch.max_tokens_per_rank, cfg.batch.micro_batch_size, cfg.batch.packing)
 
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer or cfg.model.hf_path or "char")
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ConfigError("model.vocab_size", cfg.model.vocab_size,
-                              f"smaller than the tokenizer's vocabulary ({self.tokenizer.vocab_size})",
-                              f"set model.vocab_size >= {self.tokenizer.vocab_size}")
-        self.plan = dataclasses.replace(self.plan, pad_id=self.tokenizer.pad_id)
+        self.tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
+        self.plan = BatchPlan(cfg.batch.max_tokens_per_rank, cfg.batch.micro_batch_size, cfg.batch.packing,
+                              pad_id=self.tokenizer.pad_id)
         self.prompts = self._load_prompts()
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn)
-        self.kl_ctl = kl_mod.make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
+        self.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens, n=cfg.rollout.n,
             stop_token_ids=(self.tokenizer.eos_id,),
             stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.rollout.stop),
         )
-        updates = cfg.trainer.steps * alg.ppo_epochs * alg.mini_batches
+        updates = scheduled_updates(cfg)
         self.actor = make_trainable(self._build(), cfg.actor.optim, updates)
         self.reference: Optional[list] = freeze(self._build()) if self.use_ref else None
         self.critic: Optional[Trainable] = (
@@ -99,8 +107,9 @@ class PPOTrainer:
         self.engine = make_engine(cfg.rollout.engine, cfg.model, device=self.device,
                                   max_batch_size=cfg.rollout.max_batch_size)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
-                                     cfg.trainer.wandb, cfg.run.name)
+                                     cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
+        # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
         self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 
     # ------------------------------------------------------------------ offload
@@ -123,30 +132,26 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _load_prompts(self):
-        data = self.cfg.data
-        if data.train_path.startswith("task:"):
-            prompts = load_task(data.train_path[5:], self.tokenizer, data.max_prompt_tokens)
-        else:
-            prompts = load_prompts(data.train_path, self.tokenizer, data.max_prompt_tokens, data.prompt_key,
-                                   data.answer_key, data.messages_key)
+    def _load_prompts(self) -> PromptSet:
+        prompts = load_prompt_source(self.cfg.data, self.tokenizer)
         if prompts.num_dropped:
-            self.log(f"data: dropped {prompts.num_dropped} prompts longer than {data.max_prompt_tokens} tokens")
+            self.log(f"data: dropped {prompts.num_dropped} prompts longer than {self.cfg.data.max_prompt_tokens} tokens")
         return prompts
 
     def _build(self) -> list:
         return build_gpt_chunks(self.cfg.model, self.layout, self.device)
 
     def _init_weights(self) -> None:
-        """Actor from HF / a checkpoint / seeded init; reference and critic start from the actor."""
+        """Actor from HF / a checkpoint / seeded init, then the SFT warm-up; reference and critic
+        start from the (warmed-up) actor."""
         cfg = self.cfg
         if cfg.actor.init_checkpoint:
-            ckpt.load_checkpoint(cfg.actor.init_checkpoint, {"actor": ckpt.ModelPart(self.actor.chunks)},
-                                 with_optimizer=False, load_rng=False)
+            checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(self.actor.chunks)},
+                                       with_optimizer=False, load_rng=False)
         elif cfg.model.hf_path:
             load_hf_weights(self.actor.chunks, cfg.model.hf_path)
         if cfg.trainer.sft_warmup_steps:
-            self._sft_warmup()
+            self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device, self.log)
         if self.reference is None and self.critic is None:
             return
         initial = gather_canonical(self.actor.chunks)
@@ -161,15 +166,15 @@ class PPOTrainer:
         mode = self.cfg.trainer.resume
         path = None
         if mode == "auto":
-            path = ckpt.find_latest(self.ckpt_root)
+            path = checkpoint.find_latest(self.ckpt_root)
         elif mode != "never":
             path = mode
         if path is None:
             self._init_weights()
             self.metrics.truncate_after(0)
             return 0
-        meta = ckpt.load_checkpoint(path, self._parts())
-        state = ckpt.load_trainer_state(path) or {}
+        meta = checkpoint.load_checkpoint(path, self._parts())
+        state = checkpoint.load_trainer_state(path) or {}
         if "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])
         if "kl" in state:
@@ -180,200 +185,21 @@ class PPOTrainer:
         return step
 
     def _parts(self) -> dict:
-        parts = {"actor": ckpt.ModelPart(self.actor.chunks, self.actor.optimizer, self.actor.scheduler)}
+        parts = {"actor": checkpoint.ModelPart(self.actor.chunks, self.actor.optimizer, self.actor.scheduler)}
         if self.critic is not None:
-            parts["critic"] = ckpt.ModelPart(self.critic.chunks, self.critic.optimizer, self.critic.scheduler)
+            parts["critic"] = checkpoint.ModelPart(self.critic.chunks, self.critic.optimizer, self.critic.scheduler)
         if self.reference is not None:
-            parts["reference"] = ckpt.ModelPart(self.reference)
+            parts["reference"] = checkpoint.ModelPart(self.reference)
         return parts
 
     def save(self, step: int) -> str:
         meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()}}
         if self.cfg.model.hf_path:
-            from megatron_rl.models.hf_config import read_hf_config
-
             meta["hf_config"] = read_hf_config(self.cfg.model.hf_path)
             meta["source"] = os.path.abspath(self.cfg.model.hf_path)
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
-        return ckpt.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
-                                    keep_last=self.cfg.trainer.keep_last)
-
-    # ------------------------------------------------------------------ warm-up
-
-    def _sft_warmup(self) -> None:
-        """Supervised steps on prompt + answer + EOS (teaches a fresh model the answer format)."""
-        cfg = self.cfg
-        for group in self.actor.optimizer.param_groups:
-            group["lr"] = cfg.trainer.sft_lr
-        sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed + 7919, True)
-        if cfg.trainer.sft_answers not in ("true", "shuffled"):
-            raise ConfigError("trainer.sft_answers", cfg.trainer.sft_answers, "unknown warm-up target", "use true or shuffled")
-        answers = list(self.prompts.answers)
-        if cfg.trainer.sft_answers == "shuffled":
-            order = torch.randperm(len(answers), generator=torch.Generator().manual_seed(cfg.run.seed)).tolist()
-            answers = [answers[j] for j in order]
-        for step in range(cfg.trainer.sft_warmup_steps):
-            seqs, lengths = [], []
-            for i in sampler.next_batch():
-                prompt = self.prompts.prompt_ids[i]
-                answer = self.tokenizer.encode(answers[i] or "") + [self.tokenizer.eos_id]
-                tokens = torch.tensor(prompt + answer)
-                mask = torch.zeros(len(tokens))
-                mask[len(prompt) - 1 : len(tokens) - 1] = 1.0
-                seqs.append({"tokens": tokens, "loss_mask": mask})
-                lengths.append(len(answer))
-            total = float(sum(lengths))
-
-            def nll(outs, t, mb):
-                loss = -(outs["logprob"] * t["loss_mask"]).sum() / total
-                return loss, {"sft/loss": loss.detach()}
-
-            self.actor.zero_grad()
-            _, logs = run_sequences(self.actor.chunks, seqs, LogProbHead(with_entropy=False), self.plan, self.device,
-                                    loss_fn=nll, forward_only=False)
-            self.actor.step()
-            loss = reduce_sums(logs, ["sft/loss"])["sft/loss"]
-            if step == 0 or (step + 1) % 10 == 0 or step + 1 == cfg.trainer.sft_warmup_steps:
-                self.log(f"sft warm-up {step + 1}/{cfg.trainer.sft_warmup_steps}  loss {loss:.4f}")
-        # RL starts from a fresh optimizer state and the RL learning rate.
-        self.actor = fresh_optimizer(self.actor.chunks, cfg.actor.optim,
-                                     cfg.trainer.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches)
-
-    # ------------------------------------------------------------------ one step
-
-    def _rollout(self, batch: list[int], step: int) -> Samples:
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        per = -(-len(batch) // dp)
-        mine = list(range(dp_rank * per, min(len(batch), (dp_rank + 1) * per)))
-        out = self.engine.generate([self.prompts.prompt_ids[batch[i]] for i in mine], self.sampling,
-                                   seed=self.cfg.run.seed * 1_000_003 + step * 7_919 + dp_rank)
-        rows = [(mine[out.prompt_index[k]], k, out.prompt_ids[k], out.response_ids[k], out.response_logprobs[k],
-                 out.finish_reason[k]) for k in range(len(out))]
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dp_rank, rows))
-        by_dp: dict[int, list] = {}
-        for rank_dp, rank_rows in gathered:  # first rank of each DP index is the source of truth
-            by_dp.setdefault(rank_dp, rank_rows)
-        merged = sorted((row for rows_ in by_dp.values() for row in rows_), key=lambda r: (r[0], r[1]))
-        return Samples(
-            prompt_index=[r[0] for r in merged], dataset_index=[batch[r[0]] for r in merged],
-            prompt_ids=[list(r[2]) for r in merged], response_ids=[list(r[3]) for r in merged],
-            rollout_logprob=[list(r[4]) for r in merged], finish_reason=[r[5] for r in merged],
-        )
-
-    def _rewards(self, samples: Samples) -> torch.Tensor:
-        box: list = [None]
-        if _rank0():
-            try:
-                scores = compute_rewards(
-                    self.reward_fn,
-                    [self.prompts.prompts[i] for i in samples.dataset_index],
-                    [self.tokenizer.decode(r) for r in samples.response_ids],
-                    [self.prompts.answers[i] for i in samples.dataset_index],
-                    prompt_indices=[self.prompts.source_index[i] for i in samples.dataset_index],
-                    **dict(self.cfg.reward.kwargs),
-                )
-                box[0] = ("ok", scores)
-            except UserInputError as err:
-                box[0] = ("error", err)
-        dist.broadcast_object_list(box, src=0)
-        status, value = box[0]
-        if status == "error":
-            raise value
-        return value
-
-    def _experience(self, samples: Samples, scores: torch.Tensor) -> tuple[Experience, dict]:
-        alg, timings = self.cfg.algorithm, {}
-        seqs = samples.sequences()
-        mask = samples.response_mask()
-        temperature = self.cfg.rollout.temperature
-        head = LogProbHead(temperature=temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            self._phase("actor")
-            old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
-            timings["timing/old_logprob_s"] = time.perf_counter() - t0
-            ref = values = None
-            if self.reference is not None:
-                t0 = time.perf_counter()
-                self._phase("reference")
-                ref, _ = run_sequences(self.reference, seqs, dataclasses.replace(head, with_entropy=False),
-                                       self.plan, self.device)
-                timings["timing/ref_logprob_s"] = time.perf_counter() - t0
-            if self.critic is not None:
-                t0 = time.perf_counter()
-                self._phase("critic")
-                values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
-                timings["timing/values_s"] = time.perf_counter() - t0
-        old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
-        entropy = samples.pad_responses([o["entropy"] for o in old]) * mask
-        ref_logprob = samples.pad_responses([o["logprob"] for o in ref]) * mask if ref else None
-        value_rows = samples.pad_responses([o["value"] for o in values]) * mask if values else None
-        token_rewards = token_rewards_from_scores(scores, mask)
-        kl = kl_per_token(old_logprob, ref_logprob, mask, alg.kl_kind) if ref_logprob is not None else None
-        if kl is not None and alg.kl_in_reward:
-            token_rewards = token_rewards - self.kl_ctl.value * kl
-        advantages, returns = compute_advantages(
-            alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows,
-            gamma=alg.gamma, lam=alg.lam, whiten=alg.whiten_advantages, norm_by_std=alg.norm_by_std,
-        )
-        exp = Experience(samples, scores, mask, old_logprob, entropy, ref_logprob, value_rows, token_rewards,
-                         advantages, returns, kl)
-        return exp, timings
-
-    def _update(self, exp: Experience, step: int) -> dict:
-        alg = self.cfg.algorithm
-        fields = {"old_logprob": exp.old_logprob, "advantages": exp.advantages}
-        if self.reference is not None and not alg.kl_in_reward:
-            fields["ref_logprob"] = exp.ref_logprob
-        if self.critic is not None:
-            fields.update(old_value=exp.values, returns=exp.returns)
-        seqs = exp.training_sequences(fields)
-        valid = [len(r) for r in exp.samples.response_ids]
-        kl_loss_coef = self.kl_ctl.value if (self.reference is not None and not alg.kl_in_reward) else 0.0
-        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
-                           with_entropy=alg.entropy_coef > 0)
-        actor_logs, critic_logs, stats = [], [], {"actor": [], "critic": []}
-        t_actor = t_critic = 0.0
-        for epoch in range(alg.ppo_epochs):
-            seed = None if alg.mini_batches == 1 else self.cfg.run.seed * 31 + step * 1009 + epoch
-            for members in mini_batches(len(seqs), alg.mini_batches, seed):
-                sub = [seqs[i] for i in members]
-                lengths = [valid[i] for i in members]
-                den = loss_denominator(alg.loss_agg, lengths)
-                t0 = time.perf_counter()
-                self._phase("actor")
-                self.actor.zero_grad()
-                _, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
-                                        loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef), forward_only=False)
-                stats["actor"].append(self.actor.step())
-                actor_logs.append(logs)
-                t_actor += time.perf_counter() - t0
-                if self.critic is not None:
-                    t0 = time.perf_counter()
-                    self._phase("critic")
-                    self.critic.zero_grad()
-                    _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
-                                            loss_fn=critic_loss_fn(alg, den, lengths), forward_only=False)
-                    stats["critic"].append(self.critic.step())
-                    critic_logs.append(logs)
-                    t_critic += time.perf_counter() - t0
-        updates = alg.ppo_epochs * max(1, min(alg.mini_batches, len(seqs)))
-        out = {"timing/actor_update_s": t_actor}
-        flat = [log for logs in actor_logs for log in logs]
-        out.update({k: v / updates for k, v in reduce_sums(flat, ["actor/pg_loss", "actor/entropy_loss",
-                                                                  "actor/kl_loss"]).items()})
-        out.update(reduce_sum_count(flat, ["actor/clipfrac", "actor/dual_clipfrac", "actor/approx_kl",
-                                           "actor/ratio_mean"]))
-        out.update(_step_stats("actor", stats["actor"]))
-        out["actor/lr"] = self.actor.lr
-        if self.critic is not None:
-            flat = [log for logs in critic_logs for log in logs]
-            out["timing/critic_update_s"] = t_critic
-            out["critic/vf_loss"] = reduce_sums(flat, ["critic/vf_loss"])["critic/vf_loss"] / updates
-            out.update(reduce_sum_count(flat, ["critic/vf_clipfrac", "critic/vpred_mean"]))
-            out.update(_step_stats("critic", stats["critic"]))
-        return out
+        return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
+                                          keep_last=self.cfg.trainer.keep_last)
 
     # ------------------------------------------------------------------ the loop
 
@@ -399,7 +225,8 @@ class PPOTrainer:
                     self._phase(None)
                     path = self.save(step)
                     if stopping:
-                        self.log(f"signal {stop.signum or 'on another rank'}: checkpoint after step {step} at {path}; exiting")
+                        self.log(f"signal {stop.signum or 'on another rank'}: checkpoint after step {step} "
+                                 f"at {path}; exiting")
                         return last
         finally:
             stop.restore()
@@ -410,79 +237,146 @@ class PPOTrainer:
         return last
 
     def train_step(self, step: int) -> dict:
-        alg = self.cfg.algorithm
-        t_step = time.perf_counter()
-        t0 = time.perf_counter()
-        self._phase("actor")
-        self.engine.load_from_chunks(self.actor.chunks)
-        t_sync = time.perf_counter() - t0
-        batch = self.sampler.next_batch()
-        t0 = time.perf_counter()
-        samples = self._rollout(batch, step)
-        self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
-        t_rollout = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        scores = self._rewards(samples)
-        t_reward = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        exp, timings = self._experience(samples, scores)
-        t_exp = time.perf_counter() - t0
-        metrics = self._update(exp, step)
-        if exp.kl is not None:
-            current_kl = float(losses.aggregate(exp.kl, exp.mask, "token-mean"))
-            metrics["actor/kl"] = current_kl
-            self.kl_ctl.update(current_kl, len(samples))
-            metrics["actor/kl_coef"] = self.kl_ctl.value
-        metrics.update(self._step_metrics(exp))
-        metrics.update(timings)
-        step_s = time.perf_counter() - t_step
+        timings: dict = {}
+        with timed("step", timings):
+            with timed("weight_sync", timings):
+                self._phase("actor")
+                self.engine.load_from_chunks(self.actor.chunks)
+            batch = self.sampler.next_batch()
+            with timed("rollout", timings):
+                samples = self._rollout(batch, step)
+                self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
+            with timed("reward", timings):
+                scores = rewards_from_rank0(lambda: self._score(samples))
+            with timed("experience", timings):
+                exp = self._experience(samples, scores, timings)
+            metrics = self._update(exp, step, timings)
+            metrics.update(self._update_kl_coef(exp))
+            metrics.update(experience_metrics(exp))
+        step_s = timings[timing_key("step")]
         tokens = sum(len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids))
-        metrics.update({
-            "rollout/weights_gb": self.engine.weight_bytes() / 2**30,
-            "timing/weight_sync_s": t_sync, "timing/rollout_s": t_rollout, "timing/reward_s": t_reward,
-            "timing/experience_s": t_exp, "timing/step_s": step_s,
-            "throughput/tokens_per_s": tokens / step_s, "memory/" + _memory_key(): _memory_gb(),
-        })
+        metrics.update(timings)
+        metrics.update(memory_metrics())
+        metrics["rollout/weights_gb"] = self.engine.weight_bytes() / 2**30
+        metrics["throughput/tokens_per_s"] = tokens / step_s
         return metrics
 
-    def _step_metrics(self, exp: Experience) -> dict:
-        mask, samples = exp.mask, exp.samples
-        lengths = mask.sum(-1)
-        out = {
-            "reward/mean": float(exp.scores.mean()), "reward/std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
-            "reward/max": float(exp.scores.max()), "reward/min": float(exp.scores.min()),
-            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/stopped_frac": sum(r == "stop" for r in samples.finish_reason) / len(samples),
-            "actor/entropy": float(losses.aggregate(exp.entropy, mask, "token-mean")),
-            "advantages/mean": float(losses.aggregate(exp.advantages, mask, "token-mean")),
-        }
-        rollout = samples.pad_responses([torch.tensor([0.0] * (len(p) - 1) + list(lp) + [0.0])
-                                         for p, lp in zip(samples.prompt_ids, samples.rollout_logprob)])
-        diff = (rollout - exp.old_logprob).abs() * mask
-        out["rollout/logprob_mismatch_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
-        out["rollout/logprob_mismatch_max"] = float(diff.max())
-        if exp.values is not None:
-            out["critic/explained_var"] = float(losses.explained_variance(exp.values, exp.returns, mask))
-            out["critic/values_mean"] = float(losses.aggregate(exp.values, mask, "token-mean"))
+    # ------------------------------------------------------------------ one step, in order
+
+    def _rollout(self, batch: list[int], step: int) -> Samples:
+        rollout = generate_data_parallel(self.engine, [self.prompts.prompt_ids[i] for i in batch], self.sampling,
+                                         seed=derive_seed(self.cfg.run.seed, "rollout", step))
+        return Samples.from_rollout(rollout, batch)
+
+    def _score(self, samples: Samples) -> torch.Tensor:
+        """The reward function on this step's samples (called on rank 0 only)."""
+        prompts = self.prompts
+        return compute_rewards(
+            self.reward_fn,
+            [prompts.prompts[i] for i in samples.dataset_index],
+            [self.tokenizer.decode(r) for r in samples.response_ids],
+            [prompts.answers[i] for i in samples.dataset_index],
+            prompt_indices=[prompts.source_index[i] for i in samples.dataset_index],
+            **dict(self.cfg.reward.kwargs),
+        )
+
+    def _experience(self, samples: Samples, scores: torch.Tensor, timings: dict) -> Experience:
+        alg = self.cfg.algorithm
+        seqs = samples.sequences()
+        mask = samples.response_mask()
+        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
+        ref = values = None
+        with torch.no_grad():
+            with timed("old_logprob", timings):
+                self._phase("actor")
+                old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
+            if self.reference is not None:
+                with timed("ref_logprob", timings):
+                    self._phase("reference")
+                    ref, _ = run_sequences(self.reference, seqs, dataclasses.replace(head, with_entropy=False),
+                                           self.plan, self.device)
+            if self.critic is not None:
+                with timed("values", timings):
+                    self._phase("critic")
+                    values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
+        old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
+        entropy = samples.pad_responses([o["entropy"] for o in old]) * mask
+        ref_logprob = samples.pad_responses([o["logprob"] for o in ref]) * mask if ref is not None else None
+        value_rows = samples.pad_responses([o["value"] for o in values]) * mask if values is not None else None
+        token_rewards = token_rewards_from_scores(scores, mask)
+        kl = None
+        if ref_logprob is not None:
+            # The per-token KL is always measured (metrics, controller); it is subtracted from the
+            # rewards only with kl_in_reward -- otherwise the actor loss carries it (coefficient 0 here).
+            coef = self.kl_ctl.value if alg.kl_in_reward else 0.0
+            token_rewards, kl = apply_kl_penalty(token_rewards, old_logprob, ref_logprob, mask, coef, alg.kl_kind)
+        advantage_rows, returns = compute_advantages(
+            alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows,
+            gamma=alg.gamma, lam=alg.lam, whiten=alg.whiten_advantages, norm_by_std=alg.norm_by_std,
+        )
+        return Experience(samples, scores, mask, old_logprob, entropy, ref_logprob, value_rows, token_rewards,
+                          advantage_rows, returns, kl)
+
+    def _update(self, exp: Experience, step: int, timings: dict) -> dict:
+        alg = self.cfg.algorithm
+        kl_in_loss = self.reference is not None and not alg.kl_in_reward
+        fields = {"old_logprob": exp.old_logprob, "advantages": exp.advantages}
+        if kl_in_loss:
+            fields["ref_logprob"] = exp.ref_logprob
+        if self.critic is not None:
+            fields.update(old_value=exp.values, returns=exp.returns)
+        seqs = exp.training_sequences(fields)
+        valid = [len(r) for r in exp.samples.response_ids]
+        kl_loss_coef = self.kl_ctl.value if kl_in_loss else 0.0
+        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
+                           with_entropy=alg.entropy_coef > 0)
+        actor_logs, critic_logs, results = [], [], {"actor": [], "critic": []}
+        for epoch in range(alg.ppo_epochs):
+            order_seed = None if alg.mini_batches == 1 else derive_seed(self.cfg.run.seed, "mini_batches", step, epoch)
+            for members in mini_batches(len(seqs), alg.mini_batches, order_seed):
+                sub = [seqs[i] for i in members]
+                lengths = [valid[i] for i in members]
+                den = loss_denominator(alg.loss_agg, lengths)
+                with timed("actor_update", timings):
+                    self._phase("actor")
+                    self.actor.zero_grad()
+                    _, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
+                                            loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef), forward_only=False)
+                    results["actor"].append(self.actor.step())
+                    actor_logs.append(logs)
+                if self.critic is not None:
+                    with timed("critic_update", timings):
+                        self._phase("critic")
+                        self.critic.zero_grad()
+                        _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
+                                                loss_fn=critic_loss_fn(alg, den, lengths), forward_only=False)
+                        results["critic"].append(self.critic.step())
+                        critic_logs.append(logs)
+        # A critic whose updates all failed also poisons the actor's advantages: name it first.
+        check_updates_applied("critic", results["critic"], step, self.cfg)
+        check_updates_applied("actor", results["actor"], step, self.cfg)
+        updates = len(results["actor"])
+        flat = [log for logs in actor_logs for log in logs]
+        out = {k: v / updates for k, v in reduce_sums(flat, ["actor/pg_loss", "actor/entropy_loss",
+                                                               "actor/kl_loss"]).items()}
+        out.update(reduce_sum_count(flat, ["actor/clipfrac", "actor/dual_clipfrac", "actor/approx_kl",
+                                           "actor/ratio_mean"]))
+        out.update(optimizer_step_metrics("actor", results["actor"]))
+        out["actor/lr"] = self.actor.lr
+        if self.critic is not None:
+            flat = [log for logs in critic_logs for log in logs]
+            out["critic/vf_loss"] = reduce_sums(flat, ["critic/vf_loss"])["critic/vf_loss"] / updates
+            out.update(reduce_sum_count(flat, ["critic/vf_clipfrac", "critic/vpred_mean"]))
+            out.update(optimizer_step_metrics("critic", results["critic"]))
         return out
 
-
-def _step_stats(prefix: str, results: list) -> dict:
-    norms = [r.grad_norm for r in results if r.ok]
-    return {f"{prefix}/grad_norm": sum(norms) / len(norms) if norms else float("nan"),
-            f"{prefix}/skipped_updates": sum(1 for r in results if not r.ok)}
-
-
-def _memory_key() -> str:
-    return "max_allocated_gb" if torch.cuda.is_available() and torch.cuda.is_initialized() else "rss_gb"
-
-
-def _memory_gb() -> float:
-    if _memory_key() == "max_allocated_gb":
-        return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**30
+    def _update_kl_coef(self, exp: Experience) -> dict:
+        """Move the KL coefficient by the KL to the reference measured this step; both as metrics."""
+        if exp.kl is None:
+            return {}
+        current_kl = float(losses.aggregate(exp.kl, exp.mask, "token-mean"))
+        self.kl_ctl.update(current_kl, len(exp.samples))
+        return {"actor/kl": current_kl, "actor/kl_coef": self.kl_ctl.value}
 
 
 def run_ppo(cfg: Config, log=print) -> dict:

@@ -18,7 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from megatron_rl.algorithms import kl as kl_mod
 from megatron_rl.algorithms import losses
-from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.config.schema import AlgorithmConfig, Config
 from megatron_rl.data.microbatch import Microbatch
 
 
@@ -27,6 +27,11 @@ def per_sequence_rows(mb: Microbatch, x: torch.Tensor) -> torch.Tensor:
     if not mb.packed:
         return x
     return pad_sequence(mb.local_pieces(x), batch_first=True)
+
+
+def scheduled_updates(cfg: Config) -> int:
+    """Optimizer steps the RL learning-rate schedule is laid out over: steps x epochs x mini-batches."""
+    return cfg.trainer.steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches
 
 
 def loss_denominator(agg: str, valid_lengths: Sequence[int]) -> float:

@@ -1,0 +1,82 @@
+"""Supervised warm-up: a few steps of next-token loss on prompt + answer + EOS before RL.
+
+It teaches a freshly initialised model the answer format, so that RL starts with rewards that
+vary.  The loss covers the answer and EOS only, summed over tokens and divided once by the
+step's answer-token count.  RL then starts from a new optimizer state and the RL learning rate.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron_rl.config.schema import Config
+from megatron_rl.data.prompts import PromptSampler, PromptSet
+from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.distributed.metrics import reduce_sums
+from megatron_rl.engine.forward import BatchPlan, run_sequences
+from megatron_rl.engine.trainable import Trainable, rebuild_optimizer
+from megatron_rl.models.heads import LogProbHead
+from megatron_rl.trainer.experience import response_positions
+from megatron_rl.trainer.update import scheduled_updates
+from megatron_rl.utils.seeds import derive_seed
+
+_LOG_EVERY = 10
+
+
+def _targets(prompts: PromptSet, cfg: Config) -> list:
+    """The answer of each prompt, or with ``sft_answers=shuffled`` another prompt's (format only)."""
+    answers = list(prompts.answers)
+    if cfg.trainer.sft_answers == "shuffled":
+        gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, "sft_answers"))
+        answers = [answers[j] for j in torch.randperm(len(answers), generator=gen).tolist()]
+    return answers
+
+
+def _batch(indices: list[int], prompts: PromptSet, answers: list, tokenizer: Tokenizer) -> tuple[list[dict], float]:
+    """Sequences with a loss mask on the positions that predict answer + EOS, and their token count."""
+    seqs, total = [], 0
+    for i in indices:
+        prompt = prompts.prompt_ids[i]
+        answer = tokenizer.encode(answers[i] or "") + [tokenizer.eos_id]
+        tokens = torch.tensor(prompt + answer)
+        mask = torch.zeros(len(tokens))
+        mask[response_positions(len(prompt), len(answer))] = 1.0
+        seqs.append({"tokens": tokens, "loss_mask": mask})
+        total += len(answer)
+    return seqs, float(total)
+
+
+def _nll(total_tokens: float) -> Callable:
+    """Next-token loss of the masked positions for ``run_sequences``, divided by the step's token count."""
+
+    def loss_fn(outs, t, mb):
+        loss = -(outs["logprob"] * t["loss_mask"]).sum() / total_tokens
+        return loss, {"sft/loss": loss.detach()}
+
+    return loss_fn
+
+
+def sft_warmup(actor: Trainable, prompts: PromptSet, tokenizer: Tokenizer, cfg: Config, plan: BatchPlan, device,
+               log: Callable[[str], None]) -> Trainable:
+    """Run ``trainer.sft_warmup_steps`` supervised steps on ``actor``'s weights.
+
+    Returns the actor with a rebuilt optimizer and schedule for RL; ``actor``'s optimizer is dead
+    afterwards, so whoever keeps the actor (offloaders, checkpoint parts) must take the returned one.
+    """
+    steps = cfg.trainer.sft_warmup_steps
+    for group in actor.optimizer.param_groups:
+        group["lr"] = cfg.trainer.sft_lr
+    sampler = PromptSampler(prompts, cfg.trainer.prompts_per_step, derive_seed(cfg.run.seed, "sft_prompts"), True)
+    answers = _targets(prompts, cfg)
+    head = LogProbHead(with_entropy=False)
+    for step in range(steps):
+        seqs, total = _batch(sampler.next_batch(), prompts, answers, tokenizer)
+        actor.zero_grad()
+        _, logs = run_sequences(actor.chunks, seqs, head, plan, device, loss_fn=_nll(total), forward_only=False)
+        actor.step()
+        loss = reduce_sums(logs, ["sft/loss"])["sft/loss"]
+        if step == 0 or (step + 1) % _LOG_EVERY == 0 or step + 1 == steps:
+            log(f"sft warm-up {step + 1}/{steps}  loss {loss:.4f}")
+    return rebuild_optimizer(actor.chunks, cfg.actor.optim, scheduled_updates(cfg))

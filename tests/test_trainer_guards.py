@@ -1,0 +1,102 @@
+"""The trainer stops with one line instead of failing silently or late: a phase whose every update
+was non-finite, a reward function that crashes on rank 0; and the helpers the loop relies on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from megatron_rl.testing.harness import run_distributed
+from megatron_rl.trainer.experience import Samples, response_positions
+from megatron_rl.utils.seeds import derive_seed
+from megatron_rl.utils.timing import timed
+from tests._helpers import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_run_whose_critic_updates_are_all_non_finite_stops_with_one_line(tmp_path):
+    """At critic lr 1e30 the first critic update blows the values up; from then on every critic
+    gradient is non-finite.  Step 1 still applies one of its two updates; step 2 applies none."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", *TINY, "critic.optim.lr=1e30",
+                           "trainer.steps=3", f"run.dir={tmp_path}", "run.name=n"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("training error: critic.optim.lr=1e+30: all 2 critic optimizer steps of PPO step 2 "
+                           "were skipped (non-finite gradients"), last
+    assert "fix: lower critic.optim.lr" in last, last
+    with open(tmp_path / "n" / "metrics.jsonl") as fh:
+        rows = [json.loads(line) for line in fh]
+    assert [r["step"] for r in rows] == [1] and rows[0]["critic/skipped_updates"] == 1
+
+
+def reward_failure_body():
+    """Each rank's outcome of rank-0 rewards that succeed, fail as bad input, and crash."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_rl.rewards.distributed import rewards_from_rank0
+    from megatron_rl.rewards.registry import RewardFunctionError
+
+    def bad_input():
+        raise RewardFunctionError("reward.fn", "mine", "returned 3 values for 4 responses", "return 4 numbers")
+
+    def crash():
+        raise KeyError("no table entry")
+
+    out = {"scores": rewards_from_rank0(lambda: torch.tensor([0.5, 1.0]) * (dist.get_rank() + 1)).tolist()}
+    for name, compute in (("bad_input", bad_input), ("crash", crash)):
+        start = time.monotonic()
+        try:
+            rewards_from_rank0(compute)
+            out[name] = None
+        except Exception as err:  # noqa: BLE001 - the test records whatever each rank raises
+            out[name] = (type(err).__name__, str(err), time.monotonic() - start)
+    return out
+
+
+def test_reward_failure_on_rank_0_is_raised_on_every_rank_at_once():
+    rank0, rank1 = run_distributed(2, reward_failure_body)
+    assert rank0["scores"] == rank1["scores"] == [0.5, 1.0]
+    assert rank0["bad_input"][:2] == rank1["bad_input"][:2]
+    assert rank1["bad_input"][0] == "RewardFunctionError" and "returned 3 values" in rank1["bad_input"][1]
+    assert rank0["crash"][0] == "KeyError"
+    assert rank1["crash"][0] == "RewardsFailedOnRank0" and "KeyError: 'no table entry'" in rank1["crash"][1]
+    # Without the broadcast failure, rank 1 would wait for the process-group timeout (minutes).
+    assert rank1["crash"][2] < 30
+
+
+def test_response_positions_place_each_response_token_one_position_before_it():
+    samples = Samples(prompt_index=[0, 0], dataset_index=[3, 3], prompt_ids=[[1, 2, 3], [1, 2, 3, 4]],
+                      response_ids=[[7, 8], [9]], rollout_logprob=[[-0.5, -0.25], [-1.0]],
+                      finish_reason=["stop", "length"])
+    assert response_positions(3, 2) == slice(2, 4)  # tokens 3 and 4 are predicted at positions 2 and 3
+    per_position = [torch.arange(5.0), torch.arange(5.0) * 10]
+    assert samples.pad_responses(per_position).tolist() == [[2.0, 3.0], [30.0, 0.0]]
+    assert samples.rollout_logprobs().tolist() == [[-0.5, -0.25], [-1.0, 0.0]]
+
+
+def test_derived_seeds_are_stable_and_separate_streams():
+    # The same in another process with another string-hash salt (resume and every rank rely on it).
+    other = subprocess.run([sys.executable, "-c", "from megatron_rl.utils.seeds import derive_seed; "
+                            "print(derive_seed(1234, 'rollout', 3, 0))"], cwd=ROOT, capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONHASHSEED="7"), check=True)
+    assert int(other.stdout) == derive_seed(1234, "rollout", 3, 0)
+    seeds = {derive_seed(1234, "rollout", 1, 12), derive_seed(1234, "rollout", 11, 2), derive_seed(1235, "rollout", 1, 12),
+             derive_seed(1234, "mini_batches", 1, 12)}
+    assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_timed_adds_up_repeated_blocks_under_the_metric_key():
+    timings: dict = {}
+    for _ in range(2):
+        with timed("actor_update", timings):
+            pass
+    assert list(timings) == ["timing/actor_update_s"] and timings["timing/actor_update_s"] >= 0.0
+
