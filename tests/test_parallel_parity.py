@@ -40,7 +40,9 @@ def lm_step(layout_kw, model_kw, weights, micro_batch_size, do_step, distributed
         weights = gather_canonical(chunks)
     else:
         load_canonical(chunks, weights)
-    trainable = make_trainable(chunks, OptimConfig(lr=1e-2, clip_grad=0.0,
+    # adam_eps well above the gradients' rounding noise: Adam's first step divides by |g| + eps, so
+    # with the default 1e-8 a ~1e-9 gradient turns a 1e-16 layout difference into a 1e-5 update.
+    trainable = make_trainable(chunks, OptimConfig(lr=1e-2, clip_grad=0.0, adam_eps=1e-4,
                                                    use_distributed_optimizer=distributed_optimizer),
                                total_steps=1)
     tokens = synthetic_sequences(0, SEQS, SEQ_LEN, model_cfg.vocab_size, seed=7)

@@ -21,12 +21,13 @@ from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import unwrap
 from megatron_rl.ops import zigzag
 from megatron_rl.ops.logprob import vocab_parallel_logprobs
+from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
 
 
 def synthetic_sequences(step: int, count: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
     """``[count, seq_len + 1]`` token ids of the affine recurrence, random starts."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    gen = torch.Generator().manual_seed(derive_seed(seed, "smoke", step))
     x = torch.randint(0, vocab, (count, 1), generator=gen)
     cols = [x]
     for _ in range(seq_len):
