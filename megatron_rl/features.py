@@ -130,9 +130,16 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Config validation", "runtime", TESTED_CPU,
-        "Unknown keys, wrong types and impossible layouts fail before any process starts: one line naming the key and the fix, exit code 2.",
+        "Unknown keys, wrong types, values outside a key's choices or range, impossible layouts, and what a training config points at (prompt file and its first record, reward function, tokenizer and its vocabulary, model directories) fail before any process starts: one line naming the key, the value and the fix, exit code 2.",
         ("tests/test_config.py::test_bad_layouts_are_rejected_with_the_key",
-         "tests/test_cli.py::test_bad_override_exits_2_with_one_line"),
+         "tests/test_cli.py::test_bad_override_exits_2_with_one_line",
+         "tests/test_validation.py::test_unknown_choice_is_refused_with_the_choices",
+         "tests/test_validation.py::test_out_of_range_number_is_refused",
+         "tests/test_validation.py::test_prompt_file_whose_first_record_does_not_parse",
+         "tests/test_validation.py::test_reward_that_does_not_resolve",
+         "tests/test_validation.py::test_tokenizer_vocabulary_larger_than_the_model",
+         "tests/test_validation.py::test_train_refuses_before_starting_any_process"),
+        config="megatron-rl validate CONFIG --world-size N",
     ),
     # ------------------------------------------------------------------ parallelism
     Feature(
@@ -366,8 +373,9 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Non-finite gradients skip the update", "runtime", TESTED_CPU,
-        "A NaN/inf gradient norm skips the optimizer step and is reported as actor/skipped_updates, critic/skipped_updates.",
-        ("tests/test_parallel_parity.py::test_non_finite_gradients_skip_the_update",),
+        "A NaN/inf gradient norm skips the optimizer step and is reported as actor/skipped_updates, critic/skipped_updates; a PPO step in which every actor or critic step was skipped stops the run with one line naming the likely cause (exit 2) instead of logging nulls.",
+        ("tests/test_parallel_parity.py::test_non_finite_gradients_skip_the_update",
+         "tests/test_trainer_guards.py::test_run_whose_critic_updates_are_all_non_finite_stops_with_one_line"),
         config="(always on)",
     ),
     Feature(

@@ -30,8 +30,7 @@ def lm_step(layout_kw, model_kw, weights, micro_batch_size, do_step, distributed
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical, load_canonical
     from megatron_rl.testing.layouts import use_layout
-    from megatron_rl.tools.smoke import (data_parallel_slice, lm_forward_step, lm_microbatches,
-                                         synthetic_sequences)
+    from megatron_rl.tools.smoke import data_parallel_slice, lm_forward_step, lm_microbatches, synthetic_sequences
 
     layout = use_layout(**layout_kw)
     model_cfg = ModelConfig(**model_kw)

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.errors import DataError
 from megatron_rl.data.microbatch import align_to
+from megatron_rl.errors import DataError
 
 
 def sequence_cost(length: int, attention_weight: float = 1.0 / 4096) -> float:

@@ -17,11 +17,11 @@ import os
 
 import torch.distributed as dist
 
-from megatron_rl.errors import CheckpointError
 from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine.checkpoint import ModelPart, check_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.errors import CheckpointError
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import attach_value_head
 from megatron_rl.models.hf_bridge import export_hf, load_hf_weights

@@ -24,6 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Errors raised after validation, while reading data, checkpoints or running user code.
 RUNTIME_ERRORS = [
+    ("training error: <part>.optim.lr=...: all N <part> optimizer steps of PPO step S were skipped",
+     "Every gradient of that phase was non-finite, so training cannot progress.",
+     "Lower the learning rate, or train in float32 (`model.params_dtype=float32`) if bfloat16 overflows."),
     ("data error: <file>:<line>: ...", "A prompt or score input line is malformed (bad JSON, missing prompt/messages, "
      "wrong type, token id outside the vocabulary).", "Fix that line; the message names the key."),
     ("data error: batch.max_tokens_per_rank=...: a sequence of N tokens needs M tokens per rank at cp=K",

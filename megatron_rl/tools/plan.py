@@ -16,7 +16,7 @@ import argparse
 import os
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.planner.memory import GiB, total_params
+from megatron_rl.planner.memory import total_params
 from megatron_rl.planner.search import PRESETS, Candidate, plan, preset
 
 

@@ -16,10 +16,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_rl.errors import DataError
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine.forward import BatchPlan, run_sequences
+from megatron_rl.errors import DataError
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import LogProbHead
 from megatron_rl.models.hf_bridge import load_hf_weights
