@@ -116,3 +116,38 @@ def test_extra_memory_below_a_quarter_of_naive_at_2k_tokens():
           f"naive {naive_bytes / 2**20:.1f} MiB, ratio {ratio:.3f}")
     assert naive_bytes > tokens * vocab * 4  # the naive path really holds [tokens, vocab] fp32
     assert ratio < 0.25
+
+
+def _tp_bf16_body():
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.testing.layouts import use_layout
+
+    use_layout(tp=2)
+    h, w, labels, (a, b) = _case(vocab=101, padded=128)
+    rank = ps.get_tensor_model_parallel_rank()
+    shard = w.bfloat16().chunk(2)[rank].clone().requires_grad_()
+    hh = h.bfloat16().requires_grad_()
+    logp, ent = vocab_parallel_logprobs(hh, shard, labels, true_vocab_size=101, chunk_size=17)
+    ((logp.double() * a).sum() + (ent.double() * b).sum()).backward()
+    return logp.detach(), ent.detach(), hh.grad, shard.grad
+
+
+def test_bf16_tensor_parallel_shards_against_float64():
+    """bf16 weights on two TP ranks (the second one mostly padding) against float64 on the same
+    bf16 values: log-probs and entropy within 2 * 2^-8 * max|logit| (the bf16 rounding of the
+    logits), gradients within 3% of their largest entry."""
+    results = run_distributed(2, _tp_bf16_body)
+    h, w, labels, (a, b) = _case(vocab=101, padded=128)
+    h2 = h.bfloat16().double().requires_grad_()
+    w2 = w.bfloat16().double().requires_grad_()
+    ref_logp, ref_ent = _naive(h2, w2, labels, 101, 1.0)
+    ((ref_logp * a).sum() + (ref_ent * b).sum()).backward()
+    bound = 2 * 2**-8 * float((h2.detach().transpose(0, 1) @ w2.detach()[:101].t()).abs().max())
+    for logp, ent, grad_h, _ in results:
+        assert logp.dtype == torch.float32 and grad_h.dtype == torch.bfloat16
+        assert (logp.double() - ref_logp).abs().max() <= bound and (ent.double() - ref_ent).abs().max() <= bound
+        assert (grad_h.double() - h2.grad).abs().max() <= 0.03 * h2.grad.abs().max()
+    grad_w = torch.cat([r[3] for r in results]).double()
+    assert (grad_w - w2.grad).abs().max() <= 0.03 * w2.grad.abs().max()
+    assert float(grad_w[101:].abs().max()) == 0.0

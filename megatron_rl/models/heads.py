@@ -19,7 +19,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from megatron_rl.ops.logprob import DEFAULT_CHUNK_SIZE, vocab_parallel_logprobs
+from megatron_rl.ops.logprob import DEFAULT_CHUNK_SIZE, logprob_temperature, vocab_parallel_logprobs
 
 
 class ValueHead(torch.nn.Module):
@@ -56,6 +56,9 @@ def attach_value_head(chunks: list) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class LogProbHead:
+    """``temperature`` is the rollout's sampling temperature; 0 (greedy) scores at temperature 1,
+    the sampler's definition (:func:`megatron_rl.ops.logprob.logprob_temperature`)."""
+
     temperature: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     with_entropy: bool = True
@@ -64,7 +67,7 @@ class LogProbHead:
     def __call__(self, model, hidden: torch.Tensor, tensors: dict) -> dict:
         logp, entropy = vocab_parallel_logprobs(
             hidden, model.output_weight(), tensors["labels"],
-            true_vocab_size=model.true_vocab_size, temperature=self.temperature,
+            true_vocab_size=model.true_vocab_size, temperature=logprob_temperature(self.temperature),
             chunk_size=self.chunk_size, sequence_parallel=model.config.sequence_parallel,
             with_entropy=self.with_entropy,
         )

@@ -4,12 +4,19 @@ The naive path -- ``logits = h @ W.T`` for the whole sequence, gather over TP, `
 fp32 -- holds ``[tokens, vocab]`` fp32 tensors that dominate memory at long context (32k tokens
 x 152k vocabulary x 4 bytes = 19.5 GB per copy).  This op fuses the output projection into the
 log-softmax and walks the tokens in chunks of ``chunk_size``: a chunk's ``[chunk, vocab/TP]``
-logits exist only inside the loop, in fp32, and are recomputed in backward.  Across the tensor-
-parallel group only per-token scalars travel (max, sum-exp, target logit, expected logit).
+logits exist only inside the loop and are recomputed in backward.  Across the tensor-parallel
+group only per-token scalars travel (max, sum-exp, target logit, expected logit).
+
+Precision: the GEMMs run in the model's dtype (bf16 GEMMs accumulate in fp32 and round their
+output once, as megatron's own output layer does), so the ``[vocab/TP, h]`` weight is never
+copied; log-softmax, entropy and the gradient of the logits are fp32 inside each chunk.  fp32
+and float64 models compute everything in their own dtype.
 
 Saved for backward: the hidden states (already alive for the model's own backward) and three
 fp32 scalars per token.  Padded vocabulary entries (TP padding) are masked out, so they never
-reach log-probs or entropy.  Temperature divides the logits before the softmax.
+reach log-probs or entropy; which columns are padding is known on the host from the shapes, so
+the loop never waits for the device.  Temperature divides the logits before the softmax;
+temperature 0 (greedy decoding) means log-probs at temperature 1 (:func:`logprob_temperature`).
 """
 
 from __future__ import annotations
@@ -27,16 +34,40 @@ from megatron_rl.ops.precision import compute_dtype
 DEFAULT_CHUNK_SIZE = 1024
 
 
-def _chunk_logits(h, weight, vocab_start, true_vocab, temperature):
-    dtype = compute_dtype(h)
-    z = torch.matmul(h.to(dtype), weight.to(dtype).t())
+def logprob_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at: the sampling one, or 1 for greedy (T=0).
+
+    Greedy decoding has no distribution of its own; the sampler and the trainer both report the
+    model's untempered one, so their log-probs stay comparable and finite."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return float(temperature) if temperature > 0 else 1.0
+
+
+def _valid_columns(vocab_start: int, vocab_local: int, true_vocab: int) -> int:
+    """How many of this shard's columns are real tokens (the rest is TP padding)."""
+    return max(0, min(vocab_local, true_vocab - vocab_start))
+
+
+def _gemm_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """Half-precision weights are multiplied as they are (the GEMM accumulates in fp32; no fp32
+    copy of the weight); fp32 and float64 models multiply in their compute dtype."""
+    return weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else compute_dtype(hidden)
+
+
+def _fill_padding(z: torch.Tensor, n_valid: int, value: float) -> None:
+    if n_valid < z.size(1):
+        z[:, n_valid:] = value
+
+
+def _chunk_logits(h, weight, n_valid: int, temperature: float):
+    """Tempered logits ``[chunk, vocab/TP]`` in ``h``'s compute dtype from a GEMM in ``weight``'s
+    dtype, padded columns at -inf."""
+    z = torch.matmul(h.to(weight.dtype), weight.t()).to(compute_dtype(h))
     if temperature != 1.0:
         z = z / temperature
-    cols = torch.arange(vocab_start, vocab_start + weight.size(0), device=z.device)
-    valid = cols < true_vocab
-    if not bool(valid.all()):
-        z = z.masked_fill(~valid, float("-inf"))
-    return z, valid
+    _fill_padding(z, n_valid, float("-inf"))
+    return z
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
@@ -46,6 +77,8 @@ class _VocabParallelLogProb(torch.autograd.Function):
         tp_rank = dist.get_rank(group) if group is not None else 0
         vocab_local = weight.size(0)
         vocab_start = tp_rank * vocab_local
+        n_valid = _valid_columns(vocab_start, vocab_local, true_vocab)
+        w = weight.to(_gemm_dtype(hidden, weight))  # the weight itself unless float64 tests mix dtypes
         tokens = hidden.size(0)
         logp = torch.empty(tokens, dtype=compute_dtype(hidden), device=hidden.device)
         log_z = torch.empty_like(logp)
@@ -53,7 +86,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         for start in range(0, tokens, chunk_size):
             end = min(start + chunk_size, tokens)
             # At most two [chunk, vocab/TP] buffers live at once: the logits and their exp.
-            z, valid = _chunk_logits(hidden[start:end], weight, vocab_start, true_vocab, temperature)
+            z = _chunk_logits(hidden[start:end], w, n_valid, temperature)
             m = z.amax(dim=-1)
             if tp_size > 1:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -66,8 +99,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             sum_e = e.sum(-1)
             stats = [sum_e, target]
             if with_entropy:
-                if not bool(valid.all()):
-                    z.masked_fill_(~valid, 0.0)  # padded columns: e == 0 there, avoid 0 * -inf
+                _fill_padding(z, n_valid, 0.0)  # padded columns: e == 0 there, avoid 0 * -inf
                 # sum(e * z) = sum(e * (z - m)) + m * sum(e)
                 stats.append(e.mul_(z).sum(-1) + m * sum_e)
             stats = torch.stack(stats)
@@ -80,17 +112,19 @@ class _VocabParallelLogProb(torch.autograd.Function):
                 mean_z[start:end] = stats[2] / stats[0]
             del z, e
         ctx.save_for_backward(hidden, weight, labels, log_z, mean_z)
-        ctx.cfg = (true_vocab, temperature, chunk_size, group, with_entropy, vocab_start)
+        ctx.cfg = (temperature, chunk_size, with_entropy, vocab_start, n_valid)
         entropy = (log_z - mean_z) if with_entropy else torch.zeros_like(logp)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, labels, log_z, mean_z = ctx.saved_tensors
-        true_vocab, temperature, chunk_size, group, with_entropy, vocab_start = ctx.cfg
+        temperature, chunk_size, with_entropy, vocab_start, n_valid = ctx.cfg
         vocab_local = weight.size(0)
         grad_hidden = torch.empty_like(hidden)
         dtype = compute_dtype(hidden)
+        w = weight.to(_gemm_dtype(hidden, weight))
+        # One fp32 accumulator for the weight gradient over all chunks (not one per chunk).
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         grad_logp = grad_logp.to(dtype)
         grad_entropy = grad_entropy.to(dtype) if with_entropy else None
@@ -98,13 +132,12 @@ class _VocabParallelLogProb(torch.autograd.Function):
             end = min(start + chunk_size, hidden.size(0))
             h = hidden[start:end]
             grad_a = grad_logp[start:end, None]
-            z, valid = _chunk_logits(h, weight, vocab_start, true_vocab, temperature)
+            z = _chunk_logits(h, w, n_valid, temperature)
             z.sub_(log_z[start:end, None])
             p = torch.exp(z)  # softmax; 0 on padded columns
             if with_entropy:
                 # g = a (onehot - p) - b p (z - E_p[z]) = p * (-a - b (z - E_p[z])) + a onehot
-                if not bool(valid.all()):
-                    z.masked_fill_(~valid, 0.0)
+                _fill_padding(z, n_valid, 0.0)
                 z.add_((log_z[start:end] - mean_z[start:end])[:, None])  # z - E_p[z]
                 g = z.mul_(-grad_entropy[start:end, None]).sub_(grad_a).mul_(p)
                 del p
@@ -113,14 +146,26 @@ class _VocabParallelLogProb(torch.autograd.Function):
                 g = p.mul_(-grad_a)
             lab = labels[start:end]
             local = (lab >= vocab_start) & (lab < vocab_start + vocab_local)
-            rows = torch.nonzero(local).squeeze(1)
-            g[rows, lab[rows] - vocab_start] += grad_logp[start:end][rows]
+            idx = (lab - vocab_start).clamp(0, vocab_local - 1)
+            # Adds 0 where the label lives on another TP rank: no host-side row selection.
+            onehot = torch.where(local, grad_logp[start:end], torch.zeros_like(grad_logp[start:end]))
+            g.scatter_add_(1, idx[:, None], onehot[:, None])
             if temperature != 1.0:
                 g.div_(temperature)
-            grad_hidden[start:end] = (g @ weight.to(dtype)).to(hidden.dtype)
-            grad_weight.addmm_(g.t(), h.to(dtype))
+            _accumulate_grads(g, h, w, grad_hidden[start:end], grad_weight)
             del g
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def _accumulate_grads(g, h, weight, grad_hidden_out, grad_weight) -> None:
+    """``dh = g W`` and ``dW += g^T h``, GEMMs in ``weight``'s dtype; ``dW`` accumulates over the
+    chunks in ``grad_weight``'s (fp32) dtype."""
+    gw = g.to(weight.dtype)
+    grad_hidden_out.copy_(gw @ weight)
+    if weight.dtype == grad_weight.dtype:
+        grad_weight.addmm_(gw.t(), h.to(weight.dtype))
+    else:
+        grad_weight.add_(gw.t() @ h.to(weight.dtype))
 
 
 def vocab_parallel_logprobs(
@@ -139,7 +184,7 @@ def vocab_parallel_logprobs(
     ``hidden``: ``[s, b, h]`` as the decoder returns it (``[s/TP, b, h]`` under sequence
     parallelism); ``weight``: this rank's ``[vocab/TP, h]`` output weight; ``labels``: ``[b, s]``
     global token ids (any value where the result is masked later).  Returns two ``[b, s]`` fp32
-    tensors.  Gradients flow to ``hidden`` and ``weight``.
+    tensors (float64 for float64 inputs).  Gradients flow to ``hidden`` and ``weight``.
     """
     tp_active = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
     group = ps.get_tensor_model_parallel_group() if tp_active else None
@@ -152,7 +197,8 @@ def vocab_parallel_logprobs(
     labels = labels.reshape(b * s).long()
     labels = labels.clamp(0, true_vocab_size - 1)
     logp, entropy = _VocabParallelLogProb.apply(
-        flat, weight, labels, true_vocab_size, float(temperature), int(chunk_size), group, with_entropy
+        flat, weight, labels, true_vocab_size, logprob_temperature(temperature), int(chunk_size), group,
+        with_entropy,
     )
     return logp.view(b, s), entropy.view(b, s)
 
@@ -160,7 +206,7 @@ def vocab_parallel_logprobs(
 def naive_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
     """Reference: full ``[.., vocab]`` fp32 log-softmax (what the op avoids)."""
     logits = logits.to(compute_dtype(logits))
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp_all = torch.log_softmax(logits / logprob_temperature(temperature), dim=-1)
     logp = logp_all.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy

@@ -4,6 +4,8 @@ The sampler returns, with each token, its log-probability under the temperature-
 distribution (before top-k / top-p).  That is what the trainer recomputes from the same weights
 (``megatron_rl.ops.logprob`` divides logits by the temperature and never truncates), so the two
 can be compared and their mismatch logged.  Filtering only shapes which token is drawn.
+Temperature 0 is greedy decoding, reported at temperature 1 by both (one rule,
+:func:`megatron_rl.ops.logprob.logprob_temperature`).
 
 Randomness comes from an explicit ``torch.Generator``: the same seed on the same device, with
 the same inputs, draws the same tokens.
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from megatron_rl.ops.logprob import logprob_temperature
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class SamplingParams:
     @property
     def logprob_temperature(self) -> float:
         """Temperature of the reported log-probs: the sampling one, or 1 for greedy at T=0."""
-        return self.temperature if self.temperature > 0 else 1.0
+        return logprob_temperature(self.temperature)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
