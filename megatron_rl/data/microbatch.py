@@ -53,17 +53,20 @@ class Microbatch:
         return int(self.tensors["tokens"].numel())
 
     def to(self, device: torch.device, names: Optional[Iterable[str]] = None) -> dict:
-        """This rank's shard of the named tensors on ``device`` (all of them by default)."""
+        """This rank's shard of the named tensors on ``device`` (all of them by default); to CUDA
+        through pinned memory, so the copies do not wait for the device."""
         names = self.tensors.keys() if names is None else names
-        return {n: self.tensors[n].to(device, non_blocking=True) for n in names}
+        return {n: zigzag.to_device(self.tensors[n], device) for n in names}
 
     def packed_seq_params(self, device: torch.device):
+        """THD parameters for this micro-batch; the ``cu_seqlens`` tensors carry their values on
+        the host (:func:`megatron_rl.ops.zigzag.host_values`), so no layer reads them back."""
         if not self.packed:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu_pad = torch.tensor([0] + list(_cumsum(self.padded_lengths)), dtype=torch.int32, device=device)
-        cu = torch.tensor([0] + list(_cumsum(self.lengths)), dtype=torch.int32, device=device)
+        cu_pad = _cu_tensor(self.padded_lengths, device)
+        cu = _cu_tensor(self.lengths, device)
         # Real lengths sit at the start of their padded slots: TransformerEngine reads both,
         # our local attention and megatron's RoPE use the padded offsets.
         longest = max(self.padded_lengths)
@@ -100,6 +103,12 @@ class Microbatch:
             full = zigzag.unshard([pieces[i] for pieces in per_rank], dim=0)
             out.append(full[:length].cpu())
         return out
+
+
+def _cu_tensor(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Global int32 ``cu_seqlens`` on ``device``, with their host values attached."""
+    values = [0] + list(_cumsum(lengths))
+    return zigzag.with_host_values(zigzag.to_device(torch.tensor(values, dtype=torch.int32), device), values)
 
 
 def _cumsum(values: Sequence[int]):

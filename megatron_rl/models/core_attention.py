@@ -26,7 +26,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.ops import cp_attention
-from megatron_rl.ops.zigzag import local_positions_bshd, local_positions_thd
+from megatron_rl.ops.zigzag import host_values, local_positions_bshd, local_positions_thd
 
 
 class LocalCoreAttention(MegatronModule):
@@ -109,12 +109,13 @@ class LocalCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
-def _padded_cu_seqlens(params: PackedSeqParams) -> list[int]:
+def _padded_cu_seqlens(params: PackedSeqParams) -> tuple[int, ...]:
+    """The padded offsets from the host copy the micro-batch attached (no device read per layer)."""
     cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-    return [int(x) for x in cu.tolist()]
+    return host_values(cu)
 
 
-def _packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+def _packed_causal_attention(q, k, v, cu: tuple[int, ...], scale: float) -> torch.Tensor:
     """Causal attention per packed sequence: no token sees another sequence."""
     gqa = q.size(1) != k.size(1)
     pieces = []

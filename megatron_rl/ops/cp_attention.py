@@ -17,10 +17,15 @@ Two strategies:
     around the ring back to their owners, so saved activations stay O(S/CP).
 
 Shapes: ``q`` is ``[b, heads, sq, d]``, ``k``/``v`` are ``[b, kv_heads, sk, d]`` (GQA allowed).
+
+Nothing in the per-layer loop reads a value back from the device: which query tiles of a ring
+step see any key is decided on the host from the (host) positions, once per micro-batch, and the
+positions reach the device once per micro-batch; every layer reuses both (:data:`_MASKS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -28,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_rl.ops.precision import compute_dtype
+from megatron_rl.ops.zigzag import to_device
 
 PositionFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
@@ -69,7 +75,18 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return out.permute(1, 2, 0, 3)
 
 
+# What one micro-batch's layers share, keyed by the identity of its (cached) position tensors:
+# the all_gather additive masks and the ring's plans.  Cleared between test bodies.
 _MASKS: dict = {}
+_MAX_ENTRIES = 8
+
+
+def _remember(key, value, held):
+    """Cache ``value``; holding the position tensors keeps their ids from being reused."""
+    if len(_MASKS) > _MAX_ENTRIES:
+        _MASKS.clear()
+    _MASKS[key] = (value, held)
+    return value
 
 
 def _additive_mask(positions_of: PositionFn, cp: int, rank: int, dtype, device) -> torch.Tensor:
@@ -88,10 +105,7 @@ def _additive_mask(positions_of: PositionFn, cp: int, rank: int, dtype, device) 
         seg_k = torch.cat([s for _, s in per_rank])
         visible = visibility_mask(pos_q, seg_q, pos_k, seg_k).to(device)
         mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        if len(_MASKS) > 8:
-            _MASKS.clear()
-        # Holding the position tensors keeps their ids from being reused while the entry lives.
-        _MASKS[key] = (mask, (pos_q, seg_q, per_rank))
+        _remember(key, mask, (pos_q, seg_q, per_rank))
     return mask
 
 
@@ -162,15 +176,56 @@ def _query_tiles(qf: torch.Tensor, sk: int):
     """Query ranges ``(start, end)`` so one tile's score block stays under the cap."""
     b, h, g, sq, _ = qf.shape
     tile = max(16, min(sq, _MAX_BLOCK_ELEMENTS // max(1, b * h * g * sk)))
-    return [(a, min(sq, a + tile)) for a in range(0, sq, tile)]
+    return tuple((a, min(sq, a + tile)) for a in range(0, sq, tile))
 
 
-def _block_forward(qf, kb, vb, mask, scale, acc_o, acc_m, acc_l) -> None:
+def _visible_tiles(pos_q, seg_q, pos_k, seg_k, tiles) -> tuple:
+    """The query tiles that see at least one key of a block, from host positions.
+
+    A query sees a key of its own sequence at or before it, so it sees some key of the block when
+    its position reaches the block's first key of that sequence."""
+    segments = int(torch.maximum(seg_q.max(), seg_k.max())) + 1
+    first = torch.full((segments,), torch.iinfo(pos_k.dtype).max, dtype=pos_k.dtype)
+    first.scatter_reduce_(0, seg_k, pos_k, reduce="amin")
+    sees = (pos_q >= first[seg_q]).long()
+    seen_before = [0] + sees.cumsum(0).tolist()
+    return tuple((a, e) for a, e in tiles if seen_before[e] > seen_before[a])
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingPlan:
+    """One rank's ring for one micro-batch: its positions on the device, and per source rank the
+    key positions on the device and the query tiles that see any of those keys."""
+
+    q: tuple
+    k: tuple  # per source rank: (positions, segments) on the device
+    tiles: tuple  # per source rank: ((start, end), ...)
+
+
+def _ring_plan(positions_of: PositionFn, cp: int, rank: int, tiles: tuple, device) -> _RingPlan:
+    per_rank = [positions_of(r) for r in range(cp)]
+    key = ("ring", rank, tiles, str(device), tuple(id(t) for pair in per_rank for t in pair))
+    entry = _MASKS.get(key)
+    if entry is not None:
+        return entry[0]
+    pos_q, seg_q = per_rank[rank]
+    plan = _RingPlan(
+        q=(to_device(pos_q, device), to_device(seg_q, device)),
+        k=tuple((to_device(p, device), to_device(sg, device)) for p, sg in per_rank),
+        tiles=tuple(_visible_tiles(pos_q, seg_q, p, sg, tiles) for p, sg in per_rank),
+    )
+    return _remember(key, plan, per_rank)
+
+
+def _tile_mask(plan: _RingPlan, src: int, a: int, e: int) -> torch.Tensor:
+    pos_q, seg_q = plan.q
+    return visibility_mask(pos_q[a:e], seg_q[a:e], *plan.k[src])
+
+
+def _block_forward(qf, kb, vb, plan: _RingPlan, src: int, scale, acc_o, acc_m, acc_l) -> None:
     """Merge one K/V block into the running (output, max, sum) of each query tile, in place."""
-    for a, e in _query_tiles(qf, kb.size(2)):
-        tile_mask = mask[a:e]
-        if not bool(tile_mask.any()):
-            continue
+    for a, e in plan.tiles[src]:
+        tile_mask = _tile_mask(plan, src, a, e)
         s = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., a:e, :], kb) * scale
         s = s.masked_fill(~tile_mask, float("-inf"))
         m_old = acc_m[..., a:e]
@@ -183,12 +238,10 @@ def _block_forward(qf, kb, vb, mask, scale, acc_o, acc_m, acc_l) -> None:
         acc_m[..., a:e] = new_m
 
 
-def _block_backward(qf, do, delta, lse, kb, vb, mask, scale, dq, dkv, d: int) -> None:
+def _block_backward(qf, do, delta, lse, kb, vb, plan: _RingPlan, src: int, scale, dq, dkv, d: int) -> None:
     """Add one K/V block's contribution to dq (in place) and to the block's dk/dv (in dkv)."""
-    for a, e in _query_tiles(qf, kb.size(2)):
-        tile_mask = mask[a:e]
-        if not bool(tile_mask.any()):
-            continue
+    for a, e in plan.tiles[src]:
+        tile_mask = _tile_mask(plan, src, a, e)
         q_t, do_t = qf[..., a:e, :], do[..., a:e, :]
         s = torch.einsum("bhgqd,bhkd->bhgqk", q_t, kb) * scale
         s = s.masked_fill(~tile_mask, float("-inf"))
@@ -207,7 +260,7 @@ class RingAttention(torch.autograd.Function):
         kv_heads, d = k.size(1), k.size(-1)
         dtype = compute_dtype(q)
         qf = _group_heads(q.to(dtype), kv_heads)  # [b, h, g, sq, d]
-        pos_q, seg_q = (t.to(q.device) for t in positions_of(rank))
+        plan = _ring_plan(positions_of, cp, rank, _query_tiles(qf, k.size(2)), q.device)
 
         acc_o = torch.zeros_like(qf)
         acc_m = torch.full(qf.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
@@ -218,10 +271,8 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 next_kv, reqs = _ring_exchange(kv, group)
             src = (rank - step) % cp
-            pos_k, seg_k = (t.to(q.device) for t in positions_of(src))
-            mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
-            if bool(mask.any()):
-                _block_forward(qf, kv[..., :d].to(dtype), kv[..., d:].to(dtype), mask, scale, acc_o, acc_m, acc_l)
+            if plan.tiles[src]:
+                _block_forward(qf, kv[..., :d].to(dtype), kv[..., d:].to(dtype), plan, src, scale, acc_o, acc_m, acc_l)
             if step < cp - 1:
                 _wait(reqs)
                 kv = next_kv
@@ -242,17 +293,15 @@ class RingAttention(torch.autograd.Function):
         qf = _group_heads(q.to(dtype), kv_heads)
         do = _group_heads(grad_out.to(dtype), kv_heads)
         delta = (do * out).sum(-1)  # [b, h, g, sq]
-        pos_q, seg_q = (t.to(q.device) for t in positions_of(rank))
+        plan = _ring_plan(positions_of, cp, rank, _query_tiles(qf, k.size(2)), q.device)
 
         dq = torch.zeros_like(qf)
         kv = torch.cat([k, v], dim=-1).contiguous()
         dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         for step in range(cp):
             src = (rank - step) % cp
-            pos_k, seg_k = (t.to(q.device) for t in positions_of(src))
-            mask = visibility_mask(pos_q, seg_q, pos_k, seg_k)
-            if bool(mask.any()):
-                _block_backward(qf, do, delta, lse, kv[..., :d].to(dtype), kv[..., d:].to(dtype), mask, scale,
+            if plan.tiles[src]:
+                _block_backward(qf, do, delta, lse, kv[..., :d].to(dtype), kv[..., d:].to(dtype), plan, src, scale,
                                 dq, dkv, d)
             # Pass the block and its accumulated gradient on; after cp sends it is home again.
             if step < cp - 1:

@@ -4,6 +4,10 @@ A sequence of length ``L`` (a multiple of ``2*cp``) is cut into ``2*cp`` equal c
 keeps chunks ``r`` and ``2*cp-1-r``.  Causal attention work is then the same on every rank.
 These helpers work on host tensors so a rank can take its shard *before* moving data to its
 device, and give the global positions the attention masks need.
+
+Host copies travel with the device tensors they describe (:func:`with_host_values`): the packed
+``cu_seqlens`` a micro-batch sends to its device carry their values as Python ints, so attention
+and RoPE read offsets in every layer without asking the device (a sync per read on GPU).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import functools
 from typing import Sequence
 
 import torch
+
+_HOST_VALUES = "_megatron_rl_host_values"
 
 
 def zigzag_index(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -77,3 +83,25 @@ def local_positions_thd(cu_seqlens_padded: Sequence[int], cp_size: int, cp_rank:
     ``cu_seqlens_padded`` are the *global* cumulative padded lengths, each a multiple of ``2*cp``.
     """
     return _thd_positions(tuple(int(c) for c in cu_seqlens_padded), cp_size, cp_rank)
+
+
+def with_host_values(t: torch.Tensor, values: Sequence[int]) -> torch.Tensor:
+    """Attach the host-side values of a small integer tensor to it (returns ``t``)."""
+    setattr(t, _HOST_VALUES, tuple(int(v) for v in values))
+    return t
+
+
+def host_values(t: torch.Tensor) -> tuple[int, ...]:
+    """The values of a small integer tensor, from its host copy when it carries one (no device
+    read); otherwise read back once."""
+    values = getattr(t, _HOST_VALUES, None)
+    return values if values is not None else tuple(int(v) for v in t.tolist())
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to ``device``; to CUDA through pinned memory, so the copy is
+    asynchronous rather than a synchronous pageable transfer."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
