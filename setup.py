@@ -29,9 +29,11 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.0"],
         "hf": ["transformers>=4.45", "safetensors>=0.4"],
         "parquet": ["pyarrow>=14"],
+        # The math_verify reward (docs/rewards.md); its parser needs the ANTLR runtime it pins.
+        "math": ["math-verify[antlr4_13_2]>=0.9"],
         "plot": ["matplotlib>=3.7"],
         "loggers": ["tensorboard>=2.14", "wandb>=0.16"],
-        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "ruff==0.17.6"],
+        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "ruff==0.17.6", "math-verify[antlr4_13_2]>=0.9"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.tools.cli:main"]},
 )

@@ -1,7 +1,12 @@
-"""Built-in rewards, reward lookup, and the checks on what a reward function returns."""
+"""Built-in rewards, reward lookup, the checks on what a reward function returns, the per-sample
+time bound, grading on every rank, and the math_verify grader.  The labelled corpus is in
+tests/test_reward_corpus.py."""
 
 import sys
 import textwrap
+import threading
+import time
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -10,11 +15,13 @@ import torch
 from megatron_rl.errors import UserInputError
 from megatron_rl.rewards import (
     RewardFunctionError,
+    bounded_map,
     compute_rewards,
     exact_match,
     extract_answer,
     format_reward,
     get_reward_fn,
+    grade_batch,
     has_final_answer,
     list_rewards,
     math_answer,
@@ -22,6 +29,10 @@ from megatron_rl.rewards import (
     parse_number,
     register_reward,
 )
+from megatron_rl.rewards.registry import batch_reward, register_grader
+from megatron_rl.testing.harness import run_distributed
+from tests.data import reward_graders
+from tests.data.reward_corpus import ADVERSARIAL
 
 GSM8K_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
                   "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
@@ -57,13 +68,24 @@ def test_extract_answer(text, expected):
 @pytest.mark.parametrize("text,expected", [
     ("72", 72.0), ("72.0", 72.0), ("72.00", 72.0), ("+72", 72.0), ("-5", -5.0), ("- 5", -5.0),
     ("\u22125", -5.0), ("1,234", 1234.0), ("1,234,567.5", 1234567.5), ("$1,000", 1000.0), ("\\$18", 18.0),
-    ("50%", 50.0), ("50\\%", 50.0), ("3/4", 0.75), ("-3/4", -0.75), ("\\frac{3}{4}", 0.75),
+    ("50%", 0.5), ("50\\%", 0.5), ("3/4", 0.75), ("-3/4", -0.75), ("\\frac{3}{4}", 0.75),
     ("\\dfrac{3}{4}", 0.75), ("-\\frac{1}{8}", -0.125), ("{12}", 12.0), ("  12 . ", 12.0), ("1{,}000", 1000.0),
-    ("\\text{12}", 12.0), (".5", 0.5), ("1e3", 1000.0),
+    ("\\text{12}", 12.0), (".5", 0.5), ("1e3", 1000.0), ("3 4/5", 3.8), ("3\\frac{4}{5}", 3.8), ("3½", 3.5),
+    ("72 apples", 72.0), ("90^\\circ", 90.0), ("2.5 million", 2_500_000.0), ("1.5\\times10^{3}", 1500.0),
+    ("12 345", 12345.0), ("0.5%", 0.005),
     ("abc", None), ("1/0", None), ("inf", None), ("nan", None), ("1_000", None), ("", None), ("x+1", None),
+    ("7 2", None), ("12 34", None), ("3 5/4", None), ("2x", None), ("5 or 6", None), ("72 million apples and 3", None),
+    ("1" * 5000, None),
 ])
 def test_parse_number(text, expected):
-    assert parse_number(text) == expected
+    got = parse_number(text)
+    assert got is None if expected is None else got == Fraction(str(expected))  # exact: 3.8 is 19/5
+
+
+def test_parse_number_is_exact_past_float_range_and_precision():
+    assert parse_number("1e400") == 10**400 != parse_number("2e400")
+    assert parse_number("100000000000000000001") - parse_number("100000000000000000000") == 1
+    assert parse_number("0.1\\overline{6}") == Fraction(1, 6)
 
 
 # ---------------------------------------------------------------- math_answer
@@ -84,10 +106,18 @@ def test_parse_number(text, expected):
     ("\\boxed{\\frac{3}{4}}", "0.75"),
     ("\\boxed{0.75}", "3/4"),
     ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}"),
-    ("#### 0.3333333", "1/3"),  # within 1e-6 relative
+    ("#### 0.3333333", "1/3"),  # a non-terminating value, rounded
+    ("#### 0.333", "1/3"),
     ("\\boxed{\\text{Yes}}", "yes"),
     ("\\boxed{x + 1}", "x+1"),
     ("\\boxed{\\boxed{5}}", "5"),
+    ("#### 72 apples", "72"),
+    ("\\boxed{\\sqrt{12}}", "2\\sqrt3"),
+    ("\\boxed{x=3}", "3"),
+    ("#### 50%", "0.5"),
+    ("#### \u22125", "-5"),
+    ("\\fbox{7}", "7"),
+    ("#### 72\n\n#### Explanation\nShe sold 48 and then 24.", "72"),
 ])
 def test_math_answer_correct(response, answer):
     assert score(response, answer) == 1.0
@@ -96,11 +126,19 @@ def test_math_answer_correct(response, answer):
 @pytest.mark.parametrize("response,answer", [
     ("#### 71", "72"),
     ("#### 3", "-3"),
-    ("#### 0.333", "1/3"),  # outside the tolerance
+    ("#### 0.34", "1/3"),  # 1/3 rounds to 0.33
     ("The answer is 72.", "72"),  # no extractable final answer
     ("", "72"),
-    ("#### 72 apples", "72"),  # a unit after the number is not a number
     ("#### 72", None),  # no reference
+    ("#### 1234568", "1234567"),
+    ("#### 1e400", "2e400"),
+    ("#### 7 2", "72"),
+    ("#### 3 4/5", "6.8"),
+    ("#### 0.5%", "0.5"),
+    ("\\boxed{\\Pi}", "\\pi"),
+    ("\\boxed{X+1}", "x+1"),
+    ("\\boxed{\\leftarrow}", "\\rightarrow"),
+    ("#### 72 million", "72"),
     ("#### abc", ""),
     ("\\boxed{}", "0"),
 ])
@@ -256,7 +294,7 @@ def test_raising_fn_on_the_batch_only():
 
 
 def test_registered_name_in_message():
-    with pytest.raises(RewardFunctionError, match=r"reward.fn=math_answer: raised AttributeError.*prompt index 3"):
+    with pytest.raises(RewardFunctionError, match=r"reward.fn=math_answer: raised TypeError.*prompt index 3"):
         compute_rewards("math_answer", ["p", "p"], ["#### 1", None], ["1", "1"], [2, 3])
 
 
@@ -281,3 +319,186 @@ def test_bad_return_values(ret, expected):
     assert isinstance(info.value, UserInputError)
     assert expected in str(info.value), str(info.value)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- several boxes
+
+
+@pytest.mark.parametrize("response,answer,expected", [
+    ("\\boxed{2} and \\boxed{3}", "2, 3", 1.0),  # one box per item of a list reference
+    ("$\\boxed{3}$, $\\boxed{2}$", "\\{2,3\\}", 1.0),  # in any order against a set
+    ("\\boxed{7}\\boxed{7}", "7", 1.0),  # adjacent boxes that agree
+    ("\\boxed{3} or \\boxed{4}", "4", 0.0),  # hedging: boxes that disagree with one reference
+    ("\\boxed{3}, \\boxed{4}", "(3, 4)", 0.0),  # an ordered tuple is one answer, not several
+    ("First \\boxed{4} (intermediate). Then: \\boxed{9}", "9", 1.0),  # boxes separated by text: last wins
+    ("First \\boxed{9} (final?). Then: \\boxed{4}", "9", 0.0),
+    ("".join(f"\\boxed{{{i}}}" for i in range(40)), "39", 0.0),  # more adjacent boxes than MAX_GROUP
+])
+def test_several_boxes_policy(response, answer, expected):
+    assert score(response, answer) == expected
+
+
+def test_extract_answer_joins_a_group_of_boxes():
+    assert extract_answer("roots \\boxed{2} and \\boxed{-3}.") == "2, -3"
+    assert extract_answer("\\boxed{2} and then we check \\boxed{3}") == "3"
+
+
+# ---------------------------------------------------------------- time bound
+
+
+def test_timed_out_sample_scores_zero_is_counted_and_the_rest_are_graded():
+    items = [("a", None), ("loop", None), ("b", None), ("loop", None), ("c", None)]
+    start = time.monotonic()
+    out = bounded_map(reward_graders.loops_on, items, timeout_s=0.5)
+    elapsed = time.monotonic() - start
+    assert list(out) == [1.0, 0.0, 1.0, 0.0, 1.0] and out.timed_out == 2
+    assert elapsed < 5.0, elapsed  # two bounds of 0.5 s plus two worker restarts
+
+
+def test_reward_timeout_reaches_graders_and_is_reported():
+    loops = batch_reward(reward_graders.loops_on, "loops_on")
+    graded = grade_batch(loops, ["p"] * 3, ["x", "loop", "y"], [None] * 3, [0, 1, 2], timeout_s=0.3)
+    assert graded.scores.tolist() == [1.0, 0.0, 1.0] and graded.timed_out == 1
+    # a plain batch function never sees timeout_s
+    graded = grade_batch(user_reward, ["p"], ["abc"], [None], [0], timeout_s=0.3)
+    assert graded.scores.tolist() == [3.0] and graded.timed_out == 0
+
+
+def test_grader_that_raises_in_the_worker_names_the_prompt():
+    fn = batch_reward(reward_graders.raises_on_seven, "raises_on_seven")
+    with pytest.raises(RewardFunctionError) as info:
+        compute_rewards(fn, ["p"] * 3, ["12", "7", "8"], [None] * 3, [20, 21, 22], timeout_s=5.0)
+    assert "prompt index 21" in str(info.value) and "seven is not allowed" in str(info.value)
+    assert compute_rewards(fn, ["p"] * 2, ["12", "8"], [None] * 2, [0, 1], timeout_s=5.0).tolist() == [2.0, 1.0]
+
+
+def test_register_grader_by_name_and_import_path():
+    from megatron_rl.rewards import registry
+
+    register_grader("test_only_loops")(reward_graders.loops_on)
+    try:
+        by_name = get_reward_fn("test_only_loops")
+        by_path = get_reward_fn("tests.data.reward_graders:loops_on")
+        assert by_name.bounded and by_path.bounded and by_name.grader is reward_graders.loops_on
+        assert by_path(["p"], ["ok"], [None], timeout_s=1.0) == [1.0]
+    finally:
+        registry._REWARDS.pop("test_only_loops", None)
+
+
+def test_grading_is_bounded_on_a_thread_other_than_main():
+    out: dict = {}
+
+    def grade():
+        out["scores"] = bounded_map(reward_graders.loops_on, [("loop", None), ("x", None)], timeout_s=0.3)
+
+    thread = threading.Thread(target=grade)
+    thread.start()
+    thread.join(30)
+    assert list(out["scores"]) == [0.0, 1.0] and out["scores"].timed_out == 1
+
+
+def test_several_grading_workers_give_the_same_scores():
+    responses = [f"#### {i}" for i in range(12)]
+    answers = [str(i if i % 3 else i + 1) for i in range(12)]
+    one = math_answer(["q"] * 12, responses, answers)
+    two = math_answer(["q"] * 12, responses, answers, grading_workers=2)
+    assert one == two == [0.0 if i % 3 == 0 else 1.0 for i in range(12)]
+
+
+# ---------------------------------------------------------------- adversarial inputs: linear parsing
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_adversarial_input_is_graded_in_under_a_second(name):
+    response, expected = ADVERSARIAL[name]
+    math_answer(["q"], ["#### 1"], ["1"])  # the worker is started before the clock
+    start = time.monotonic()
+    out = math_answer(["q"], [response], ["72"], timeout_s=5.0)
+    elapsed = time.monotonic() - start
+    assert list(out) == [expected] and out.timed_out == 0
+    assert elapsed < 1.0, f"{name}: {elapsed:.3f} s"
+
+
+# ---------------------------------------------------------------- grading on every rank
+
+
+PARALLEL_RESPONSES = ["#### 72", "\\boxed{3}", "#### 1,000", "loop", "\\boxed{\\frac12}", "#### 7 2", "\\boxed{x=3}"]
+PARALLEL_ANSWERS = ["72", "4", "1000", "5", "0.5", "72", "3"]
+
+
+def parallel_body(timeout_s):
+    """Every rank's view of the rewards of one batch, graded in shares."""
+    import torch.distributed as dist
+
+    from megatron_rl.rewards.distributed import rewards_on_every_rank
+    from megatron_rl.rewards.registry import RewardFunctionError, get_reward_fn
+
+    n = len(PARALLEL_RESPONSES)
+    graded = rewards_on_every_rank(get_reward_fn("math_answer"), ["q"] * n, PARALLEL_RESPONSES, PARALLEL_ANSWERS,
+                                   list(range(100, 100 + n)), timeout_s=timeout_s)
+    fails_on_seven_elsewhere = ["1", "2", "3", "7", "8"]  # "7" is in rank 1's share (positions 1, 3)
+    try:
+        rewards_on_every_rank(fails_on_seven, ["q"] * 5, fails_on_seven_elsewhere, [None] * 5, [10, 11, 12, 13, 14])
+        failure = None
+    except RewardFunctionError as err:
+        failure = str(err)
+    return {"rank": dist.get_rank(), "scores": graded.scores.tolist(), "timed_out": graded.timed_out,
+            "failure": failure}
+
+
+def test_rewards_on_every_rank_equal_one_rank():
+    n = len(PARALLEL_RESPONSES)
+    alone = grade_batch("math_answer", ["q"] * n, PARALLEL_RESPONSES, PARALLEL_ANSWERS, timeout_s=5.0)
+    ranks = run_distributed(2, parallel_body, 5.0)
+    assert alone.scores.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    for out in ranks:
+        assert out["scores"] == alone.scores.tolist() and out["timed_out"] == 0
+        assert "prompt index 13" in out["failure"] and "ZeroDivisionError" in out["failure"]
+
+
+def test_rewards_on_every_rank_count_timeouts_over_all_ranks():
+    loop_grader = "tests.data.reward_graders:loops_on"
+    ranks = run_distributed(2, parallel_timeout_body, loop_grader)
+    assert [r["scores"] for r in ranks] == [[1.0, 0.0, 0.0, 1.0]] * 2
+    assert [r["timed_out"] for r in ranks] == [2, 2]
+
+
+def parallel_timeout_body(spec):
+    from megatron_rl.rewards.distributed import rewards_on_every_rank
+    from megatron_rl.rewards.registry import get_reward_fn
+
+    graded = rewards_on_every_rank(get_reward_fn(spec), ["q"] * 4, ["a", "loop", "loop", "b"], [None] * 4,
+                                   [0, 1, 2, 3], timeout_s=0.3)
+    return {"scores": graded.scores.tolist(), "timed_out": graded.timed_out}
+
+
+# ---------------------------------------------------------------- math_verify
+
+
+def test_math_verify_adds_symbolic_equivalence_and_keeps_the_contract():
+    pytest.importorskip("math_verify")
+    from megatron_rl.rewards import math_verify
+
+    responses = ["\\boxed{\\sin^2 x + \\cos^2 x}", "#### 1e3", "\\boxed{X+1}", "\\boxed{\\Pi}", "#### 1234568",
+                 "\\boxed{3} or \\boxed{4}", "\\boxed{\\ln(e^2)}", "#### \u22125", "\\fbox{7}"]
+    answers = ["1", "1000", "x+1", "\\pi", "1234567", "4", "2", "-5", "7"]
+    assert math_verify(["q"] * 9, responses, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_math_verify_is_bounded_and_thread_safe():
+    pytest.importorskip("math_verify")
+    from megatron_rl.rewards import math_verify
+
+    math_verify(["q"], ["\\boxed{1}"], ["1"])  # start the worker (SymPy import) before the clock
+    results: list = [None] * 3
+
+    def grade(k):
+        results[k] = list(math_verify(["q"] * 2, ["\\boxed{(x+1)^2}", "\\boxed{\\log_2 8}"], ["x^2+2x+1", "3"],
+                                      timeout_s=20.0))
+
+    threads = [threading.Thread(target=grade, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == [[1.0, 1.0]] * 3

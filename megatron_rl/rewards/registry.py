@@ -8,18 +8,27 @@ found here costs one error message; found later it costs a diverged run.
 The contract: ``fn(prompts, responses, answers, **kwargs)`` takes three equal-length lists
 (``answers`` items may be ``None``) and returns one number per response, as a list, a 1-D
 ``torch.Tensor`` or a 1-D numpy array.
+
+A *grader* is the per-sample form, ``score(response, answer, **kwargs) -> float`` at module level;
+:func:`grader`, :func:`register_grader` or :func:`batch_reward` turns it into a batch reward that grades each
+sample in a worker process bounded by ``reward.timeout_s`` (:mod:`megatron_rl.rewards.bounded`).
+The built-in math rewards are graders; a plain batch function is called as written, unbounded.
 """
 
 from __future__ import annotations
 
 import importlib
 import numbers
-from typing import Callable, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 import numpy as np
-import torch
 
 from megatron_rl.errors import UserInputError
+from megatron_rl.rewards.bounded import DEFAULT_TIMEOUT_S, Scores, bounded_map
+
+if TYPE_CHECKING:
+    import torch
 
 RewardFn = Callable[..., object]
 
@@ -46,6 +55,49 @@ def register_reward(name: str, *aliases: str):
             _REWARDS[key] = fn
         _NAMES.setdefault(fn, name)
         return fn
+
+    return decorator
+
+
+def batch_reward(score: RewardFn, name: Optional[str] = None, module: Optional[str] = None) -> RewardFn:
+    """The batch reward of a per-sample grader ``score(response, answer, **kwargs) -> float``.
+
+    It returns :class:`Scores` (a list that also counts timed-out samples) and takes two keyword
+    arguments of its own: ``timeout_s`` (per sample; None grades in-process, unbounded) and
+    ``grading_workers`` (child processes grading at once, default 1).  ``name`` and ``module`` say
+    where the batch function is bound, so that it pickles by reference."""
+
+    def reward(prompts, responses, answers, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
+               grading_workers: int = 1, **kwargs) -> Scores:
+        for response in responses:
+            if not isinstance(response, str):
+                raise TypeError(f"a response must be a str, got {type(response).__name__}")
+        return bounded_map(score, list(zip(responses, answers)), kwargs, timeout_s, grading_workers)
+
+    reward.__name__ = reward.__qualname__ = name or score.__name__
+    reward.__module__ = module or score.__module__
+    reward.__doc__ = score.__doc__
+    reward.bounded = True
+    reward.grader = score
+    score.batch_reward = reward
+    return reward
+
+
+def grader(score: RewardFn) -> RewardFn:
+    """Decorator: mark a module-level ``score(response, answer, **kwargs) -> float`` as a grader, so
+    ``reward.fn: package.module:score`` resolves to its bounded batch reward.
+
+    The function itself is returned unchanged: the worker process imports it by module and name."""
+    batch_reward(score)
+    return score
+
+
+def register_grader(name: str, *aliases: str):
+    """Decorator: :func:`grader`, and register its batch reward under ``name`` (and ``aliases``)."""
+
+    def decorator(score: RewardFn) -> RewardFn:
+        register_reward(name, *aliases)(batch_reward(score, name))
+        return score
 
     return decorator
 
@@ -102,7 +154,7 @@ def get_reward_fn(spec: str) -> RewardFn:
     if not callable(obj):
         raise RewardFunctionError(KEY, spec, f"{attr_path!r} is a {type(obj).__name__}, not a function",
                                   "point reward.fn at a function fn(prompts, responses, answers, **kwargs)")
-    return obj
+    return getattr(obj, "batch_reward", obj)  # a grader registered with register_grader
 
 
 def _short(obj, limit: int = 80) -> str:
@@ -111,6 +163,8 @@ def _short(obj, limit: int = 80) -> str:
 
 
 def _describe(out) -> str:
+    import torch
+
     if isinstance(out, (torch.Tensor, np.ndarray)):
         return f"{type(out).__name__} of shape {tuple(out.shape)} and dtype {out.dtype}"
     return f"{type(out).__name__} {_short(out)}"
@@ -118,6 +172,8 @@ def _describe(out) -> str:
 
 def _as_floats(out, name: str, indices: Sequence[int]) -> torch.Tensor:
     """Check one batch of returned rewards; return them as float32 ``[B]``."""
+    import torch  # here, not at import: the grading worker imports this package and must start fast
+
     n = len(indices)
 
     def fail(problem: str, fix: str):
@@ -165,22 +221,35 @@ def _first_failing_item(fn, prompts, responses, answers, kwargs) -> tuple[Option
     return None, None
 
 
-def compute_rewards(
+@dataclass
+class Graded:
+    """Checked rewards of one batch and how many of its samples ran out of time (scored 0)."""
+
+    scores: torch.Tensor
+    timed_out: int = 0
+
+
+def grade_batch(
     fn: Union[RewardFn, str],
     prompts: Sequence[str],
     responses: Sequence[str],
     answers: Sequence[Optional[str]],
     prompt_indices: Optional[Sequence[int]] = None,
+    timeout_s: Optional[float] = None,
     **kwargs,
-) -> torch.Tensor:
-    """Call ``fn`` once on the batch and return checked rewards as a float32 tensor ``[B]``.
+) -> Graded:
+    """Call ``fn`` once on the batch; return checked rewards and the timed-out count.
 
-    ``prompt_indices`` (default ``0..B-1``) are what error messages call "prompt index": pass the
-    prompt's line in the data file (``PromptSet.source_index``) so users can find it.  If the batch
-    call raises, the items are retried one by one to name the first prompt that fails alone.
+    ``timeout_s`` (``reward.timeout_s``) reaches rewards built from graders (they bound each
+    sample by it); a plain batch function never sees it.  ``prompt_indices`` (default ``0..B-1``)
+    are what error messages call "prompt index": pass the prompt's line in the data file
+    (``PromptSet.source_index``) so users can find it.  If the batch call raises, the items are
+    retried one by one to name the first prompt that fails alone.
     """
     if isinstance(fn, str):
         fn = get_reward_fn(fn)
+    if timeout_s is not None and getattr(fn, "bounded", False):
+        kwargs = {**kwargs, "timeout_s": timeout_s}
     indices = list(range(len(responses))) if prompt_indices is None else [int(i) for i in prompt_indices]
     if not len(prompts) == len(responses) == len(answers) == len(indices):
         raise ValueError(f"compute_rewards: lengths differ: {len(prompts)} prompts, {len(responses)} responses, "
@@ -200,4 +269,18 @@ def compute_rewards(
             KEY, name, f"raised {type(item_err).__name__}: {item_err} on prompt index {indices[i]} "
             f"(response {_short(responses[i], 60)}, answer {_short(answers[i], 40)})",
             f"fix the reward function or the data for prompt index {indices[i]}") from err
-    return _as_floats(out, name, indices)
+    timed_out = int(getattr(out, "timed_out", 0))
+    return Graded(_as_floats(out, name, indices), timed_out)
+
+
+def compute_rewards(
+    fn: Union[RewardFn, str],
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    answers: Sequence[Optional[str]],
+    prompt_indices: Optional[Sequence[int]] = None,
+    timeout_s: Optional[float] = None,
+    **kwargs,
+) -> torch.Tensor:
+    """:func:`grade_batch`'s rewards alone: a float32 tensor ``[B]``."""
+    return grade_batch(fn, prompts, responses, answers, prompt_indices, timeout_s, **kwargs).scores

@@ -1,0 +1,22 @@
+"""Graders for the tests of the bounded worker: one that loops on a given response, one that raises.
+
+Torch-free on purpose: the worker process imports this module."""
+
+import time
+
+from megatron_rl.rewards.registry import grader
+
+
+@grader
+def loops_on(response, answer, forever="loop"):
+    """1.0, except for ``response == forever``, which never returns."""
+    while response == forever:
+        time.sleep(0.01)
+    return 1.0
+
+
+@grader
+def raises_on_seven(response, answer):
+    if response == "7":
+        raise ValueError("seven is not allowed")
+    return float(len(response))
