@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 MAX_GROUP = 32  # more adjacent boxes than this is not an answer, whatever they hold
-MAX_BOX_TOKENS = 200_000
+MAX_BOX_TOKENS = 50_000
 UNREADABLE = "unreadable"
 _MAX_GAP = 64
 
