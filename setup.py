@@ -14,7 +14,8 @@ setup(
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     include_package_data=True,
     install_requires=[
-        "torch>=2.4",
+        # megatron-core 0.16.1 itself requires 2.6; our own code needs 2.5 (SDPA enable_gqa).
+        "torch>=2.6",
         # Tested: 0.16.1 (CPU stack, Python 3.11).  Newer releases need Python >= 3.12 and
         # are accepted for GPU users; the compat layer warns about untested versions.
         "megatron-core>=0.16.1,<0.18",

@@ -1,12 +1,21 @@
-"""Build Megatron-Core GPT models (one per virtual pipeline stage) from our config."""
+"""Build Megatron-Core GPT models (one per virtual pipeline stage) from our config.
+
+The device decides the settings that only pay off, or only work, on a GPU
+(:func:`device_settings`): on CUDA the fusions the installed stack supports, weights initialised
+on the device, and TF32 for fp32 matmuls; on CPU every fusion is off and weights are initialised
+on the host, as megatron's CPU paths need.
+"""
 
 from __future__ import annotations
+
+import functools
+import importlib.util
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rl.capabilities import resolve_transformer_impl
+from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.compat.megatron_fixes import transformer_config_fixes
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout
@@ -16,9 +25,57 @@ from megatron_rl.models.gpt import RLGPTModel
 from megatron_rl.models.specs import block_spec
 
 
-def transformer_config(
-    model: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, impl: str, **overrides
-) -> TransformerConfig:
+def device_settings(device_type: str, te_available: bool, apex_available: bool) -> dict:
+    """``TransformerConfig`` values that depend on the device and the installed kernels.
+
+    On CUDA: bias+activation, bias+dropout+add and masked-softmax fusions (megatron's own fused
+    code; masked softmax falls back by itself where its kernel is missing), RoPE fusion with
+    TransformerEngine (also keeps megatron's unfused THD RoPE, which reads ``cu_seqlens`` back, off
+    the hot path), and gradient-accumulation fusion and persistent layer norm with Apex: megatron
+    0.16's ``ColumnParallelLinear`` (the output layer exists in every spec) refuses
+    gradient-accumulation fusion without Apex's ``fused_weight_gradient_mlp_cuda``, even with TE.
+    Weights are initialised on the device.  On CPU everything is off and weights are initialised
+    on the host.
+    """
+    cuda = device_type == "cuda"
+    return dict(
+        use_cpu_initialization=not cuda,
+        bias_activation_fusion=cuda,
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=cuda,
+        apply_rope_fusion=cuda and te_available,
+        gradient_accumulation_fusion=cuda and apex_available,
+        persist_layer_norm=cuda and apex_available,
+    )
+
+
+def _fusable_activation(model: ModelConfig) -> bool:
+    """megatron fuses the bias into swiglu always, into plain gelu only when there is a bias."""
+    gated, _ = ACTIVATIONS[model.activation]
+    return gated or model.add_bias_linear
+
+
+def apex_grad_accumulation_available() -> bool:
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def transformer_config_kwargs(
+    model: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, impl: str, *,
+    device: torch.device | str = "cpu", te_available: bool | None = None, apex_available: bool | None = None,
+    initialize: bool = True,
+) -> dict:
+    """The ``TransformerConfig`` arguments for ``device``, built without touching it.
+
+    ``te_available`` / ``apex_available`` default to what this process can import.
+    ``initialize=False`` skips megatron's random initialisation, for models whose weights are
+    loaded right after (a checkpoint, an HF model)."""
+    device_type = torch.device(device).type
+    if te_available is None:
+        te_available = te_version() is not None
+    if apex_available is None:
+        apex_available = apex_grad_accumulation_available()
+    settings = device_settings(device_type, te_available, apex_available)
+    settings["bias_activation_fusion"] = settings["bias_activation_fusion"] and _fusable_activation(model)
     rec = model.recompute
     kwargs = dict(
         num_layers=model.num_layers,
@@ -50,31 +107,47 @@ def transformer_config(
         batch_p2p_comm=layout.batch_p2p_comm,
         variable_seq_lengths=True,
         deallocate_pipeline_outputs=True,
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        perform_initialization=initialize,
         calculate_per_token_loss=True,
         recompute_granularity=rec.granularity,
         recompute_method=rec.method if rec.granularity == "full" else None,
         recompute_num_layers=rec.num_layers if rec.granularity == "full" else None,
         recompute_modules=list(rec.modules) if rec.granularity == "selective" else None,
+        **settings,
     )
     kwargs.update(transformer_config_fixes())
+    return kwargs
+
+
+def transformer_config(
+    model: ModelConfig, layout: ParallelLayout, dtype: torch.dtype, impl: str, *,
+    device: torch.device | str = "cpu", initialize: bool = True, **overrides
+) -> TransformerConfig:
+    kwargs = transformer_config_kwargs(model, layout, dtype, impl, device=device, initialize=initialize)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def allow_tf32() -> None:
+    """fp32 matmuls on CUDA may use TF32 tensor cores (set once per process; bf16 models are
+    unaffected, fp32 ones trade ~1e-3 relative matmul precision for ~8x the throughput)."""
+    torch.set_float32_matmul_precision("high")
+
+
 def build_gpt_chunks(
-    model: ModelConfig, layout: ParallelLayout, device: torch.device, model_cls=RLGPTModel, **model_kwargs
+    model: ModelConfig, layout: ParallelLayout, device: torch.device, model_cls=RLGPTModel, *,
+    initialize: bool = True, **model_kwargs
 ) -> list[RLGPTModel]:
-    """One ``model_cls`` per virtual pipeline stage held by this rank, on ``device``."""
+    """One ``model_cls`` per virtual pipeline stage held by this rank, on ``device``.
+
+    ``initialize=False`` when weights are loaded right after (checkpoint, HF): megatron then
+    allocates the parameters without initialising them."""
     impl = resolve_transformer_impl(model.transformer_impl)
     dtype = resolve_dtype(model.params_dtype, device)
-    config = transformer_config(model, layout, dtype, impl)
+    if torch.device(device).type == "cuda":
+        allow_tf32()
+    config = transformer_config(model, layout, dtype, impl, device=device, initialize=initialize)
     vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp)
     chunks = []
     for vp_stage in range(layout.vpp or 1):

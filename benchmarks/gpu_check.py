@@ -1,0 +1,571 @@
+"""The GPU runtime checked on one GPU, in one table, in under 8 minutes.
+
+    python benchmarks/gpu_check.py [--out FILE.md] [--budget-s 420] [--critic]
+
+World size 1 with NCCL (every collective goes through the rules NCCL imposes), bf16, the local
+layer spec.  Rows:
+
+(a) a PPO step of a ~0.55B Llama-shaped model (24 layers, hidden 1280, GQA 10:2, SwiGLU 4096,
+    vocab 32768): rollout, experience, update and checkpoint save; then a second run that loads
+    the checkpoint and trains one more step (GRPO with a reference model; ``--critic`` adds GAE
+    and the critic);
+(b) ``score`` against HF transformers in bf16 on a small random Llama (skipped without
+    transformers);
+(c) which SDPA backend each attention path used (flash / cuDNN / efficient / math);
+(d) actor-update MFU, next to a plain megatron-core forward/backward of the same model and
+    micro-batch shape in the same run;
+(e) peak GPU memory of the PPO steps against the planner's estimate for the same config;
+(f) generation tokens/s.
+
+Everything is built here: random weights, the built-in ``task:digit_sum`` prompts, the character
+tokenizer; nothing is downloaded.  Each section fails soft: an error becomes its row, and the next
+section runs.  Needs torch with CUDA, megatron-core 0.16.1 and megatron_rl's other requirements
+(``omegaconf``, ``psutil``, ``pyyaml``, ``packaging``, ``numpy``); run from the repository root.
+
+Without CUDA it prints one line and exits 0.  ``--cpu-dry-run`` runs every section on the CPU
+with a tiny model (gloo, fp32 where bf16 is not the point) to check the script itself; its numbers
+mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import faulthandler
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+H200_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100/H200 SXM (the MFU denominator)
+NO_CUDA = "gpu_check: no CUDA device here; nothing to check (run it on a machine with one GPU)"
+
+GPU_MODEL = dict(num_layers=24, hidden_size=1280, ffn_hidden_size=4096, num_attention_heads=10,
+                 num_query_groups=2, vocab_size=32768, max_position_embeddings=4096, rotary_base=500000.0)
+CPU_MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_query_groups=2, vocab_size=256, max_position_embeddings=512)
+GPU_RUN = dict(prompts=16, n=4, new_tokens=64, tokens_per_microbatch=4096)
+CPU_RUN = dict(prompts=2, n=2, new_tokens=4, tokens_per_microbatch=256)
+
+
+class Check:
+    """The run's rows, its time budget, and what later sections reuse from earlier ones."""
+
+    def __init__(self, cpu: bool, budget_s: float, critic: bool):
+        self.cpu = cpu
+        self.device = torch.device("cpu" if cpu else "cuda")
+        self.model = CPU_MODEL if cpu else GPU_MODEL
+        self.run = CPU_RUN if cpu else GPU_RUN
+        self.critic = critic
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+        self.rows: list[tuple[str, str]] = []
+        self.facts: dict = {}
+        self.tmp = tempfile.mkdtemp(prefix="gpu_check_")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def section(self, name: str, fn) -> None:
+        """Run one section; its rows, or its error as the row, go to the table."""
+        if self.elapsed() > self.budget_s:
+            self.rows.append((name, f"skipped: time budget of {self.budget_s:.0f} s spent"))
+            return
+        began = time.perf_counter()
+        try:
+            for row in fn(self):
+                self.rows.append(row)
+                print(f"[gpu_check] {row[0]}: {row[1]}", file=sys.stderr, flush=True)
+        except Exception as err:  # noqa: BLE001 - a failing section is a row, the script goes on
+            traceback.print_exc()
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            self.rows.append((name, f"ERROR {type(err).__name__}: {first}"))
+        finally:
+            gc.collect()
+            if not self.cpu:
+                torch.cuda.empty_cache()
+        print(f"[gpu_check] {name}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def section_setup(check: Check):
+    """World size 1: NCCL on CUDA (gloo for the CPU dry run)."""
+    from megatron_rl.config.schema import DistributedConfig
+    from megatron_rl.distributed.env import free_port
+    from megatron_rl.distributed.runtime import init_distributed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    backend, device = ("gloo", "cpu") if check.cpu else ("nccl", "cuda")
+    init_distributed(DistributedConfig(backend=backend, device=device, timeout_s=300))
+    check.facts["backend"] = torch.distributed.get_backend()
+    return []
+
+
+def model_overrides(model: dict) -> list[str]:
+    return [f"model.{k}={v}" for k, v in model.items()]
+
+
+def ppo_overrides(check: Check, steps: int) -> list[str]:
+    run = check.run
+    dtype = "bfloat16"
+    out = model_overrides(check.model) + [
+        f"model.params_dtype={dtype}", "model.transformer_impl=local",
+        "data.train_path=task:digit_sum", "data.tokenizer=char", "data.max_prompt_tokens=64",
+        f"rollout.n={run['n']}", f"rollout.max_new_tokens={run['new_tokens']}", "rollout.max_batch_size=64",
+        f"trainer.prompts_per_step={run['prompts']}", f"trainer.steps={steps}", "trainer.plot=false",
+        "trainer.keep_last=1", f"batch.max_tokens_per_rank={run['tokens_per_microbatch']}",
+        "algorithm.kl_coef=0.01", "actor.optim.lr=1e-6", "critic.optim.lr=1e-6",
+        f"run.dir={check.tmp}", "run.name=ppo", f"distributed.device={check.device.type}",
+        f"distributed.backend={'gloo' if check.cpu else 'nccl'}",
+    ]
+    if not check.critic:
+        out.append("algorithm.advantage=grpo")
+    return out
+
+
+def read_metrics(check: Check) -> list[dict]:
+    path = os.path.join(check.tmp, "ppo", "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def peak_gib(check: Check) -> float:
+    return 0.0 if check.cpu else torch.cuda.max_memory_allocated() / 2**30
+
+
+def reset_peak(check: Check) -> None:
+    if not check.cpu:
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ----------------------------------------------------------------------------- (a) PPO
+
+
+def _ppo_run(check: Check, steps: int) -> tuple[float, list[str]]:
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.trainer.ppo import run_ppo
+
+    cfg = load_config(None, ppo_overrides(check, steps))
+    validate(cfg, 1)
+    check.facts["cfg"] = cfg
+    lines: list[str] = []
+    began = time.perf_counter()
+    try:
+        run_ppo(cfg, log=lines.append)
+    finally:
+        check.facts["ppo_peak_gib"] = max(check.facts.get("ppo_peak_gib", 0.0), peak_gib(check))
+    return time.perf_counter() - began, lines
+
+
+def _step_summary(row: dict) -> str:
+    keys = [("step", "timing/step_s"), ("rollout", "timing/rollout_s"), ("experience", "timing/experience_s"),
+            ("update", "timing/actor_update_s")]
+    parts = [f"{label} {row[k]:.2f} s" for label, k in keys if isinstance(row.get(k), (int, float))]
+    loss = row.get("actor/pg_loss")
+    parts.append(f"pg_loss {loss:.4g}" if isinstance(loss, (int, float)) else "pg_loss n/a")
+    parts.append(f"skipped updates {row.get('actor/skipped_updates', 'n/a')}")
+    return ", ".join(parts)
+
+
+def section_ppo(check: Check):
+    from megatron_rl.planner.memory import total_params
+
+    cfg_model = _model_config(check)
+    params = total_params(cfg_model)
+    reset_peak(check)
+    what = "GAE + critic" if check.critic else "GRPO"
+    try:
+        seconds, _ = _ppo_run(check, steps=1)
+    except Exception:
+        rows = read_metrics(check)
+        if rows:  # the step trained; the save (or what follows) failed: report both
+            yield (f"(a) PPO step 1, {params / 1e6:.0f}M params, bf16, {what}", _step_summary(rows[0]))
+        raise
+    rows = read_metrics(check)
+    saved = os.path.isdir(os.path.join(check.tmp, "ppo", "checkpoints", "step_00000001"))
+    yield (f"(a) PPO step 1, {params / 1e6:.0f}M params, bf16, {what} (rollout, experience, update, save)",
+           f"{_step_summary(rows[0])}; run {seconds:.1f} s incl. build + save; checkpoint saved: {saved}")
+    seconds, lines = _ppo_run(check, steps=2)
+    rows = read_metrics(check)
+    resumed = [line for line in lines if "resum" in line.lower()]
+    step2 = rows[-1] if rows and rows[-1].get("step") == 2 else {}
+    build_and_load = seconds - float(step2.get("timing/step_s", 0.0))
+    yield ("(a) PPO resume from checkpoint + step 2",
+           f"{_step_summary(step2)}; load + build {build_and_load:.1f} s; steps logged {[r.get('step') for r in rows]}"
+           + (f"; '{resumed[0][:80]}'" if resumed else ""))
+    check.facts["ppo_rows"] = rows
+
+
+def _model_config(check: Check):
+    from megatron_rl.config.schema import ModelConfig
+
+    return ModelConfig(**check.model, params_dtype="bfloat16", transformer_impl="local")
+
+
+# ----------------------------------------------------------------------------- (b) score vs HF
+
+
+def section_score(check: Check):
+    try:
+        import transformers
+    except ImportError:
+        yield ("(b) score vs HF transformers (bf16)", "skipped: transformers not installed")
+        return
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.tools.score import run_score
+
+    hf_dir = os.path.join(check.tmp, "hf_llama")
+    torch.manual_seed(0)
+    hf_cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                                      rope_theta=10000.0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    hf.save_pretrained(hf_dir)
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (200, 3, 77, 128, 31)]
+    with open(os.path.join(hf_dir, "in.jsonl"), "w") as fh:
+        for ids in sequences:
+            fh.write(json.dumps({"input_ids": ids}) + "\n")
+    cfg = load_config(None, ["model.params_dtype=bfloat16", "model.transformer_impl=local",
+                             f"distributed.device={check.device.type}", "batch.max_tokens_per_rank=1024"])
+    cfg.model = model_config_from_hf(read_hf_config(hf_dir), cfg.model)
+    cfg.model.hf_path = hf_dir
+    out_path = os.path.join(hf_dir, "out.jsonl")
+    run_score(cfg, hf_dir, os.path.join(hf_dir, "in.jsonl"), out_path)
+    with open(out_path) as fh:
+        scored = [json.loads(line) for line in fh]
+    hf = hf.to(check.device)
+    got = [torch.tensor(row["logprobs"]) for row in scored]
+    ref16 = [_hf_logprobs(hf, ids, check.device) for ids in sequences]
+    ref32 = [_hf_logprobs(hf.float(), ids, check.device) for ids in sequences]
+    diff16 = torch.cat([(a - b).abs() for a, b in zip(got, ref16)])
+    diff32 = torch.cat([(a - b).abs() for a, b in zip(got, ref32)])
+    yield ("(b) score vs HF transformers, bf16 random Llama (4 layers, GQA 8:2)",
+           f"max |dlogp| vs HF bf16 {float(diff16.max()):.3g}, mean {float(diff16.mean()):.3g}; "
+           f"max vs HF on the same weights in fp32 {float(diff32.max()):.3g} ({diff16.numel()} tokens)")
+
+
+@torch.no_grad()
+def _hf_logprobs(model, ids: list[int], device) -> torch.Tensor:
+    logits = model(torch.tensor([ids], device=device)).logits[0].float()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].cpu()
+
+
+# ----------------------------------------------------------------------------- (c) SDPA backends
+
+SDPA_OPS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
+    "_scaled_dot_product_fused_attention_overrideable": "fused (overrideable)",
+}
+
+
+def sdpa_recorder():
+    """A dispatch mode recording the fused SDPA kernels called, with the query length of each.
+
+    ``F.scaled_dot_product_attention`` picks its backend above the dispatcher; a fused backend
+    then calls its own operator (seen here), the math backend decomposes into plain ops (so a
+    path that called SDPA and shows no fused operator ran the math backend)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in SDPA_OPS:
+                self.calls.append((SDPA_OPS[name], int(args[0].size(-2))))
+            return func(*args, **(kwargs or {}))
+
+    return Recorder()
+
+
+def backends_seen(calls, sdpa_calls: int) -> str:
+    """'flash x2', or 'math' when SDPA ran without any fused operator."""
+    names: dict[str, int] = {}
+    for name, _ in calls:
+        names[name] = names.get(name, 0) + 1
+    if not names:
+        return f"math x{sdpa_calls}" if sdpa_calls else "no SDPA call"
+    math = sdpa_calls - len(calls)
+    return ", ".join(f"{n} x{c}" for n, c in names.items()) + (f", math x{math}" if math > 0 else "")
+
+
+class _SdpaCounter:
+    """Records the query length of every ``F.scaled_dot_product_attention`` call (to tell the
+    math backend from no call at all)."""
+
+    def __init__(self):
+        self.query_lengths: list[int] = []
+        self._orig = None
+
+    def __enter__(self):
+        import torch.nn.functional as F
+
+        self._orig = F.scaled_dot_product_attention
+
+        def counted(query, *args, **kwargs):
+            self.query_lengths.append(int(query.size(-2)))
+            return self._orig(query, *args, **kwargs)
+
+        F.scaled_dot_product_attention = counted
+        return self
+
+    def __exit__(self, *exc):
+        import torch.nn.functional as F
+
+        F.scaled_dot_product_attention = self._orig
+
+    def count(self, decode: bool | None = None) -> int:
+        """Calls, or only decode (one query) / prefill (several) calls."""
+        if decode is None:
+            return len(self.query_lengths)
+        return sum((n == 1) == decode for n in self.query_lengths)
+
+
+def _probe(fn) -> str:
+    recorder = sdpa_recorder()
+    with _SdpaCounter() as counter, recorder:
+        fn()
+    return backends_seen(recorder.calls, counter.count())
+
+
+def section_sdpa(check: Check):
+    """The paths on the full model's head shape (2 layers are enough to see the kernels)."""
+    from megatron_rl.data.microbatch import build_microbatch
+    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.ops import cp_attention
+    from megatron_rl.ops.zigzag import local_positions_bshd
+    from megatron_rl.rollout.engine import TorchRolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    init_model_parallel(ParallelLayout())
+    model_cfg = dataclasses.replace(_model_config(check), num_layers=2)
+    chunk = build_gpt_chunks(model_cfg, ParallelLayout(), check.device)[0]
+    dev = check.device
+    g = torch.Generator().manual_seed(0)
+    seqs = [{"tokens": torch.randint(0, 100, (n,), generator=g)} for n in (96, 40, 7)]
+
+    def trainer_pass(packed: bool):
+        mb = build_microbatch(seqs, [0, 1, 2], packed=packed)
+        inputs = mb.to(dev, ["tokens", "position_ids"])
+        hidden = chunk(inputs["tokens"], inputs["position_ids"], None, packed_seq_params=mb.packed_seq_params(dev))
+        hidden.float().sum().backward()
+
+    yield ("(c) SDPA: trainer, CP=1 BSHD rows (is_causal, GQA)", _probe(lambda: trainer_pass(False)))
+    yield ("(c) SDPA: trainer, CP=1 packed THD (is_causal per sequence)", _probe(lambda: trainer_pass(True)))
+
+    heads, kv, d = model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.hidden_size // model_cfg.num_attention_heads
+    q = torch.randn(1, heads, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, kv, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, kv, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    world = torch.distributed.group.WORLD
+
+    def cp_path(comm: str):  # the real autograd function on a CP group of one rank
+        def positions(rank):
+            return local_positions_bshd(256, 1, rank)
+
+        out = cp_attention.context_parallel_attention(q, k, v, positions, world, d**-0.5, comm)
+        out.float().sum().backward()
+
+    yield ("(c) SDPA: all_gather CP path (additive mask + GQA; CP=1 here)", _probe(lambda: cp_path("all_gather")))
+    yield ("(c) SDPA: p2p ring CP path", "no SDPA: eager einsum blocks (ops/cp_attention.py); needs CP > 1, not run")
+
+    engine = TorchRolloutEngine(model_cfg, device=dev, max_batch_size=8)
+    engine.load_from_chunks([chunk])
+    recorder = sdpa_recorder()
+    with _SdpaCounter() as counter, recorder:
+        engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, SamplingParams(max_new_tokens=4), seed=0)
+    prefill = [c for c in recorder.calls if c[1] > 1]
+    decode = [c for c in recorder.calls if c[1] == 1]
+    yield ("(c) SDPA: rollout prefill (mask + GQA)", backends_seen(prefill, counter.count(decode=False)))
+    yield ("(c) SDPA: rollout decode (KV cache, mask + GQA)", backends_seen(decode, counter.count(decode=True)))
+
+
+# ----------------------------------------------------------------------------- (d) MFU
+
+
+def model_flops_per_token(model_cfg, seq_len: float) -> float:
+    """Training FLOPs per token (forward + backward): 6 per weight of the layers and the output
+    projection, plus causal attention 6 * seq * heads * head_dim per layer."""
+    from megatron_rl.models.arch import attention_dims
+    from megatron_rl.planner.memory import layer_params
+
+    heads, _, d = attention_dims(model_cfg)
+    dense = layer_params(model_cfg) * model_cfg.num_layers + model_cfg.vocab_size * model_cfg.hidden_size
+    return 6 * dense + 6 * model_cfg.num_layers * seq_len * heads * d
+
+
+def section_mfu(check: Check):
+    rows = check.facts.get("ppo_rows") or read_metrics(check)
+    if not rows:
+        raise RuntimeError("no PPO step ran (section a)")
+    row = rows[-1]
+    model_cfg = _model_config(check)
+    samples = check.run["prompts"] * check.run["n"]
+    tokens = float(row["throughput/tokens_per_s"]) * float(row["timing/step_s"])
+    seq = tokens / samples
+    cfg = check.facts["cfg"]
+    flops = model_flops_per_token(model_cfg, seq) * tokens * cfg.algorithm.ppo_epochs
+    update_s = float(row["timing/actor_update_s"])
+    ppo_tflops = flops / update_s / 1e12
+    base_tflops, base_shape = _plain_megatron_tflops(check, model_cfg, int(seq), samples)
+    peak = H200_BF16_TFLOPS
+    yield ("(d) actor update MFU (step %d, %d tokens x %d epoch)" % (row.get("step", 0), tokens, cfg.algorithm.ppo_epochs),
+           f"{ppo_tflops:.3g} TFLOP/s = {100 * ppo_tflops / peak:.3g}% of {peak:.0f}")
+    yield (f"(d) plain megatron-core fwd+bwd, same model, {base_shape}",
+           f"{base_tflops:.3g} TFLOP/s = {100 * base_tflops / peak:.3g}%; PPO update / plain = {ppo_tflops / base_tflops:.2f}")
+
+
+def _plain_megatron_tflops(check: Check, model_cfg, seq: int, samples: int) -> tuple[float, str]:
+    """megatron's GPTModel with the same layer spec and config, its own output layer and
+    cross-entropy, one packed micro-batch of the update's token budget, no RL machinery."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_rl.data.microbatch import build_microbatch
+    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.models.builder import build_gpt_chunks
+
+    init_model_parallel(ParallelLayout())
+    model = build_gpt_chunks(model_cfg, ParallelLayout(), check.device, model_cls=GPTModel)[0]
+    budget = check.run["tokens_per_microbatch"]
+    per_mb = max(1, budget // max(seq, 1))
+    g = torch.Generator().manual_seed(0)
+    seqs = [{"tokens": torch.randint(0, model_cfg.vocab_size, (seq,), generator=g)} for _ in range(per_mb)]
+    mb = build_microbatch(seqs, list(range(per_mb)), packed=True)
+    inputs = mb.to(check.device, ["tokens", "position_ids", "labels"])
+    params = mb.packed_seq_params(check.device)
+
+    def step():
+        loss = model(inputs["tokens"], inputs["position_ids"], None, labels=inputs["labels"],
+                     packed_seq_params=params)
+        loss.float().mean().backward()
+
+    for _ in range(2):
+        step()
+    _sync(check)
+    iters = 2 if check.cpu else 10
+    began = time.perf_counter()
+    for _ in range(iters):
+        step()
+    _sync(check)
+    seconds = (time.perf_counter() - began) / iters
+    tokens = per_mb * seq
+    tflops = model_flops_per_token(model_cfg, seq) * tokens / seconds / 1e12
+    return tflops, f"{per_mb} x {seq} tokens packed"
+
+
+def _sync(check: Check) -> None:
+    if not check.cpu:
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- (e) memory
+
+
+def section_memory(check: Check):
+    from megatron_rl.planner.memory import GiB, PlanOption, estimate
+
+    cfg = check.facts.get("cfg")
+    if cfg is None:
+        raise RuntimeError("no PPO config (section a did not start)")
+    budget = (torch.cuda.get_device_properties(0).total_memory if not check.cpu else 80 * GiB)
+    plan = estimate(cfg.model, PlanOption(sequence_parallel=False), prompt_len=cfg.data.max_prompt_tokens,
+                    response_len=cfg.rollout.max_new_tokens, tokens_per_microbatch=cfg.batch.max_tokens_per_rank,
+                    budget_bytes=budget, max_rollout_batch=cfg.rollout.max_batch_size,
+                    with_critic=check.critic, with_reference=cfg.algorithm.kl_coef > 0)
+    measured = check.facts.get("ppo_peak_gib", 0.0)
+    planned = plan.total / GiB
+    ratio = f"{measured / planned:.2f}" if planned else "n/a"
+    yield ("(e) peak memory of the PPO runs vs planner",
+           f"measured {measured:.2f} GiB (max_memory_allocated), planner {planned:.2f} GiB "
+           f"(rollout batch {plan.rollout_batch}); measured / planned = {ratio}")
+
+
+# ----------------------------------------------------------------------------- (f) generation
+
+
+def section_generation(check: Check):
+    rows = check.facts.get("ppo_rows") or read_metrics(check)
+    if not rows:
+        raise RuntimeError("no PPO step ran (section a)")
+    row = rows[-1]
+    samples = check.run["prompts"] * check.run["n"]
+    generated = float(row["response_length/mean"]) * samples
+    seconds = float(row["timing/rollout_s"])
+    yield (f"(f) generation, torch engine, {samples} samples x <= {check.run['new_tokens']} tokens",
+           f"{generated / seconds:.0f} tokens/s ({generated:.0f} tokens in {seconds:.2f} s, prefill included)")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    width = max((len(name) for name, _ in rows), default=5)
+    lines = [f"| {'check':<{width}} | result |", f"|{'-' * (width + 2)}|--------|"]
+    lines += [f"| {name:<{width}} | {result} |" for name, result in rows]
+    return "\n".join(lines)
+
+
+def section_environment(check: Check):
+    import megatron.core
+
+    gpu = "CPU dry run" if check.cpu else torch.cuda.get_device_name(0)
+    yield ("environment", f"{gpu}; torch {torch.__version__}; megatron-core {megatron.core.__version__}; "
+                          f"backend {check.facts.get('backend')}; world size 1")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the table (markdown) here")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip sections starting after this many seconds")
+    parser.add_argument("--critic", action="store_true", help="PPO with GAE and a critic instead of GRPO")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="run every section on the CPU with a tiny model")
+    args = parser.parse_args(argv)
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print(NO_CUDA)
+        return 0
+    # A hang (a collective that never completes) still ends the run, with every thread's stack.
+    faulthandler.dump_traceback_later(args.budget_s + 120, exit=True)
+    check = Check(cpu=args.cpu_dry_run, budget_s=args.budget_s, critic=args.critic)
+    check.section("setup: world size 1", section_setup)
+    check.section("environment", section_environment)
+    for name, fn in [("(a) PPO step", section_ppo), ("(b) score vs HF", section_score),
+                     ("(c) SDPA backends", section_sdpa), ("(d) MFU", section_mfu),
+                     ("(e) memory", section_memory), ("(f) generation", section_generation)]:
+        check.section(name, fn)
+    check.rows.append(("total time", f"{check.elapsed():.0f} s"))
+    text = table(check.rows)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
