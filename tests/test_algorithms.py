@@ -115,9 +115,10 @@ def test_rloo_singleton_group_raises():
 
 
 def test_estimator_names():
-    assert advantages.ADVANTAGE_ESTIMATORS == ("gae", "grpo", "rloo")
+    assert tuple(advantages.ADVANTAGE_ESTIMATORS)[:3] == ("gae", "grpo", "rloo")
     assert advantages.needs_critic("gae")
     assert not advantages.needs_critic("grpo") and not advantages.needs_critic("rloo")
+    assert advantages.needs_groups("grpo") and advantages.needs_groups("rloo") and not advantages.needs_groups("gae")
     with pytest.raises(ValueError, match="gae, grpo, rloo"):
         advantages.needs_critic("ppo")
 
@@ -136,7 +137,7 @@ def test_kl_kinds_hand_values():
     assert_close(kl.estimate(LOGP, REF, "k3"), k3, **TOL)
     assert_close(kl.estimate(LOGP, REF, "low_var_kl"), k3, **TOL)
     assert_close(kl.estimate(LOGP, REF, "mse"), t([0.125, 0.5]), **TOL)
-    assert kl.KL_KINDS == ("k1", "k2", "k3")
+    assert tuple(kl.KL_ESTIMATORS)[:3] == ("k1", "k2", "k3")
 
 
 def test_k3_nonnegative_and_finite():
@@ -149,7 +150,7 @@ def test_k3_nonnegative_and_finite():
 
 
 def test_kl_unknown_kind():
-    with pytest.raises(ValueError, match="k1, k2, k3, low_var_kl, mse"):
+    with pytest.raises(ValueError, match="k1, kl, k2, mse, k3, low_var_kl"):
         kl.estimate(LOGP, REF, "k4")
 
 
@@ -315,7 +316,7 @@ def test_aggregation_modes_hand_values(agg, num, count):
 def test_aggregate_all_masked_and_unknown_mode():
     zero = torch.zeros(2, 3)
     for agg in losses.AGG_MODES:
-        assert_close(losses.aggregate(torch.ones(2, 3), zero, agg), torch.tensor(0.0), **TOL)
+        assert_close(losses.aggregate(torch.ones(2, 3), zero, agg, horizon=5), torch.tensor(0.0), **TOL)
     with pytest.raises(ValueError, match="token-mean, seq-mean-token-sum, seq-mean-token-mean"):
         losses.aggregate_parts(RAGGED_LOSS, RAGGED_MASK, "mean")
 
@@ -331,8 +332,8 @@ def _ragged_batch(seed=0, b=6, tlen=8):
 @pytest.mark.parametrize("agg", losses.AGG_MODES)
 def test_row_split_invariance(agg):
     loss, mask = _ragged_batch()
-    whole = losses.aggregate(loss, mask, agg)
-    parts = [losses.aggregate_parts(loss[s], mask[s], agg) for s in (slice(0, 3), slice(3, 6))]
+    whole = losses.aggregate(loss, mask, agg, horizon=8)
+    parts = [losses.aggregate_parts(loss[s], mask[s], agg, horizon=8) for s in (slice(0, 3), slice(3, 6))]
     total = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     assert_close(total, whole, rtol=1e-12, atol=1e-12)
 
@@ -352,10 +353,11 @@ def _cp_shards(tlen, cp):
 def test_context_parallel_split_invariance(agg):
     loss, mask = _ragged_batch()
     full_lengths = mask.sum(-1)
-    whole = losses.aggregate(loss, mask, agg)
+    whole = losses.aggregate(loss, mask, agg, horizon=8)
     (whole_grad,) = torch.autograd.grad(whole, loss)
     for layout in _cp_shards(loss.shape[1], cp=2):
-        parts = [losses.aggregate_parts(loss[:, idx], mask[:, idx], agg, seq_lengths=full_lengths) for idx in layout]
+        parts = [losses.aggregate_parts(loss[:, idx], mask[:, idx], agg, seq_lengths=full_lengths, horizon=8)
+                 for idx in layout]
         count = sum(p[1] for p in parts)
         total = sum(p[0] for p in parts) / count
         assert_close(total, whole, rtol=1e-6, atol=1e-6)
@@ -372,3 +374,68 @@ def test_entropy_bonus_shares_the_policy_denominator():
     assert_close(ent_count, pg_count, **TOL)
     # (1.5 - 0.01 * 5.0) / 4
     assert_close((pg_num - 0.01 * ent_num) / pg_count, torch.tensor(1.45 / 4), **TOL)
+
+
+# ---------------------------------------------------------------- defects found against verl (issue 14)
+
+
+def test_kl_in_reward_reaches_grpo_and_rloo_advantages():
+    """With kl_in_reward the penalty must reach outcome advantages: R = score - coef * sum_t KL_t."""
+    from megatron_rl.trainer.experience import compute_advantages, token_rewards_from_scores
+
+    scores = t([1.0, 1.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = t([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    logp = t([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0], [-1.0, 0.0, 0.0], [-0.2, -0.2, -0.2]])
+    ref = t([[-1.5, -1.0, -0.5], [-0.1, -1.0, 0.0], [-2.0, 0.0, 0.0], [-0.2, -0.2, -0.2]])
+    coef = 0.5
+    rewards, k = kl.apply_kl_penalty(token_rewards_from_scores(scores, mask), logp, ref, mask, coef, "k1")
+    # k1 row sums over valid tokens: [0.5 - 1.0 + 0, 0 - 2.0, 1.0, 0] -> R = score - 0.5 * sum
+    returns = [1.0 - 0.5 * -0.5, 1.0 - 0.5 * -2.0, 0.0 - 0.5 * 1.0, 1.0]  # [1.25, 2.0, -0.5, 1.0]
+    opts = dict(gamma=1.0, lam=1.0, whiten=False, norm_by_std=True)
+    grpo, _ = compute_advantages("grpo", scores, groups, mask, rewards, None, **opts)
+    # group 0: mean 1.625, unbiased std |2.0 - 1.25| / sqrt(2); group 1: mean 0.25, std 1.5 / sqrt(2)
+    s0, s1 = 0.75 / math.sqrt(2), 1.5 / math.sqrt(2)
+    per_seq = t([(1.25 - 1.625) / (s0 + 1e-6), (2.0 - 1.625) / (s0 + 1e-6),
+                 (-0.5 - 0.25) / (s1 + 1e-6), (1.0 - 0.25) / (s1 + 1e-6)])
+    assert_close(grpo, per_seq[:, None] * mask, **TOL)
+    rloo, _ = compute_advantages("rloo", scores, groups, mask, rewards, None, **opts)
+    loo = t([returns[0] - returns[1], returns[1] - returns[0], returns[2] - returns[3], returns[3] - returns[2]])
+    assert_close(rloo, loo[:, None] * mask, **TOL)
+    # Without the penalty the sum of the token rewards is the score itself, bit for bit.
+    plain, _ = compute_advantages("grpo", scores, groups, mask, token_rewards_from_scores(scores, mask), None, **opts)
+    assert torch.equal(plain, advantages.compute_grpo(scores, groups, mask))
+
+
+@pytest.mark.parametrize("value", [0.7, 9.320004, 0.1, 123.456, -3.3])
+def test_all_equal_group_of_16_gets_exactly_zero_advantage_in_fp32(value):
+    # Rounding in (s - mean) / (std + 1e-6) used to give up to 0.64 here instead of 0.
+    scores = torch.cat([torch.full((16,), value, dtype=torch.float32), torch.arange(16, dtype=torch.float32)])
+    groups = torch.cat([torch.zeros(16, dtype=torch.long), torch.ones(16, dtype=torch.long)])
+    mask = torch.ones(32, 3)
+    for norm in (True, False):
+        adv = advantages.compute_grpo(scores, groups, mask, norm_by_std=norm)
+        assert torch.equal(adv[:16], torch.zeros(16, 3)), float(adv[:16].abs().max())
+        assert adv[16:].abs().max() > 0.1  # the varied group is untouched
+    assert torch.equal(advantages.compute_rloo(scores, groups, mask)[:16], torch.zeros(16, 3))
+
+
+def test_k3_is_bounded_to_ten_like_verl_and_its_gradient():
+    # r = ref - logp = 20 (clamped): e^20 - 21 = 4.85e8 unbounded; verl bounds the estimate to [-10, 10].
+    logp = torch.tensor([-30.0, -3.0, -1.0, -1.0, 2.0], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, -1.5, -0.5, -20.0])
+    k3 = kl.estimate(logp, ref, "k3")
+    r = (ref - logp.detach()).clamp(-20, 20)
+    inside = [min(math.exp(x) - x - 1, 10.0) for x in r.tolist()]
+    assert_close(k3.detach(), t(inside), **TOL)
+    assert float(k3.detach().max()) == 10.0 and float(k3.detach().min()) >= 0.0
+    # gradient: 1 - pi_ref/pi = 1 - e^r inside the bound, 0 where the bound is active (tokens 0, 1 and 4)
+    (grad,) = torch.autograd.grad(k3.sum(), logp)
+    expected = [0.0 if v >= 10.0 else 1.0 - math.exp(x) for v, x in zip(inside, r.tolist())]
+    assert_close(grad, t(expected), **TOL)
+    # k3+: the same (bounded) value, k2's gradient d = logp - ref everywhere
+    logp2 = logp.detach().clone().requires_grad_(True)
+    plus = kl.estimate(logp2, ref, "k3+")
+    assert_close(plus.detach(), k3.detach(), **TOL)
+    (grad,) = torch.autograd.grad(plus.sum(), logp2)
+    assert_close(grad, logp2.detach() - ref, **TOL)

@@ -175,28 +175,52 @@ class RewardConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, tis (truncated IS), mis (masked IS).",
+                   choices="megatron_rl.algorithms.rollout_correction:MODES")
+    level: str = _f("token", "Importance weight per token, or per sequence (product over its tokens).",
+                    choices="megatron_rl.algorithms.rollout_correction:LEVELS")
+    threshold: float = _f(2.0, "Weights above this are truncated to it (tis) or masked to 0 (mis).", ge=1)
+
+
+@dataclass
 class AlgorithmConfig:
-    advantage: str = _f("gae", "Advantage estimator: gae (PPO with a critic), grpo, rloo.",
+    advantage: str = _f("gae", "Advantage estimator (docs/algorithms.md): gae needs a critic; grpo, rloo, drgrpo, "
+                        "reinforce_plus_plus_baseline need rollout.n >= 2.",
                         choices="megatron_rl.algorithms.advantages:ADVANTAGE_ESTIMATORS")
-    gamma: float = _f(1.0, "GAE discount.", ge=0, le=1)
+    policy_loss: str = _f("ppo", "Policy loss (docs/algorithms.md): ppo (clipped surrogate), gspo (sequence ratio), "
+                          "cispo (clipped IS weight x log-prob).", choices="megatron_rl.algorithms.losses:POLICY_LOSSES")
+    gamma: float = _f(1.0, "Discount (GAE, REINFORCE++).", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda.", ge=0, le=1)
     whiten_advantages: bool = _f(True, "Whiten GAE advantages over the batch.")
     norm_by_std: bool = _f(True, "GRPO: divide by the group's std.")
-    clip_low: float = _f(0.2, "PPO ratio clip below 1.", ge=0, lt=1)
-    clip_high: float = _f(0.2, "PPO ratio clip above 1 (asymmetric clipping when != clip_low).", ge=0)
-    dual_clip: Optional[float] = _f(None, "Dual-clip bound for negative advantages (e.g. 3); null = off.", gt=1)
+    clip_low: float = _f(0.2, "Ratio clip below 1 (ppo, gspo, cispo).", ge=0, lt=1)
+    clip_high: float = _f(0.2, "Ratio clip above 1 (asymmetric clipping / DAPO clip-higher when != clip_low).", ge=0)
+    dual_clip: Optional[float] = _f(None, "Dual-clip bound for negative advantages (e.g. 3; policy_loss=ppo); null = off.",
+                                    gt=1)
     value_clip: Optional[float] = _f(0.2, "Critic value clipping around the old values; null = off.", gt=0)
-    loss_agg: str = _f("token-mean", "token-mean, seq-mean-token-sum, seq-mean-token-mean.",
+    loss_agg: str = _f("token-mean", "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm "
+                       "(token sums / rollout.max_new_tokens, Dr.GRPO).",
                        choices="megatron_rl.algorithms.losses:AGG_MODES")
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.", ge=0)
     kl_coef: float = _f(0.0, "KL(actor || reference) coefficient; 0 = no reference model.", ge=0)
-    kl_kind: str = _f("k3", "KL estimator: k1, k2 (mse), k3 (low_var_kl).", choices="megatron_rl.algorithms.kl:KL_NAMES")
-    kl_in_reward: bool = _f(False, "Subtract the KL from the token rewards instead of adding it to the loss.")
+    kl_kind: str = _f("k3", "KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, bounded to 10), abs, k3+ (k3's value, "
+                      "k2's gradient).", choices="megatron_rl.algorithms.kl:KL_NAMES")
+    kl_in_reward: bool = _f(False, "Subtract the KL from the token rewards instead of adding it to the loss "
+                            "(outcome estimators use the penalised sum).")
     kl_controller: Literal[KL_CONTROLLERS] = _f("fixed", "fixed or adaptive (in-reward KL only).")
     kl_target: Optional[float] = _f(None, "Adaptive controller target KL.", gt=0)
     kl_horizon: Optional[float] = _f(None, "Adaptive controller horizon.", gt=0)
     ppo_epochs: int = _f(1, "Passes over each rollout batch.", ge=1)
     mini_batches: int = _f(1, "Optimizer steps per pass (the batch is cut into this many mini-batches).", ge=1)
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop prompts whose samples all got the same reward and "
+                                "sample more prompts until the batch is full.")
+    dynamic_sampling_max_rounds: int = _f(4, "Dynamic sampling: most generation rounds per step (the first included); "
+                                          "short of groups after them, the batch is filled with dropped ones.", ge=1)
+    overlong_buffer: int = _f(0, "DAPO overlong shaping: tokens before rollout.max_new_tokens over which the penalty "
+                              "grows to overlong_penalty; 0 = off.", ge=0)
+    overlong_penalty: float = _f(1.0, "DAPO overlong shaping: the penalty at rollout.max_new_tokens.", ge=0)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -9,11 +9,12 @@ identically on every rank.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from megatron_rl.algorithms import advantages as adv
+from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.rollout.engine import RolloutBatch
 
 
@@ -43,6 +44,23 @@ class Samples:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def select(self, rows: Sequence[int], prompt_index: Optional[Sequence[int]] = None) -> "Samples":
+        """The samples at ``rows``, in that order, optionally with new ``prompt_index`` values."""
+        rows = list(rows)
+        return Samples(
+            prompt_index=list(prompt_index) if prompt_index is not None else [self.prompt_index[i] for i in rows],
+            dataset_index=[self.dataset_index[i] for i in rows], prompt_ids=[self.prompt_ids[i] for i in rows],
+            response_ids=[self.response_ids[i] for i in rows], rollout_logprob=[self.rollout_logprob[i] for i in rows],
+            finish_reason=[self.finish_reason[i] for i in rows],
+        )
+
+    def groups(self) -> dict[int, list[int]]:
+        """``prompt_index -> rows`` of the samples of each prompt, in first-appearance order."""
+        out: dict[int, list[int]] = {}
+        for row, p in enumerate(self.prompt_index):
+            out.setdefault(p, []).append(row)
+        return out
 
     def sequences(self) -> list[dict]:
         """One dict per sample for :func:`megatron_rl.engine.forward.run_sequences`."""
@@ -88,6 +106,8 @@ class Experience:
     advantages: torch.Tensor
     returns: Optional[torch.Tensor]
     kl: Optional[torch.Tensor]
+    rollout_weights: Optional[torch.Tensor] = None  # [B, R] rollout-correction loss multipliers
+    metrics: dict = dataclasses.field(default_factory=dict)  # algorithm metrics of this step
 
     def full_length(self, i: int, rows: torch.Tensor) -> torch.Tensor:
         """Row ``i`` of a ``[B, R]`` tensor placed at its response positions of the full sequence."""
@@ -123,21 +143,23 @@ def compute_advantages(
     mask: torch.Tensor,
     token_rewards: torch.Tensor,
     values: Optional[torch.Tensor],
+    alg: Optional[AlgorithmConfig] = None,
     *,
-    gamma: float,
-    lam: float,
-    whiten: bool,
-    norm_by_std: bool,
+    whiten: Optional[bool] = None,
+    **options,
 ):
-    """Returns ``(advantages, returns)`` (returns only for GAE)."""
-    if kind == "gae":
-        advantages, returns = adv.compute_gae(token_rewards, values, mask, gamma, lam)
-        if whiten:
-            advantages = adv.whiten(advantages, mask)
-        return advantages, returns
-    if kind == "grpo":
-        return adv.compute_grpo(scores, group_index, mask, norm_by_std=norm_by_std), None
-    if kind == "rloo":
-        return adv.compute_rloo(scores, group_index, mask), None
-    raise ValueError(f"unknown advantage estimator {kind!r}")
+    """Returns ``(advantages, returns)`` (returns only for estimators with a critic).
 
+    The registered estimator ``kind`` (:data:`megatron_rl.algorithms.advantages.ADVANTAGE_ESTIMATORS`)
+    reads its options from ``alg`` (default: the schema defaults) with ``options`` (AlgorithmConfig
+    field names; ``whiten`` means ``whiten_advantages``) replacing fields.  Outcome estimators (GRPO,
+    RLOO, ...) use each row's sum of ``token_rewards``: the score, minus the KL penalty when it is in
+    the reward.  ``scores`` is only checked against that sum's shape.
+    """
+    if whiten is not None:
+        options["whiten_advantages"] = whiten
+    opts = dataclasses.replace(alg if alg is not None else AlgorithmConfig(), **options)
+    if scores.shape != token_rewards.shape[:1]:
+        raise ValueError(f"scores {tuple(scores.shape)} do not match token_rewards {tuple(token_rewards.shape)}")
+    batch = adv.AdvantageBatch(token_rewards=token_rewards, mask=mask, group_index=group_index, values=values)
+    return adv.compute(kind, batch, opts)

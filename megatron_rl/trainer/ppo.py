@@ -4,14 +4,17 @@
    prompt (``rollout/dp.py``: prompts split over data-parallel ranks, samples gathered so every
    rank holds them);
 2. score them (``rewards/distributed.py``: rank 0 calls the reward function, everyone receives
-   the result);
+   the result), add the overlong penalty (``algorithms/shaping.py``); with dynamic sampling,
+   repeat 1-2 on further prompts until the batch holds enough groups whose rewards differ
+   (``trainer/dynamic_sampling.py``);
 3. recompute old log-probs (and entropy) with the training model, reference log-probs, values;
-   token rewards, KL, advantages;
+   token rewards, KL, advantages (the registered estimator), rollout-correction weights;
 4. update actor and critic over ``ppo_epochs`` x ``mini_batches`` optimizer steps, and stop the
    run when every step of a phase was skipped as non-finite (``trainer/guards.py``);
 5. log metrics, checkpoint when due or when SIGTERM/SIGUSR1 asked for it.
 
-Works for GAE (with a critic), GRPO and RLOO (without), on every TP/PP/VPP/CP/DP layout.
+Works for every registered advantage estimator and policy loss (GAE with a critic; GRPO, RLOO,
+Dr.GRPO, REINFORCE++ without; PPO, GSPO, CISPO losses), on every TP/PP/VPP/CP/DP layout.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import torch.distributed as dist
 from megatron_rl.algorithms import losses
 from megatron_rl.algorithms.advantages import needs_critic
 from megatron_rl.algorithms.kl import apply_kl_penalty, make_kl_controller
+from megatron_rl.algorithms.rollout_correction import correction_weights
+from megatron_rl.algorithms.shaping import overlong_penalty
 from megatron_rl.config.model_io import model_config_to_dict
 from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, PromptSet
@@ -48,6 +53,7 @@ from megatron_rl.rewards.registry import compute_rewards, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import make_engine
 from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
 from megatron_rl.trainer.guards import check_updates_applied
 from megatron_rl.trainer.metrics import (
@@ -59,7 +65,14 @@ from megatron_rl.trainer.metrics import (
 )
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
-from megatron_rl.trainer.update import actor_loss_fn, critic_loss_fn, loss_denominator, mini_batches, scheduled_updates
+from megatron_rl.trainer.update import (
+    actor_loss_fn,
+    actor_metric_names,
+    critic_loss_fn,
+    loss_denominator,
+    mini_batches,
+    scheduled_updates,
+)
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
 
@@ -242,17 +255,14 @@ class PPOTrainer:
             with timed("weight_sync", timings):
                 self._phase("actor")
                 self.engine.load_from_chunks(self.actor.chunks)
-            batch = self.sampler.next_batch()
-            with timed("rollout", timings):
-                samples = self._rollout(batch, step)
-                self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
-            with timed("reward", timings):
-                scores = rewards_from_rank0(lambda: self._score(samples))
+            samples, scores, sampling_metrics = self._sample(step, timings)
             with timed("experience", timings):
                 exp = self._experience(samples, scores, timings)
             metrics = self._update(exp, step, timings)
             metrics.update(self._update_kl_coef(exp))
             metrics.update(experience_metrics(exp))
+            metrics.update(sampling_metrics)
+            metrics.update(exp.metrics)
         step_s = timings[timing_key("step")]
         tokens = sum(len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids))
         metrics.update(timings)
@@ -263,9 +273,47 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ one step, in order
 
-    def _rollout(self, batch: list[int], step: int) -> Samples:
+    def _sample(self, step: int, timings: dict) -> tuple[Samples, torch.Tensor, dict]:
+        """This step's samples and their (shaped) scores: one prompt batch, or with dynamic sampling as
+        many as it takes to fill the batch with groups whose rewards differ (bounded)."""
+        alg = self.cfg.algorithm
+        raw_drawn: list[torch.Tensor] = []
+
+        def draw(round_: int) -> tuple[Samples, torch.Tensor, torch.Tensor]:
+            batch = self.sampler.next_batch()
+            with timed("rollout", timings):
+                samples = self._rollout(batch, step, round_)
+            with timed("reward", timings):
+                scores = rewards_from_rank0(lambda: self._score(samples))
+            raw = scores.float()
+            raw_drawn.append(raw)
+            return samples, raw + self._overlong_penalty(samples), raw  # dynamic sampling decides on raw
+
+        metrics: dict = {}
+        if alg.dynamic_sampling:
+            filled = fill_batch(draw, self.cfg.trainer.prompts_per_step, alg.dynamic_sampling_max_rounds)
+            samples, scores, metrics = filled.samples, filled.scores, dict(filled.metrics)
+        else:
+            samples, scores, _ = draw(0)
+        with timed("rollout", timings):
+            self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
+        if alg.dynamic_sampling or alg.overlong_buffer:
+            metrics["reward/drawn_mean"] = float(torch.cat(raw_drawn).mean())  # before shaping and filtering
+        if alg.overlong_buffer:
+            penalty = self._overlong_penalty(samples)
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+            metrics["reward/overlong_frac"] = float((penalty < 0).float().mean())
+        return samples, scores, metrics
+
+    def _overlong_penalty(self, samples: Samples) -> torch.Tensor:
+        alg = self.cfg.algorithm
+        return overlong_penalty([len(r) for r in samples.response_ids], self.cfg.rollout.max_new_tokens,
+                                alg.overlong_buffer, alg.overlong_penalty)
+
+    def _rollout(self, batch: list[int], step: int, round_: int = 0) -> Samples:
+        tags = ("rollout", step) if round_ == 0 else ("rollout", step, "round", round_)
         rollout = generate_data_parallel(self.engine, [self.prompts.prompt_ids[i] for i in batch], self.sampling,
-                                         seed=derive_seed(self.cfg.run.seed, "rollout", step))
+                                         seed=derive_seed(self.cfg.run.seed, *tags))
         return Samples.from_rollout(rollout, batch)
 
     def _score(self, samples: Samples) -> torch.Tensor:
@@ -308,14 +356,19 @@ class PPOTrainer:
         if ref_logprob is not None:
             # The per-token KL is always measured (metrics, controller); it is subtracted from the
             # rewards only with kl_in_reward -- otherwise the actor loss carries it (coefficient 0 here).
+            # Outcome estimators (GRPO, RLOO, ...) see it as the row sum of the penalised token rewards.
             coef = self.kl_ctl.value if alg.kl_in_reward else 0.0
             token_rewards, kl = apply_kl_penalty(token_rewards, old_logprob, ref_logprob, mask, coef, alg.kl_kind)
         advantage_rows, returns = compute_advantages(
-            alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows,
-            gamma=alg.gamma, lam=alg.lam, whiten=alg.whiten_advantages, norm_by_std=alg.norm_by_std,
+            alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows, alg,
         )
+        weights, metrics = None, {}
+        correction = alg.rollout_correction
+        if correction.mode != "off":
+            weights, metrics = correction_weights(old_logprob, samples.rollout_logprobs(), mask, correction.mode,
+                                                  correction.level, correction.threshold)
         return Experience(samples, scores, mask, old_logprob, entropy, ref_logprob, value_rows, token_rewards,
-                          advantage_rows, returns, kl)
+                          advantage_rows, returns, kl, rollout_weights=weights, metrics=metrics)
 
     def _update(self, exp: Experience, step: int, timings: dict) -> dict:
         alg = self.cfg.algorithm
@@ -323,6 +376,9 @@ class PPOTrainer:
         fields = {"old_logprob": exp.old_logprob, "advantages": exp.advantages}
         if kl_in_loss:
             fields["ref_logprob"] = exp.ref_logprob
+        if exp.rollout_weights is not None:
+            fields["rollout_weight"] = exp.rollout_weights
+        horizon = self.cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm
         if self.critic is not None:
             fields.update(old_value=exp.values, returns=exp.returns)
         seqs = exp.training_sequences(fields)
@@ -341,7 +397,8 @@ class PPOTrainer:
                     self._phase("actor")
                     self.actor.zero_grad()
                     _, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
-                                            loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef), forward_only=False)
+                                            loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
+                                            forward_only=False)
                     results["actor"].append(self.actor.step())
                     actor_logs.append(logs)
                 if self.critic is not None:
@@ -349,7 +406,8 @@ class PPOTrainer:
                         self._phase("critic")
                         self.critic.zero_grad()
                         _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
-                                                loss_fn=critic_loss_fn(alg, den, lengths), forward_only=False)
+                                                loss_fn=critic_loss_fn(alg, den, lengths, horizon),
+                                                forward_only=False)
                         results["critic"].append(self.critic.step())
                         critic_logs.append(logs)
         # A critic whose updates all failed also poisons the actor's advantages: name it first.
@@ -359,8 +417,7 @@ class PPOTrainer:
         flat = [log for logs in actor_logs for log in logs]
         out = {k: v / updates for k, v in reduce_sums(flat, ["actor/pg_loss", "actor/entropy_loss",
                                                                "actor/kl_loss"]).items()}
-        out.update(reduce_sum_count(flat, ["actor/clipfrac", "actor/dual_clipfrac", "actor/approx_kl",
-                                           "actor/ratio_mean"]))
+        out.update(reduce_sum_count(flat, actor_metric_names(alg)))
         out.update(optimizer_step_metrics("actor", results["actor"]))
         out["actor/lr"] = self.actor.lr
         if self.critic is not None:

@@ -7,6 +7,13 @@ sums when ``calculate_per_token_loss`` is on, and :mod:`megatron_rl.engine.forwa
 count of 0 so ``finalize_model_grads`` does not divide again), the gradients are those of the
 mini-batch loss, whatever the micro-batch, DP or CP split.  Packed micro-batches are turned back into one
 row per sequence first, so the sequence-level aggregations see sequences, not packs.
+
+The policy loss, the aggregation and the KL estimator are the registered ones
+(``algorithm.policy_loss``, ``loss_agg``, ``kl_kind``).  A loss that needs a whole-sequence value
+(GSPO's sequence ratio) sums its detached per-row values over the context-parallel group
+(:func:`context_parallel_row_sum`): every CP rank of a DP index runs the same micro-batches, each
+holding a shard of every sequence.  Rollout-correction weights arrive as the per-token field
+``rollout_weight`` and multiply the policy loss.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from torch.nn.utils.rnn import pad_sequence
 
 from megatron_rl.algorithms import kl as kl_mod
@@ -35,38 +44,56 @@ def scheduled_updates(cfg: Config) -> int:
 
 
 def loss_denominator(agg: str, valid_lengths: Sequence[int]) -> float:
-    if agg == "token-mean":
-        return float(max(1, sum(valid_lengths)))
-    return float(max(1, sum(1 for n in valid_lengths if n > 0)))
+    """The mini-batch's denominator: valid tokens or non-empty sequences, as the aggregation declares."""
+    return losses.global_denominator(agg, valid_lengths)
+
+
+def context_parallel_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sums of the rows of a detached ``[B, local_len]`` over all context-parallel shards."""
+    total = x.detach().sum(-1)
+    if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+        total = total.clone()
+        dist.all_reduce(total, group=ps.get_context_parallel_group())
+    return total
 
 
 def _renamed(prefix: str, metrics: dict) -> dict:
     return {f"{prefix}/{k}": v.detach() for k, v in metrics.items()}
 
 
+def actor_metric_names(alg: AlgorithmConfig) -> list[str]:
+    """The ``[sum, count]`` metrics the actor loss logs (the same on every rank, for the reduction)."""
+    return [f"actor/{name}" for name in losses.get_policy_loss(alg.policy_loss).metrics]
+
+
 def actor_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequence[int],
-                  kl_loss_coef: float) -> Callable:
-    """PPO clipped surrogate (+ entropy bonus, + KL loss) for ``run_sequences``."""
+                  kl_loss_coef: float, horizon: Optional[int] = None) -> Callable:
+    """The registered policy loss (+ entropy bonus, + KL loss) for ``run_sequences``.
+
+    ``horizon`` is the constant of ``seq-mean-token-sum-norm`` (the trainer passes rollout.max_new_tokens).
+    """
 
     def loss_fn(outs: dict, t: dict, mb: Microbatch):
         rows = lambda x: per_sequence_rows(mb, x)  # noqa: E731
         mask = rows(t["loss_mask"])
         lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
         logp = rows(outs["logprob"])
-        num, _, metrics = losses.policy_loss_parts(
-            logp, rows(t["old_logprob"]), rows(t["advantages"]), mask, alg.clip_low, alg.clip_high,
-            alg.dual_clip, alg.loss_agg, seq_lengths=lengths,
+        weights = rows(t["rollout_weight"]) if "rollout_weight" in t else None
+        num, _, metrics = losses.policy_loss_terms(
+            alg.policy_loss, logp, rows(t["old_logprob"]), rows(t["advantages"]), mask, alg, agg=alg.loss_agg,
+            seq_lengths=lengths, horizon=horizon, weights=weights, row_sum=context_parallel_row_sum,
         )
         logs = _renamed("actor", metrics)
         logs["actor/pg_loss"] = (num / denominator).detach()
         total = num
         if alg.entropy_coef:
-            ent_num, _ = losses.entropy_bonus_parts(rows(outs["entropy"]), mask, alg.loss_agg, seq_lengths=lengths)
+            ent_num, _ = losses.entropy_bonus_parts(rows(outs["entropy"]), mask, alg.loss_agg, seq_lengths=lengths,
+                                                    horizon=horizon)
             total = total - alg.entropy_coef * ent_num
             logs["actor/entropy_loss"] = (ent_num / denominator).detach()
         if kl_loss_coef:
             kl_tok = kl_mod.estimate(logp, rows(t["ref_logprob"]), alg.kl_kind)
-            kl_num, _ = losses.aggregate_parts(kl_tok, mask, alg.loss_agg, seq_lengths=lengths)
+            kl_num, _ = losses.aggregate_parts(kl_tok, mask, alg.loss_agg, seq_lengths=lengths, horizon=horizon)
             total = total + kl_loss_coef * kl_num
             logs["actor/kl_loss"] = (kl_num / denominator).detach()
         return total / denominator, logs
@@ -74,7 +101,8 @@ def actor_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Seque
     return loss_fn
 
 
-def critic_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequence[int]) -> Callable:
+def critic_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequence[int],
+                   horizon: Optional[int] = None) -> Callable:
     """Clipped value loss for ``run_sequences``."""
 
     def loss_fn(outs: dict, t: dict, mb: Microbatch):
@@ -83,7 +111,7 @@ def critic_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequ
         lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
         num, _, metrics = losses.value_loss_parts(
             rows(outs["value"]), rows(t["old_value"]), rows(t["returns"]), mask, alg.value_clip,
-            alg.loss_agg, seq_lengths=lengths,
+            alg.loss_agg, seq_lengths=lengths, horizon=horizon,
         )
         logs = _renamed("critic", metrics)
         logs["critic/vf_loss"] = (num / denominator).detach()

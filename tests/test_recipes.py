@@ -1,0 +1,194 @@
+"""The algorithm recipes in configs/, DAPO dynamic sampling, and the new algorithm options in real runs.
+
+* dynamic sampling keeps the batch size and always terminates (a fake rollout, fast);
+* the 7B / 32k GPU recipes pass config validation for 8 ranks (not run);
+* every CPU recipe runs 2 steps; the DAPO and GSPO recipes learn on the demo task (slow: about a
+  minute and a half each on an idle 2-core machine);
+* rollout correction, overlong shaping and GSPO over context parallelism in a real run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_rl.testing.harness import run_distributed
+from megatron_rl.trainer.dynamic_sampling import fill_batch
+from megatron_rl.trainer.experience import Samples
+from tests._helpers import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_RECIPES = ["grpo_cpu", "dapo_cpu", "gspo_cpu", "reinforce_pp_cpu"]
+GPU_RECIPES = ["qwen2.5_7b_32k", "dapo_qwen2.5_7b_32k", "gspo_qwen2.5_7b_32k", "reinforce_pp_qwen2.5_7b_32k"]
+LEARNING_TIMEOUT_S = 900  # a hang guard only: ~1.5 min idle, several on a loaded CI machine
+
+
+def config_path(name: str) -> str:
+    return os.path.join(ROOT, "configs", f"{name}.yaml")
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+def fake_round(round_: int, prompts: int, n: int, informative_every: int):
+    """``prompts`` groups of ``n``; group ``k`` of the round has varied rewards iff ``(round_ * prompts + k) %
+    informative_every == 0`` (never when ``informative_every`` is 0)."""
+    rows = [(p, j) for p in range(prompts) for j in range(n)]
+    uid = [round_ * prompts + p for p, _ in rows]
+    samples = Samples(prompt_index=[p for p, _ in rows], dataset_index=uid, prompt_ids=[[1, 2]] * len(rows),
+                      response_ids=[[3] * (1 + j) for _, j in rows], rollout_logprob=[[-1.0] * (1 + j) for _, j in rows],
+                      finish_reason=["stop"] * len(rows))
+    varied = [informative_every and (u % informative_every == 0) for u in uid]
+    raw = torch.tensor([float(j % 2) if v else 1.0 for (_, j), v in zip(rows, varied)])
+    return samples, raw - 0.1 * torch.tensor([float(j) for _, j in rows]), raw  # shaped scores vary within a group
+
+
+def test_dynamic_sampling_keeps_the_batch_size_and_terminates():
+    prompts, n = 6, 4
+    drawn = []
+
+    def draw(round_):
+        drawn.append(round_)
+        return fake_round(round_, prompts, n, informative_every=3)  # 2 informative groups per round
+
+    out = fill_batch(draw, groups_wanted=prompts, max_rounds=10)
+    assert drawn == [0, 1, 2]  # 3 rounds x 2 informative groups = 6: stops as soon as the batch is full
+    assert len(out.samples) == prompts * n and out.scores.shape == (prompts * n,)
+    assert out.samples.prompt_index == [g for g in range(prompts) for _ in range(n)]
+    for g, rows in out.samples.groups().items():
+        uid = {out.samples.dataset_index[r] for r in rows}
+        assert len(uid) == 1 and uid.pop() % 3 == 0  # one prompt per group, an informative one
+        assert len(set(out.scores[rows].tolist())) == n  # the shaped scores travel with their samples
+    assert out.metrics == {"dynamic_sampling/rounds": 3, "dynamic_sampling/prompts_drawn": 18,
+                           "dynamic_sampling/kept_groups": 6, "dynamic_sampling/dropped_groups": 12,
+                           "dynamic_sampling/padded_groups": 0}
+    assert out.drawn_scores.shape == (3 * prompts * n,)
+    # more informative groups than needed: the surplus is discarded, one round suffices
+    out = fill_batch(lambda r: fake_round(r, prompts, n, informative_every=1), groups_wanted=4, max_rounds=10)
+    assert len(out.samples) == 4 * n and out.metrics["dynamic_sampling/rounds"] == 1
+
+
+def test_dynamic_sampling_fills_up_with_dropped_groups_at_the_bound():
+    prompts, n = 5, 3
+    calls = []
+
+    def never(round_):  # every group all-equal: sampling more can never fill the batch
+        calls.append(round_)
+        return fake_round(round_, prompts, n, informative_every=0)
+
+    out = fill_batch(never, groups_wanted=prompts, max_rounds=4)
+    assert calls == [0, 1, 2, 3]
+    assert len(out.samples) == prompts * n and out.metrics["dynamic_sampling/padded_groups"] == prompts
+    # filled with the most recently drawn dropped groups
+    assert sorted({out.samples.dataset_index[r] for r in range(len(out.samples))}) == list(range(15, 20))
+    # a few informative groups: all kept, the rest padded
+    out = fill_batch(lambda r: fake_round(r, prompts, n, informative_every=7), groups_wanted=prompts, max_rounds=2)
+    assert out.metrics["dynamic_sampling/kept_groups"] == 2  # uids 0 and 7 of 0..9
+    assert out.metrics["dynamic_sampling/padded_groups"] == 3 and len(out.samples) == prompts * n
+    with pytest.raises(ValueError):
+        fill_batch(never, groups_wanted=0, max_rounds=1)
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def test_gpu_recipes_validate_for_eight_gpus():
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+
+    found = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*7b_32k.yaml"))}
+    assert set(GPU_RECIPES) <= found
+    for name in GPU_RECIPES:
+        cfg = load_config(config_path(name))
+        validate(cfg, 8)
+        assert cfg.rollout.max_new_tokens == 32768 and cfg.parallel.tp * cfg.parallel.cp == 8
+    assert load_config(config_path("dapo_qwen2.5_7b_32k")).algorithm.dynamic_sampling
+    assert load_config(config_path("gspo_qwen2.5_7b_32k")).algorithm.policy_loss == "gspo"
+    assert load_config(config_path("reinforce_pp_qwen2.5_7b_32k")).algorithm.advantage == "reinforce_plus_plus"
+
+
+def train_body(config, overrides: list[str]):
+    import torch.distributed as dist
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.trainer.ppo import run_ppo
+
+    cfg = load_config(config, overrides)
+    validate(cfg, dist.get_world_size())
+    run_ppo(cfg, log=lambda line: None)
+    return True
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def _finite(row: dict) -> bool:
+    return all(v is None or math.isfinite(v) for v in row.values() if isinstance(v, float))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", CPU_RECIPES)
+def test_cpu_recipe_runs_two_steps(recipe, tmp_path):
+    run_distributed(1, train_body, config_path(recipe), ["trainer.steps=2", "trainer.sft_warmup_steps=2",
+                                                         f"run.dir={tmp_path}", "run.name=r"])
+    rows = read_metrics(tmp_path / "r")
+    assert [r["step"] for r in rows] == [1, 2] and all(_finite(r) for r in rows)
+    assert not any(k.startswith("critic/") for k in rows[0])
+    if recipe == "dapo_cpu":
+        assert 1 <= rows[0]["dynamic_sampling/rounds"] <= 4 and "reward/overlong_penalty_mean" in rows[0]
+    if recipe == "reinforce_pp_cpu":
+        assert rows[0]["actor/kl_coef"] == 0.01 and rows[0]["actor/kl_loss"] == 0.0  # the KL is in the reward
+
+
+def _learning_run(recipe: str, steps: int, tmp_path, reward_key: str):
+    run_distributed(1, train_body, config_path(recipe), [f"trainer.steps={steps}", f"run.dir={tmp_path}", "run.name=r"],
+                    timeout=LEARNING_TIMEOUT_S)
+    rows = read_metrics(tmp_path / "r")
+    assert len(rows) == steps and all(_finite(r) for r in rows)
+    rewards = [r[reward_key] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    print(f"{recipe}: {reward_key} {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of {steps})")
+    return rows, first, last
+
+
+@pytest.mark.slow
+def test_dapo_recipe_learns(tmp_path):
+    """The DAPO recipe on add_small: the reward over every drawn sample (before filtering) rises."""
+    rows, first, last = _learning_run("dapo_cpu", 24, tmp_path, "reward/drawn_mean")
+    assert last - first >= 0.15, (first, last)
+    assert all(1 <= r["dynamic_sampling/rounds"] <= 4 for r in rows)
+    assert any(r["dynamic_sampling/dropped_groups"] > 0 for r in rows)  # the filter acted
+
+
+@pytest.mark.slow
+def test_gspo_recipe_learns(tmp_path):
+    rows, first, last = _learning_run("gspo_cpu", 24, tmp_path, "reward/mean")
+    assert last - first >= 0.12, (first, last)
+    assert max(r["actor/clipfrac"] for r in rows) > 0  # the sequence clip acted on the second mini-batch
+
+
+@pytest.mark.slow
+def test_rollout_correction_and_overlong_shaping_in_a_run(tmp_path):
+    """GSPO over CP2 with sequence-level TIS, overlong shaping and dynamic sampling: 2 steps, metrics present."""
+    overrides = TINY + ["parallel.cp=2", "algorithm.advantage=grpo", "algorithm.policy_loss=gspo",
+                        "algorithm.loss_agg=seq-mean-token-mean", "algorithm.rollout_correction.mode=tis",
+                        "algorithm.rollout_correction.level=sequence", "algorithm.overlong_buffer=1",
+                        "algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling_max_rounds=2",
+                        "trainer.steps=2", f"run.dir={tmp_path}", "run.name=c"]
+    run_distributed(2, train_body, None, overrides)
+    rows = read_metrics(tmp_path / "c")
+    assert len(rows) == 2 and all(_finite(r) for r in rows)
+    for row in rows:
+        # fp32 on CPU: the trainer recomputes what the engine sampled with, so the weights are ~1
+        assert row["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert row["rollout_correction/truncated_frac"] == 0.0
+        assert -1.0 <= row["reward/overlong_penalty_mean"] <= 0.0
+        assert row["dynamic_sampling/rounds"] in (1, 2)
