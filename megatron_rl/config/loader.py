@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import sys
 import typing
 from typing import Iterable, Optional
 
@@ -16,6 +17,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
+from megatron_rl.config import aliases
 from megatron_rl.config.schema import Config, leaf_types, literal_choices
 from megatron_rl.errors import ConfigError
 
@@ -34,6 +36,18 @@ def _type_name(tp) -> str:
 
 
 _KEY_TYPES = {key: _type_name(tp) for key, tp in _LEAF_TYPES.items()}
+_KNOWN = set(ALL_KEYS)
+
+
+_NOTED: set[str] = set()
+
+
+def _note(line: str) -> None:
+    """One line on stderr, once, by the process the user started (not again by every rank)."""
+    if line in _NOTED or os.environ.get("MEGATRON_RL_LAUNCHER") or os.environ.get("RANK", "0") != "0":
+        return
+    _NOTED.add(line)
+    print(line, file=sys.stderr)
 _TYPE_WORDS = {
     "int": "an integer", "Optional[int]": "an integer or null",
     "float": "a number", "Optional[float]": "a number or null",
@@ -43,6 +57,9 @@ _TYPE_WORDS = {
 
 
 def _nearest_key(key: str) -> str:
+    alias = aliases.suggestion(key)  # meaning before spelling: num_generations -> rollout.n
+    if alias:
+        return alias
     match = difflib.get_close_matches(key, ALL_KEYS, n=1, cutoff=0.5)
     return f"did you mean {match[0]}?" if match else "see docs/config.md for the valid keys"
 
@@ -99,6 +116,10 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
     dotlist = []
     for item in overrides:
         key, value = _parse_override(item)
+        alias = aliases.same_meaning(key, _KNOWN)
+        if alias:
+            _note(f"config: {key} is {alias[1]}'s name for {alias[0]}; using {alias[0]}={value}")
+            key = alias[0]
         if key not in ALL_KEYS:
             group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None)
             if group:

@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_plan(args)
         if args.command == "convert" and not ((args.hf_model and args.out) or (args.checkpoint and args.hf_out)):
-            raise UserInputError("convert", None, "needs --hf-model with --out, or --checkpoint with --hf-out",
+            raise UserInputError("convert --hf-model/--checkpoint", None,
+                                 "needs --hf-model with --out, or --checkpoint with --hf-out",
                                  "e.g. megatron-rl convert --hf-model ./Qwen2.5-0.5B --out ./ckpt")
         if _under_launcher():
             return _rank_main(args)
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         nproc = args.nproc or cfg0.distributed.nproc
         cfg = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command)
         if args.command in ("train", "smoke"):
+            cfg.distributed.nproc = nproc  # the record says how the job was launched, --nproc included
             save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"))
         if nproc > 1:
             from megatron_rl.distributed.launcher import launch_local

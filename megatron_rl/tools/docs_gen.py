@@ -127,6 +127,24 @@ def troubleshooting_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def aliases_markdown() -> str:
+    from megatron_rl.config.aliases import SAME, SIMILAR
+
+    lines = ["# Coming from TRL or verl", "",
+             "Generated from `megatron_rl/config/aliases.py` by `python -m megatron_rl.tools.docs_gen --write`.",
+             "On the command line the names in the first table are accepted as they are (matched on their",
+             "last one or two dotted parts, so verl's full paths work too) and rewritten to ours with a",
+             "one-line note; the names in the second table mean something else here, so they are refused",
+             "with a pointer to the key to read about. Every key is in [the config reference](config.md).", "",
+             "## Same meaning", "", "| Their name | From | Ours |", "|---|---|---|"]
+    for alias, (ours, origin) in SAME.items():
+        lines.append(f"| `{alias}` | {origin} | `{ours}` |")
+    lines += ["", "## Different meaning", "", "| Their name | Read about | How it differs |", "|---|---|---|"]
+    for alias, (ours, how) in SIMILAR.items():
+        lines.append(f"| `{alias}` | `{ours}` | {how} |")
+    return "\n".join(lines) + "\n"
+
+
 def generated() -> dict[str, str]:
     from megatron_rl.tools.features_cmd import matrix_markdown
 
@@ -134,6 +152,7 @@ def generated() -> dict[str, str]:
         "docs/feature_matrix.md": matrix_markdown(),
         "docs/config.md": config_markdown(),
         "docs/troubleshooting.md": troubleshooting_markdown(),
+        "docs/coming_from_trl_verl.md": aliases_markdown(),
     }
 
 
