@@ -266,3 +266,105 @@ register_patch(
         apply=_patch_distributed_optimizer_shared_step,
     )
 )
+
+
+def _optimizer_ids_to_sharded_params(optimizer, packed_groups: list, model_sharded_state_dict) -> dict:
+    """Optimizer state id -> the model's sharded tensor, for every parameter the optimizer steps.
+
+    ``packed_groups`` are the ``param_groups`` of ``optimizer.optimizer.state_dict()``: their ids
+    follow the torch optimizer's own order, in which an fp32 copy stands for its float16 parameter
+    and an fp32 parameter for itself."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    model_of_main = {id(main): model for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+                     for model, main in zip(models, mains)}
+    id_of_model = {}
+    for group, packed in zip(optimizer.optimizer.param_groups, packed_groups):
+        for param, param_id in zip(group["params"], packed["params"]):
+            id_of_model.setdefault(id(model_of_main.get(id(param), param)), param_id)
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    return {id_of_model[id(t.data)]: t for t in nested_values(tensors) if id(t.data) in id_of_model}
+
+
+def _patch_float16_optimizer_mixed_dtype_checkpoint() -> None:
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor, optim_state_to_sharding_state
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    if getattr(Float16OptimizerWithFloat16Params.sharded_state_dict, "_megatron_rl_mixed_dtypes", False):
+        return
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        if is_loading:
+            self.init_state_fn(self.optimizer, self.config)
+        state_dict = self.state_dict()
+        packed = state_dict["optimizer"]["param_groups"]
+        id_map = _optimizer_ids_to_sharded_params(self, packed, model_sharded_state_dict)
+        id_of_main = {id(p): i for group, pg in zip(self.optimizer.param_groups, packed)
+                      for p, i in zip(group["params"], pg["params"])}
+        state_dict["fp32_from_fp16_params"] = [
+            [make_sharded_optimizer_tensor(id_map[id_of_main[id(main)]], main, prefix="optimizer.state.fp32_param")
+             for main in mains]
+            for mains in state_dict["fp32_from_fp16_params"]
+        ]
+        step = self._extract_common_per_param_step(state_dict["optimizer"])
+        optim_state_to_sharding_state(state_dict["optimizer"], id_map, exclude_keys="step")
+        if step:
+            state_dict["optimizer"]["state"]["common_step"] = step
+        return state_dict
+
+    sharded_state_dict._megatron_rl_mixed_dtypes = True
+    Float16OptimizerWithFloat16Params.sharded_state_dict = sharded_state_dict
+
+
+register_patch(
+    Patch(
+        name="float16_optimizer.mixed_dtype_checkpoint",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "Float16OptimizerWithFloat16Params.sharded_state_dict numbers the model's parameters over "
+            "its float16 ones only, while the optimizer state numbers every parameter; with an fp32 "
+            "parameter next to bf16 ones (the critic's value head) the ids disagree and saving raises "
+            "KeyError, and fp32 copies would be paired with the wrong parameters; the patch maps ids "
+            "through the optimizer's own parameter order"
+        ),
+        apply=_patch_float16_optimizer_mixed_dtype_checkpoint,
+    )
+)
+
+
+def _patch_distributed_optimizer_mixed_dtype_order() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.__init__
+    if getattr(original, "_megatron_rl_mixed_dtypes", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "is_stub_optimizer", False) or not hasattr(self, "model_fp32_groups"):
+            return
+        # The optimizer's groups hold [fp32 shards..., shards of float16 params...] (see
+        # _build_model_and_main_param_groups); index every model parameter by that order.
+        for index, (fp32, float16) in enumerate(zip(self.model_fp32_groups, self.model_float16_groups)):
+            for order, param in enumerate([*fp32, *float16]):
+                self.model_param_group_index_map[param] = (index, order)
+
+    __init__._megatron_rl_mixed_dtypes = True
+    DistributedOptimizer.__init__ = __init__
+
+
+register_patch(
+    Patch(
+        name="distrib_optimizer.mixed_dtype_param_order",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "DistributedOptimizer indexes each model parameter by its position in the gradient "
+            "buffers, but its optimizer groups put fp32 parameters before float16 ones; with both "
+            "in a group (the critic's fp32 value head next to bf16 weights) checkpoint save/load "
+            "reads and writes another parameter's Adam state (a shape error, or silently wrong "
+            "state); the patch re-indexes by the optimizer's own order after construction"
+        ),
+        apply=_patch_distributed_optimizer_mixed_dtype_order,
+    )
+)

@@ -69,6 +69,9 @@ class ParallelConfig:
     batch_p2p_comm: Optional[bool] = _f(
         None, "Batch pipeline send/recv; null = auto (off for PP=2 with VPP, where megatron-core is wrong)."
     )
+    hierarchical_context_parallel_sizes: Optional[list] = _f(
+        None, "With cp_comm_type=a2a+p2p: CP sizes per level, a2a (inner) first, product = cp, e.g. [2, 4]; null otherwise."
+    )
 
 
 @dataclass
@@ -140,6 +143,9 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear warm-up steps.", ge=0)
     schedule: Literal[LR_SCHEDULE_NAMES] = _f("constant", "LR schedule after warm-up: constant, linear, cosine.")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks.")
+    overlap_grad_reduce: bool = _f(True, "On CUDA, reduce gradients bucket by bucket while the backward pass runs; the CPU reduces once after it.")
+    grad_reduce_bucket_size: Optional[int] = _f(None, "Parameters per gradient-reduce bucket when overlapping; null = megatron-core's max(40M, 1M x DP).", ge=1)
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = _f("float32", "Dtype gradients are accumulated and reduced in: bfloat16 halves the reduce traffic of a bf16 model, at bf16 rounding of the sums.")
 
 
 @dataclass

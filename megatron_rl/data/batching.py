@@ -12,10 +12,8 @@ from __future__ import annotations
 import heapq
 from typing import Optional, Sequence
 
-import torch
-import torch.distributed as dist
-
 from megatron_rl.data.microbatch import align_to
+from megatron_rl.distributed import collectives
 from megatron_rl.errors import DataError
 
 
@@ -134,8 +132,6 @@ def _even_chunks(items: list, count: int) -> list[list]:
 
 
 def _agree_max(count: int, group) -> int:
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if group is None:
         return count
-    t = torch.tensor([count], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return collectives.agree_max(count, group)

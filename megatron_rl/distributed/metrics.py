@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state as ps
+
+from megatron_rl.distributed import collectives
 
 
 def reduce_sum_count(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable[str]) -> dict[str, float]:
@@ -22,8 +23,7 @@ def reduce_sum_count(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable
             for i, name in enumerate(names):
                 if name in log:
                     totals[i] += log[name].detach().double().cpu().reshape(2)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
+    totals = collectives.all_reduce(totals)
     return {n: float(totals[i, 0] / totals[i, 1]) if totals[i, 1] > 0 else float("nan") for i, n in enumerate(names)}
 
 
@@ -36,6 +36,5 @@ def reduce_sums(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable[str]
             for i, name in enumerate(names):
                 if name in log:
                     totals[i] += float(log[name].detach().double().sum())
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
+    totals = collectives.all_reduce(totals)
     return {n: float(totals[i]) for i, n in enumerate(names)}

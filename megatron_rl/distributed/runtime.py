@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 
 import torch
@@ -35,6 +36,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     cp_comm_type: str = "p2p"
     batch_p2p_comm: bool = True
+    hierarchical_cp: tuple[int, ...] | None = None  # a2a+p2p: CP sizes per level, inner first
 
     @property
     def model_parallel_size(self) -> int:
@@ -46,6 +48,7 @@ class ParallelLayout:
         batch = parallel.batch_p2p_comm
         if batch is None:
             batch = default_batch_p2p_comm(parallel.pp, parallel.vpp)
+        hierarchical = hierarchical_cp_sizes(parallel)
         return cls(
             tp=parallel.tp,
             pp=parallel.pp,
@@ -55,7 +58,24 @@ class ParallelLayout:
             sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
             cp_comm_type=parallel.cp_comm_type,
             batch_p2p_comm=batch,
+            hierarchical_cp=hierarchical,
         )
+
+
+def hierarchical_cp_sizes(parallel: ParallelConfig) -> tuple[int, ...] | None:
+    """The CP levels ``a2a+p2p`` needs (TransformerEngine takes ``[a2a group, p2p group]`` from
+    megatron's hierarchical CP groups); None for every other ``cp_comm_type``."""
+    sizes = parallel.hierarchical_context_parallel_sizes
+    key = "parallel.hierarchical_context_parallel_sizes"
+    if parallel.cp_comm_type != "a2a+p2p":
+        if sizes:
+            raise ConfigError(key, sizes, "only cp_comm_type=a2a+p2p uses hierarchical CP groups",
+                              "set parallel.cp_comm_type=a2a+p2p, or leave this key null")
+        return None
+    if not sizes or len(sizes) < 2 or any(int(n) < 1 for n in sizes) or math.prod(int(n) for n in sizes) != parallel.cp:
+        raise ConfigError(key, sizes, f"cp_comm_type=a2a+p2p needs CP sizes per level whose product is cp={parallel.cp}",
+                          f"give [a2a size, p2p size] with a2a x p2p = {parallel.cp}, e.g. [{parallel.cp // 2 or 1}, 2]")
+    return tuple(int(n) for n in sizes)
 
 
 AUTO, CUDA, CPU = DEVICES
@@ -131,6 +151,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
+        hierarchical_context_parallel_sizes=list(layout.hierarchical_cp) if layout.hierarchical_cp else None,
         distributed_timeout_minutes=timeout_s / 60.0,
         create_gloo_process_groups=cuda_available(),
     )

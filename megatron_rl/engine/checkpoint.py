@@ -36,6 +36,7 @@ from megatron_rl.compat.megatron_fixes import (
     distributed_optimizer_checkpoint_metadata,
     init_distributed_optimizer_state,
 )
+from megatron_rl.distributed import collectives
 from megatron_rl.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -57,8 +58,7 @@ def _rank() -> int:
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+    collectives.barrier()
 
 
 def _inner(chunk):

@@ -29,6 +29,7 @@ from megatron.core import parallel_state as ps
 from megatron_rl.compat.megatron_fixes import pre_normalised_count
 from megatron_rl.data.batching import plan_microbatches, split_data_parallel
 from megatron_rl.data.microbatch import Microbatch, alignment, build_microbatch
+from megatron_rl.distributed import collectives
 from megatron_rl.engine.pipeline import run_microbatches
 from megatron_rl.models.canonical import unwrap
 
@@ -113,16 +114,13 @@ def _collect(collected, num_seqs: int, names) -> list[dict]:
             for j, idx in enumerate(mb.seq_indices):
                 mine[idx] = {n: vecs[j] for n, vecs in per_name.items()}
         if ps.get_data_parallel_world_size() > 1:
-            parts: list = [None] * ps.get_data_parallel_world_size()
-            dist.all_gather_object(parts, mine, group=ps.get_data_parallel_group())
-            for part in parts:
+            for part in collectives.all_gather_object(mine, group=ps.get_data_parallel_group()):
                 mine.update(part)
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        box = [mine if last_stage else None]
         src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(),
                                    ps.get_pipeline_model_parallel_world_size() - 1)
-        dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
-        mine = box[0]
+        mine = collectives.broadcast_object(mine if last_stage else None, src,
+                                            group=ps.get_pipeline_model_parallel_group())
     missing = [i for i in range(num_seqs) if i not in mine]
     if missing:
         raise RuntimeError(f"no outputs for sequences {missing[:5]}")

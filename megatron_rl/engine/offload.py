@@ -51,16 +51,33 @@ def model_tensors(chunks: list, optimizer=None) -> list[torch.Tensor]:
 
 
 class Offloader:
-    """Holds the host copies of one model's device storages while it is offloaded."""
+    """Holds the host copies of one model's device storages while it is offloaded.
+
+    On CUDA the host copies live in pinned buffers kept for the next offload (a fresh pinned
+    allocation per phase would grow the caching host allocator), and both directions copy
+    without blocking the host per storage: one stream synchronisation before the device storages
+    are freed.  On the CPU every copy is an ordinary synchronous one."""
 
     def __init__(self, chunks: list, optimizer=None):
         self.chunks, self.optimizer = chunks, optimizer
         self._host: Optional[list] = None
+        self._pinned: list[torch.Tensor] = []  # the i-th CUDA storage's pinned host buffer
         self.bytes = 0
 
     @property
     def offloaded(self) -> bool:
         return self._host is not None
+
+    def _host_buffer(self, index: int, storage) -> torch.Tensor:
+        """Storages come in the same order every offload (their addresses change on refill)."""
+        nbytes = storage.nbytes()
+        if storage.device.type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if index >= len(self._pinned):
+            self._pinned.append(torch.empty(0, dtype=torch.uint8))
+        if self._pinned[index].numel() != nbytes:
+            self._pinned[index] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._pinned[index]
 
     @torch.no_grad()
     def offload(self) -> int:
@@ -68,14 +85,18 @@ class Offloader:
             return 0
         self._host = []
         self.bytes = 0
-        for storage in _storages(model_tensors(self.chunks, self.optimizer)):
-            nbytes = storage.nbytes()
+        on_cuda = False
+        for index, storage in enumerate(_storages(model_tensors(self.chunks, self.optimizer))):
             view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
-            host.copy_(view, non_blocking=False)
-            storage.resize_(0)
+            host = self._host_buffer(index, storage)
+            on_cuda |= storage.device.type == "cuda"
+            host.copy_(view, non_blocking=storage.device.type == "cuda")
             self._host.append((storage, host))
-            self.bytes += nbytes
+            self.bytes += storage.nbytes()
+        if on_cuda:
+            torch.cuda.current_stream().synchronize()  # every copy landed before its storage is freed
+        for storage, _ in self._host:
+            storage.resize_(0)
         return self.bytes
 
     @torch.no_grad()
@@ -84,5 +105,8 @@ class Offloader:
             return
         for storage, host in self._host:
             storage.resize_(host.numel())
-            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host)
+            device_view = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            # Pinned sources copy asynchronously on the current stream, ahead of any kernel that
+            # reads them; the buffers are only written again by the next offload, on that stream.
+            device_view.copy_(host, non_blocking=storage.device.type == "cuda")
         self._host = None

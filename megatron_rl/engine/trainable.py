@@ -57,28 +57,50 @@ class Trainable:
         return float(self.optimizer.param_groups[0]["lr"])
 
 
-def wrap_ddp(chunks: list, use_distributed_optimizer: bool = False) -> list:
-    config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+def ddp_config(device_type: str, optim: OptimConfig | None = None) -> DistributedDataParallelConfig:
+    """Megatron DDP settings for chunks on ``device_type`` (a pure function, so it is testable anywhere).
+
+    On CUDA gradients are reduced bucket by bucket while backward still runs, so the DP x CP
+    reduction hides behind compute.  On the CPU (gloo) there is nothing to overlap with: one bucket
+    after backward, the setting every CPU parity test proves.  Gradients are accumulated and
+    reduced in fp32 unless ``optim.grad_reduce_dtype`` asks for bf16, on any device.
+    """
+    optim = optim or OptimConfig()
+    overlap = device_type == "cuda" and optim.overlap_grad_reduce
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=optim.grad_reduce_dtype == "float32",
+        overlap_grad_reduce=overlap,
         overlap_param_gather=False,
-        use_distributed_optimizer=use_distributed_optimizer,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
         check_for_nan_in_grad=False,
-        bucket_size=None,
+        bucket_size=optim.grad_reduce_bucket_size if overlap else None,
     )
+
+
+def wrap_ddp(chunks: list, use_distributed_optimizer: bool = False,
+             settings: DistributedDataParallelConfig | None = None) -> list:
+    """``chunks`` in megatron DDP with ``settings`` (default: :func:`ddp_config` for their device)."""
+    config = chunks[0].config
+    if settings is None:
+        settings = ddp_config(next(chunks[0].parameters()).device.type,
+                              OptimConfig(use_distributed_optimizer=use_distributed_optimizer))
     wrapped = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(config=config, ddp_config=dataclasses.replace(settings), module=chunk,
+                                disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
+    if settings.overlap_grad_reduce:
+        # Each chunk starts its reduction when the schedule finishes its last backward.
+        config.grad_sync_func = [w.start_grad_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].start_grad_sync
     return wrapped
 
 
 def make_trainable(chunks: list, optim: OptimConfig, total_steps: int) -> Trainable:
     """Wrap ``chunks`` in DDP and build the optimizer and LR schedule."""
-    return rebuild_optimizer(wrap_ddp(chunks, optim.use_distributed_optimizer), optim, total_steps)
+    settings = ddp_config(next(chunks[0].parameters()).device.type, optim)
+    return rebuild_optimizer(wrap_ddp(chunks, optim.use_distributed_optimizer, settings), optim, total_steps)
 
 
 def rebuild_optimizer(wrapped: list, optim: OptimConfig, total_steps: int) -> Trainable:

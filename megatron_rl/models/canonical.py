@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_rl.distributed import collectives
 from megatron_rl.models.arch import local_norm_name
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -173,10 +174,8 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
                                    gated=model.config.gated_linear_unit).cpu()
     # Pipeline stages hold different layers: exchange them.
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        gathered: list = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(gathered, local, group=ps.get_pipeline_model_parallel_group())
         merged: dict[str, torch.Tensor] = {}
-        for part in gathered:
+        for part in collectives.all_gather_object(local, group=ps.get_pipeline_model_parallel_group()):
             merged.update(part)
         return dict(sorted(merged.items()))
     return dict(sorted(local.items()))

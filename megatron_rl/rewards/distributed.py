@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.distributed import collectives
 from megatron_rl.errors import UserInputError
 from megatron_rl.rewards.registry import Graded, RewardFn, grade_batch
 
@@ -53,7 +54,7 @@ def rewards_from_rank0(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     failure = None
     if dist.get_rank() == 0:
         box[0], failure = _outcome(compute)
-    dist.broadcast_object_list(box, src=0)
+    box[0] = collectives.broadcast_object(box[0], src=0)
     if failure is not None:
         raise failure
     kind, payload = box[0]
@@ -90,8 +91,7 @@ def rewards_on_every_rank(fn: RewardFn, prompts: Sequence[str], responses: Seque
         return graded.scores.tolist(), graded.timed_out
 
     box, failure = _outcome(grade_share)
-    boxes: list = [None] * world
-    dist.all_gather_object(boxes, box)
+    boxes = collectives.all_gather_object(box)
     failed = [r for r, (kind, _) in enumerate(boxes) if kind != _SCORES]
     if failed:
         first = failed[0]

@@ -8,9 +8,9 @@ samples are kept, so the gathered batch holds each sample once, in prompt order.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl.distributed import collectives
 from megatron_rl.rollout.engine import RolloutBatch, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.utils.seeds import derive_seed
@@ -34,8 +34,7 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
     local = engine.generate([prompt_ids[i] for i in share], params, seed=derive_seed(seed, "dp_rank", dp_rank))
     rows = [(share[local.prompt_index[k]], k, local.prompt_ids[k], local.response_ids[k],
              local.response_logprobs[k], local.finish_reason[k]) for k in range(len(local))]
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dp_rank, rows))
+    gathered = collectives.all_gather_object((dp_rank, rows))
     rows_of_dp_rank: dict[int, list] = {}
     for rank_dp, rank_rows in gathered:
         rows_of_dp_rank.setdefault(rank_dp, rank_rows)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.distributed import collectives
 from megatron_rl.models.arch import ACTIVATIONS, local_norm_name
 from megatron_rl.models.canonical import global_named_parameters, padded_vocab_size, tp_shard
 from megatron_rl.rollout.decoder import TensorParallel
@@ -84,8 +85,7 @@ class TPShardedRolloutEngine(TorchRolloutEngine):
         owners: list = [sorted(local)]
         if pp_size > 1:
             group = ps.get_pipeline_model_parallel_group()
-            owners = [None] * pp_size
-            dist.all_gather_object(owners, sorted(local), group=group)
+            owners = collectives.all_gather_object(sorted(local), group=group)
             stage_ranks = dist.get_process_group_ranks(group)
         me = ps.get_pipeline_model_parallel_rank()
         for name in sorted(target):

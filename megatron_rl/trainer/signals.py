@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import signal
 
-import torch
-import torch.distributed as dist
+from megatron_rl.distributed import collectives
 
 
 class StopRequest:
@@ -31,12 +30,7 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to stop (a collective: call on all ranks)."""
-        flag = torch.tensor([1 if self.signum is not None else 0], dtype=torch.int32)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return collectives.agree_any(self.signum is not None)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
