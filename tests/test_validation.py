@@ -157,7 +157,7 @@ def test_train_refuses_before_starting_any_process(tmp_path):
 def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
     """With ``auto`` the a2a CP rule asks what auto resolves to on this machine, not the literal."""
     cfg = load_config(DEMO, ["parallel.cp=2", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
-                             "model.transformer_impl=auto"])
+                             "model.transformer_impl=auto", "batch.packing=false"])
     with pytest.raises(ConfigError, match="only p2p and all_gather exist without TransformerEngine"):
         validate(cfg, 2)
     import megatron_rl.config.validate as validate_mod

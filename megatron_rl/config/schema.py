@@ -178,6 +178,7 @@ class RolloutConfig:
 class RewardConfig:
     fn: str = _f("digit_sum", "Registered reward name or 'package.module:function'.")
     kwargs: dict = _f({}, "Keyword arguments passed to the reward function.")
+    timeout_s: float = _f(5.0, "Seconds a built-in grader may spend on one sample; past it the sample scores 0 and counts in reward/timeouts.", gt=0)
 
 
 @dataclass

@@ -3,8 +3,8 @@
 1. hand the actor's current weights to the rollout engine and sample ``rollout.n`` responses per
    prompt (``rollout/dp.py``: prompts split over data-parallel ranks, samples gathered so every
    rank holds them);
-2. score them (``rewards/distributed.py``: rank 0 calls the reward function, everyone receives
-   the result), add the overlong penalty (``algorithms/shaping.py``); with dynamic sampling,
+2. score them (``rewards/distributed.py``: every rank grades a share, each sample bounded by
+   ``reward.timeout_s``, and every rank receives all scores), add the overlong penalty (``algorithms/shaping.py``); with dynamic sampling,
    repeat 1-2 on further prompts until the batch holds enough groups whose rewards differ
    (``trainer/dynamic_sampling.py``);
 3. recompute old log-probs (and entropy) with the training model, reference log-probs, values;
@@ -48,8 +48,8 @@ from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
 from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
-from megatron_rl.rewards.distributed import rewards_from_rank0
-from megatron_rl.rewards.registry import compute_rewards, get_reward_fn
+from megatron_rl.rewards.distributed import rewards_on_every_rank
+from megatron_rl.rewards.registry import Graded, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import make_engine
 from megatron_rl.rollout.sampling import SamplingParams
@@ -278,13 +278,16 @@ class PPOTrainer:
         many as it takes to fill the batch with groups whose rewards differ (bounded)."""
         alg = self.cfg.algorithm
         raw_drawn: list[torch.Tensor] = []
+        timed_out = [0]
 
         def draw(round_: int) -> tuple[Samples, torch.Tensor, torch.Tensor]:
             batch = self.sampler.next_batch()
             with timed("rollout", timings):
                 samples = self._rollout(batch, step, round_)
             with timed("reward", timings):
-                scores = rewards_from_rank0(lambda: self._score(samples))
+                graded = self._score(samples)
+            scores = graded.scores
+            timed_out[0] += graded.timed_out
             raw = scores.float()
             raw_drawn.append(raw)
             return samples, raw + self._overlong_penalty(samples), raw  # dynamic sampling decides on raw
@@ -297,6 +300,7 @@ class PPOTrainer:
             samples, scores, _ = draw(0)
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
+        metrics["reward/timeouts"] = timed_out[0]
         if alg.dynamic_sampling or alg.overlong_buffer:
             metrics["reward/drawn_mean"] = float(torch.cat(raw_drawn).mean())  # before shaping and filtering
         if alg.overlong_buffer:
@@ -316,15 +320,16 @@ class PPOTrainer:
                                          seed=derive_seed(self.cfg.run.seed, *tags))
         return Samples.from_rollout(rollout, batch)
 
-    def _score(self, samples: Samples) -> torch.Tensor:
-        """The reward function on this step's samples (called on rank 0 only)."""
+    def _score(self, samples: Samples) -> Graded:
+        """The reward function on this step's samples, every rank grading a share (a collective)."""
         prompts = self.prompts
-        return compute_rewards(
+        return rewards_on_every_rank(
             self.reward_fn,
             [prompts.prompts[i] for i in samples.dataset_index],
-            [self.tokenizer.decode(r) for r in samples.response_ids],
+            _Decoded(self.tokenizer, samples.response_ids),
             [prompts.answers[i] for i in samples.dataset_index],
-            prompt_indices=[prompts.source_index[i] for i in samples.dataset_index],
+            [prompts.source_index[i] for i in samples.dataset_index],
+            timeout_s=self.cfg.reward.timeout_s,
             **dict(self.cfg.reward.kwargs),
         )
 
@@ -439,3 +444,16 @@ class PPOTrainer:
 def run_ppo(cfg: Config, log=print) -> dict:
     trainer = PPOTrainer(cfg, log=log)
     return trainer.train()
+
+
+class _Decoded:
+    """Responses decoded on first access: each rank decodes only the share it grades."""
+
+    def __init__(self, tokenizer, response_ids):
+        self.tokenizer, self.response_ids = tokenizer, response_ids
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def __getitem__(self, i: int) -> str:
+        return self.tokenizer.decode(self.response_ids[i])
