@@ -376,7 +376,7 @@ def test_entropy_bonus_shares_the_policy_denominator():
     assert_close((pg_num - 0.01 * ent_num) / pg_count, torch.tensor(1.45 / 4), **TOL)
 
 
-# ---------------------------------------------------------------- defects found against verl (issue 14)
+# ---------------------------------------------------------------- defects found against verl
 
 
 def test_kl_in_reward_reaches_grpo_and_rloo_advantages():

@@ -1,6 +1,6 @@
 """The math graders on the hand-labelled corpus of tests/data/reward_corpus.py.
 
-Acceptance (issue 15): no false positive (a wrong answer scored 1) and at least 90% accuracy; the
+The bar: no false positive (a wrong answer scored 1) and at least 90% accuracy; the
 tests hold the graders to what they measured when written (95% and 98%).
 ``pytest tests/test_reward_corpus.py -s`` prints the figures quoted in docs/rewards.md.
 """

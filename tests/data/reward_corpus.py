@@ -1,7 +1,7 @@
 """A hand-labelled corpus for the math graders: (class, response, reference, expected score, note).
 
 ``expected`` is what a careful human grader gives under the project's contract (final answer after
-``####`` or in the last ``\\boxed{}``), not what any grader does.  The classes follow issue 15:
+``####`` or in the last ``\\boxed{}``), not what any grader does.  The classes are the false-positive and missed-answer classes found in the old grader:
 ``fp:*`` are wrong answers a lenient grader pays for, ``miss:*`` right answers a strict one
 misses, ``keep:*`` behaviour to keep, ``base:*`` ordinary GSM8K and MATH cases.
 """
