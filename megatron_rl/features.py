@@ -593,9 +593,10 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Reward functions (registry, verifiable math)", "data", TESTED_CPU,
-        "Built-in math_answer (GSM8K ####, \\boxed{}), math_verify, format, exact_match, digit_sum; any package.module:function; a failing or malformed reward stops the run naming the prompt.",
+        "Built-in math_answer (GSM8K ####, \\boxed{}), math_verify, format, exact_match, digit_sum; any package.module:function (resolved from the working directory for every launch, checked before launch); a failing or malformed reward stops the run naming the prompt.",
         ("tests/test_rewards.py::test_raising_fn_names_the_prompt_index",
-         "tests/test_ppo.py::test_reward_function_that_raises_stops_the_run_with_the_prompt_index"),
+         "tests/test_ppo.py::test_reward_function_that_raises_stops_the_run_with_the_prompt_index",
+         "tests/test_config_aliases.py::test_reward_module_in_the_working_directory_imports_with_one_process_as_with_many"),
         config="reward.fn, reward.kwargs",
     ),
     Feature(

@@ -60,3 +60,20 @@ def test_run_record_says_how_many_processes_were_started(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     record = yaml.safe_load((tmp_path / "rec" / "config.yaml").read_text())
     assert record["distributed"]["nproc"] == 2
+
+
+def test_reward_module_in_the_working_directory_imports_with_one_process_as_with_many(tmp_path):
+    """The console script (not ``python -m``) resolves ``module:function`` beside the user's files."""
+    import subprocess
+    import sys
+
+    (tmp_path / "my_rewards.py").write_text("def score(prompts, responses, answers, **kw):\n"
+                                            "    return [float(len(r) % 2) for r in responses]\n")
+    script = os.path.join(os.path.dirname(sys.executable), "megatron-rl")
+    proc = subprocess.run([script, "train", "--config", DEMO, "--nproc", "1", "reward.fn=my_rewards:score",
+                           f"run.dir={tmp_path}/runs", "parallel.tp=1", "parallel.pp=1", "trainer.steps=1",
+                           "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
+                           "rollout.max_new_tokens=4", "trainer.plot=false"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "runs").exists()

@@ -162,8 +162,19 @@ def _validate(args) -> int:
     return 0
 
 
+def _import_from_the_working_directory() -> None:
+    """``reward.fn=my_rewards:score`` resolves the same for every launch: ``python -m`` (the local
+    launcher's ranks) puts the working directory first on ``sys.path``, the ``megatron-rl`` script
+    and torchrun's entry point do not, so without this a module beside the config imported with
+    ``--nproc 2`` and not with ``--nproc 1``."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _import_from_the_working_directory()
     parser = _parser()
     # Overrides may come before and after options (`train --nproc 2 a=1 --config f b=2`):
     # whatever argparse leaves over must be key=value overrides.
