@@ -44,14 +44,21 @@ def _non_terminating(value: Fraction) -> bool:
     return den != 1
 
 
+def _rounded_places(dec: Number, max_places: int) -> Optional[int]:
+    """The decimal places ``dec`` shows when it can stand for a rounded value, else None: a
+    percent, no or too many places, or too few digits (``0.3`` is not a rounded third)."""
+    places = dec.decimals
+    if places is None or dec.percent or not 1 <= places <= max_places:
+        return None
+    if places < 2 and dec.significant < 3:
+        return None
+    return places
+
+
 def _rounds_to(dec: Number, exact: Fraction) -> bool:
     """``dec`` is ``exact`` (non-terminating) rounded or truncated to the places ``dec`` shows."""
-    places = dec.decimals
-    if places is None or dec.percent or not 1 <= places <= MAX_ROUNDED_PLACES:
-        return False
-    if places < 2 and dec.significant < 3:
-        return False
-    if not _non_terminating(exact):
+    places = _rounded_places(dec, MAX_ROUNDED_PLACES)
+    if places is None or not _non_terminating(exact):
         return False
     scale = 10 ** places
     written = dec.value * scale
@@ -64,10 +71,8 @@ def _rounds_to(dec: Number, exact: Fraction) -> bool:
 
 def _rounds_to_float(dec: Number, approx: float) -> bool:
     """Like :func:`_rounds_to` for an irrational constant known to float precision."""
-    places = dec.decimals
-    if places is None or dec.percent or not 1 <= places <= MAX_FLOAT_PLACES:
-        return False
-    if places < 2 and dec.significant < 3:
+    places = _rounded_places(dec, MAX_FLOAT_PLACES)
+    if places is None:
         return False
     scaled = approx * 10 ** places
     if abs(scaled) > 1e14:
