@@ -34,30 +34,16 @@ def actor_critic_body(layout_kw: dict, weights, dtype: str, plan_kw: dict):
     import torch
     import torch.distributed as dist
 
-    from megatron_rl.config.schema import ModelConfig, OptimConfig
+    from megatron_rl.config.schema import OptimConfig
     from megatron_rl.distributed.metrics import reduce_sums
     from megatron_rl.engine.forward import BatchPlan, run_sequences
     from megatron_rl.engine.trainable import make_trainable
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.canonical import gather_canonical, load_canonical
-    from megatron_rl.models.heads import attach_value_head
+    from megatron_rl.models.canonical import gather_canonical
     from megatron_rl.testing.layouts import use_layout
-    from tests.test_context_parallel import LENGTHS, MODEL, ActorCriticHead, make_sequences
+    from tests.test_context_parallel import LENGTHS, ActorCriticHead, build_with_value_head, make_sequences
 
     layout = use_layout(**layout_kw)
-    chunks = attach_value_head(build_gpt_chunks(ModelConfig(**dict(MODEL, params_dtype=dtype)), layout,
-                                                torch.device("cpu")))
-    for chunk in chunks:
-        if chunk.post_process:
-            chunk.output_layer.weight.requires_grad_(True)
-            g = torch.Generator().manual_seed(5)
-            with torch.no_grad():
-                chunk.value_head.linear.weight.copy_(torch.randn(1, MODEL["hidden_size"], generator=g) * 0.2)
-                chunk.value_head.linear.bias.fill_(0.3)
-    if weights is None:
-        weights = gather_canonical(chunks)
-    else:
-        load_canonical(chunks, weights, strict=False)
+    chunks, weights = build_with_value_head(layout, weights, params_dtype=dtype)
     trainable = make_trainable(chunks, OptimConfig(), total_steps=1)
     seqs = make_sequences(LENGTHS)
     total = float(sum(LENGTHS))

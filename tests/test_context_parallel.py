@@ -49,14 +49,15 @@ class ActorCriticHead:
         return out
 
 
-def _build(layout, weights):
+def build_with_value_head(layout, weights, params_dtype: str = "auto"):
     """The model with a (non-zero) value head; canonical ``weights`` loaded, or gathered if None."""
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical, load_canonical
     from megatron_rl.models.heads import attach_value_head
 
-    chunks = attach_value_head(build_gpt_chunks(ModelConfig(**MODEL), layout, torch.device("cpu")))
+    model = ModelConfig(**dict(MODEL, params_dtype=params_dtype))
+    chunks = attach_value_head(build_gpt_chunks(model, layout, torch.device("cpu")))
     for chunk in chunks:
         if chunk.post_process:
             # The value head freezes the LM output layer; this test wants its gradient too.
@@ -83,7 +84,7 @@ def train_body(layout_kw: dict, weights, lengths, plan_kw: dict, forward_only: b
     from megatron_rl.testing.layouts import use_layout
 
     layout = use_layout(**layout_kw)
-    chunks, weights = _build(layout, weights)
+    chunks, weights = build_with_value_head(layout, weights)
     trainable = make_trainable(chunks, OptimConfig(), total_steps=1)
     seqs = make_sequences(lengths)
     total = float(sum(lengths))
