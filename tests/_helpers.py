@@ -28,6 +28,42 @@ def digit_share(prompts, responses, answers, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in r) / max(len(r), 1) for r in responses]
 
 
+# ----------------------------------------------------------------------------- batch-cut invariance
+
+# (prompt, response) lengths of the fixed batch the "gradients do not depend on how the batch is
+# cut" tests train on: odd lengths, a one-token response, more sequences than micro-batches.
+CUT_BATCH_LENGTHS = ((5, 3), (3, 9), (7, 1), (4, 6), (2, 11), (6, 4), (3, 2), (8, 5))
+
+
+def small_actor(layout_kw: dict, weights):
+    """``(trainable, canonical weights)`` of a tiny actor on ``layout_kw``; ``weights`` None = its own."""
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig, OptimConfig
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import gather_canonical, load_canonical
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64)
+    chunks = build_gpt_chunks(model, layout, torch.device("cpu"))
+    if weights is None:
+        weights = gather_canonical(chunks)
+    else:
+        load_canonical(chunks, weights)
+    return make_trainable(chunks, OptimConfig(), 1), weights
+
+
+def response_mask(n_prompt: int, n_resp: int):
+    """1 at the positions that predict the response tokens (position t predicts token t+1)."""
+    import torch
+
+    mask = torch.zeros(n_prompt + n_resp)
+    mask[n_prompt - 1 : n_prompt + n_resp - 1] = 1.0
+    return mask
+
+
 # ----------------------------------------------------------------------------- tiny HF checkpoints
 
 COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

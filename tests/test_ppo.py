@@ -237,29 +237,19 @@ def test_truncated_checkpoint_is_detected_and_previous_used(tmp_path):
 
 def normalisation_body(layout_kw: dict, micro_batch_size: int, agg: str, weights):
     """Actor loss on a fixed batch; returns canonical gradients (and the weights used)."""
-    from megatron_rl.config.schema import AlgorithmConfig, ModelConfig, OptimConfig
+    from megatron_rl.config.schema import AlgorithmConfig
     from megatron_rl.engine.forward import BatchPlan, run_sequences
-    from megatron_rl.engine.trainable import make_trainable
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.canonical import gather_canonical, load_canonical
+    from megatron_rl.models.canonical import gather_canonical
     from megatron_rl.models.heads import LogProbHead
-    from megatron_rl.testing.layouts import use_layout
     from megatron_rl.trainer.update import actor_loss_fn, loss_denominator
+    from tests._helpers import CUT_BATCH_LENGTHS, response_mask, small_actor
 
-    layout = use_layout(**layout_kw)
-    model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64)
-    chunks = build_gpt_chunks(model, layout, torch.device("cpu"))
-    if weights is None:
-        weights = gather_canonical(chunks)
-    else:
-        load_canonical(chunks, weights)
-    trainable = make_trainable(chunks, OptimConfig(), 1)
+    trainable, weights = small_actor(layout_kw, weights)
     g = torch.Generator().manual_seed(11)
     seqs, lengths = [], []
-    for n_prompt, n_resp in ((5, 3), (3, 9), (7, 1), (4, 6), (2, 11), (6, 4), (3, 2), (8, 5)):
+    for n_prompt, n_resp in CUT_BATCH_LENGTHS:
         n = n_prompt + n_resp
-        mask = torch.zeros(n)
-        mask[n_prompt - 1 : n - 1] = 1.0
+        mask = response_mask(n_prompt, n_resp)
         seqs.append({"tokens": torch.randint(0, 64, (n,), generator=g), "loss_mask": mask,
                      "old_logprob": -torch.rand(n, generator=g) * 3 * mask,
                      "advantages": torch.randn(n, generator=g) * mask})
