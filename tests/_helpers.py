@@ -28,6 +28,30 @@ def digit_share(prompts, responses, answers, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in r) / max(len(r), 1) for r in responses]
 
 
+def train_body(config, overrides: list[str]):
+    """Harness body: validate and run PPO from ``config`` (a YAML path or None) and ``overrides``."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.trainer.ppo import run_ppo
+
+    cfg = load_config(config, overrides)
+    validate(cfg, dist.get_world_size())
+    run_ppo(cfg, log=lambda line: None)
+    return True
+
+
+def ppo_body(overrides: list[str]):
+    """Harness body: the :data:`TINY` PPO run with ``overrides`` appended."""
+    return train_body(None, TINY + overrides)
+
+
+def read_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
 # ----------------------------------------------------------------------------- batch-cut invariance
 
 # (prompt, response) lengths of the fixed batch the "gradients do not depend on how the batch is

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
+from tests._helpers import ppo_body, read_metrics
 from tests.test_context_parallel import hf_llama  # noqa: F401 - the fixture
-from tests.test_ppo import ppo_body, read_metrics
 
 BF16 = ["model.params_dtype=bfloat16"]
 

@@ -14,30 +14,12 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import TINY
+from tests._helpers import TINY, ppo_body, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
             "actor/clipfrac", "actor/grad_norm", "critic/vf_loss", "critic/explained_var",
             "timing/rollout_s", "timing/actor_update_s", "throughput/tokens_per_s", "memory/rss_gb")
-
-
-def ppo_body(overrides: list[str]):
-    import torch.distributed as dist
-
-    from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
-    from megatron_rl.trainer.ppo import run_ppo
-
-    cfg = load_config(None, TINY + overrides)
-    validate(cfg, dist.get_world_size())
-    run_ppo(cfg, log=lambda line: None)
-    return True
-
-
-def read_metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
 
 
 LAYOUTS = {

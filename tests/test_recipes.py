@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 
@@ -20,7 +19,7 @@ import torch
 from megatron_rl.testing.harness import run_distributed
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.experience import Samples
-from tests._helpers import TINY
+from tests._helpers import TINY, read_metrics, train_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_RECIPES = ["grpo_cpu", "dapo_cpu", "gspo_cpu", "reinforce_pp_cpu"]
@@ -110,24 +109,6 @@ def test_gpu_recipes_validate_for_eight_gpus():
     assert load_config(config_path("dapo_qwen2.5_7b_32k")).algorithm.dynamic_sampling
     assert load_config(config_path("gspo_qwen2.5_7b_32k")).algorithm.policy_loss == "gspo"
     assert load_config(config_path("reinforce_pp_qwen2.5_7b_32k")).algorithm.advantage == "reinforce_plus_plus"
-
-
-def train_body(config, overrides: list[str]):
-    import torch.distributed as dist
-
-    from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
-    from megatron_rl.trainer.ppo import run_ppo
-
-    cfg = load_config(config, overrides)
-    validate(cfg, dist.get_world_size())
-    run_ppo(cfg, log=lambda line: None)
-    return True
-
-
-def read_metrics(run_dir) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
 
 
 def _finite(row: dict) -> bool:
