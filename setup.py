@@ -24,6 +24,8 @@ setup(
         "numpy>=1.24",
         "packaging>=23",
         "pyyaml>=6",
+        # megatron-core builds the hierarchical CP groups (cp_comm_type=a2a+p2p) with it.
+        "einops>=0.7",
     ],
     extras_require={
         # Apex is optional and never required; see docs/quickstart.md.

@@ -350,13 +350,38 @@ def _probe(fn) -> str:
     return backends_seen(recorder.calls, counter.count())
 
 
+def _lse_merge_error(heads: int, kv: int, d: int, dtype, dev) -> str:
+    """Attention over two key blocks through the fused kernels, merged by log-sum-exp, forward and
+    backward, against one SDPA call over all keys (what the CP ring does on every step)."""
+    import torch.nn.functional as F
+
+    from megatron_rl.ops.attention_kernels import attention_backward, attention_forward, merge_into
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(1, heads, 128, d, generator=g).to(dev, dtype)
+    k, v = (torch.randn(1, kv, 256, d, generator=g).to(dev, dtype) for _ in range(2))
+    do = torch.randn(1, heads, 128, d, generator=g).to(dev, dtype)
+    scale = d**-0.5
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, scale=scale, enable_gqa=heads != kv)
+    ref.backward(do)
+    out, lse = attention_forward(q, k[:, :, :128], v[:, :, :128], False, scale)
+    acc_out, acc_lse = out.float(), lse.float().clone()
+    merge_into(acc_out, acc_lse, *attention_forward(q, k[:, :, 128:], v[:, :, 128:], False, scale))
+    merged = acc_out.to(dtype)
+    dq1, dk1, _ = attention_backward(do, q, k[:, :, :128], v[:, :, :128], merged, acc_lse, False, scale)
+    dq2, dk2, _ = attention_backward(do, q, k[:, :, 128:], v[:, :, 128:], merged, acc_lse, False, scale)
+    errs = [(merged - ref).abs().max(), (dq1 + dq2 - leaves[0].grad).abs().max(),
+            (torch.cat([dk1, dk2], 2) - leaves[1].grad).abs().max()]
+    return ", ".join(f"{float(e):.1e}" for e in errs)
+
+
 def section_sdpa(check: Check):
     """The paths on the full model's head shape (2 layers are enough to see the kernels)."""
     from megatron_rl.data.microbatch import build_microbatch
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.ops import cp_attention
-    from megatron_rl.ops.zigzag import local_positions_bshd
     from megatron_rl.rollout.engine import TorchRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
@@ -377,20 +402,19 @@ def section_sdpa(check: Check):
     yield ("(c) SDPA: trainer, CP=1 packed THD (is_causal per sequence)", _probe(lambda: trainer_pass(True)))
 
     heads, kv, d = model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.hidden_size // model_cfg.num_attention_heads
-    q = torch.randn(1, heads, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, kv, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, kv, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        yield (f"(c) fused kernels with LSE, {str(dtype)[6:]}: two key blocks merged vs SDPA (max |d| out, dq, dk)",
+               _lse_merge_error(heads, kv, d, dtype, dev))
     world = torch.distributed.group.WORLD
 
     def cp_path(comm: str):  # the real autograd function on a CP group of one rank
-        def positions(rank):
-            return local_positions_bshd(256, 1, rank)
-
-        out = cp_attention.context_parallel_attention(q, k, v, positions, world, d**-0.5, comm)
+        q, k, v = (torch.randn(1, n, 256, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
+                   for n in (heads, kv, kv))
+        out = cp_attention.context_parallel_attention(q, k, v, (0, 256), world, d**-0.5, comm)
         out.float().sum().backward()
 
-    yield ("(c) SDPA: all_gather CP path (additive mask + GQA; CP=1 here)", _probe(lambda: cp_path("all_gather")))
-    yield ("(c) SDPA: p2p ring CP path", "no SDPA: eager einsum blocks (ops/cp_attention.py); needs CP > 1, not run")
+    for comm in ("p2p", "all_gather", "a2a"):
+        yield (f"(c) {comm} CP path (fused kernels; CP=1 here)", _probe(lambda: cp_path(comm)))
 
     engine = TorchRolloutEngine(model_cfg, device=dev, max_batch_size=8)
     engine.load_from_chunks([chunk])

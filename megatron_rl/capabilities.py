@@ -17,9 +17,6 @@ from megatron_rl.errors import ConfigError
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DEVICES = ("auto", "cuda", "cpu")
 BACKENDS = ("auto", "nccl", "gloo")
-# Context-parallel communication that only TransformerEngine's attention implements (the local
-# path's own types are ``ops.cp_attention.CP_COMM_TYPES``).
-TE_CP_COMM_TYPES = ("a2a", "a2a+p2p")
 
 
 @functools.lru_cache(maxsize=1)

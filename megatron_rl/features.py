@@ -18,9 +18,9 @@ from packaging.version import Version
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
-from megatron_rl.capabilities import TE_CP_COMM_TYPES, resolve_transformer_impl, te_version
+from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.models.arch import RECOMPUTE_MODULES, attention_dims
-from megatron_rl.ops.cp_attention import CP_COMM_TYPES
+from megatron_rl.ops.cp_attention import A2A_COMM_TYPES, kv_replication
 
 TESTED_CPU = "tested on CPU"
 TESTED_GPU = "tested on GPU"
@@ -107,6 +107,18 @@ def _a2a_size(cfg) -> int:
     if p.cp_comm_type == "a2a+p2p" and hierarchical:
         return int(hierarchical[0])
     return p.cp
+
+
+def _a2a_heads_fit(cfg) -> bool:
+    """The local a2a path's head rule (it replicates K/V heads when the a2a size is a multiple)."""
+    a2a, tp = _a2a_size(cfg), cfg.parallel.tp
+    if (attention_dims(cfg.model)[0] // tp) % a2a:
+        return False
+    try:
+        kv_replication(_heads_kv(cfg) // tp, a2a)
+    except ValueError:
+        return False
+    return True
 
 
 def _uses_te(cfg) -> bool:
@@ -691,24 +703,37 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Context parallelism: p2p ring (local path)", "parallelism", TESTED_CPU,
-        "K/V blocks passed around the CP ring, online softmax, own backward; queries tiled so a score block stays ~64 MiB; saved activations O(S/CP).",
-        ("tests/test_context_parallel.py::test_ring_and_all_gather_attention_agree",
+        "K/V travel around the CP ring in the model dtype, the next hop overlapping the current block; each block is a fused attention kernel (CPU flash / CUDA flash or memory-efficient) returning its log-sum-exp, merged exactly; no mask tensor (zigzag pairs are full, causal-diagonal or skipped), so every rank does the same work per step; backward uses the kernels' backward. Saved activations O(S/CP).",
+        ("tests/test_context_parallel.py::test_cp_attention_matches_one_process",
          "tests/test_context_parallel.py::test_packed_matches_one_process"),
-        (
-            _need("parallel.cp_comm_type", lambda c, w: c.parallel.cp_comm_type in CP_COMM_TYPES or _uses_te(c),
-                  f"only {' and '.join(CP_COMM_TYPES)} exist without TransformerEngine",
-                  f"use parallel.cp_comm_type={' or '.join(CP_COMM_TYPES)}",
-                  f"cp_comm_type in {{{', '.join(CP_COMM_TYPES)}}} (local path)"),
-        ),
         config="parallel.cp>1, parallel.cp_comm_type=p2p",
     ),
     Feature(
         "Context parallelism: all_gather (local path)", "parallelism", TESTED_CPU,
-        "K/V gathered over the CP group for one masked attention; backward gathers again and recomputes, so saved activations are 1/CP like the ring. While a layer runs it holds the whole sequence's K/V and a [S/CP, S] mask.",
-        ("tests/test_context_parallel.py::test_ring_and_all_gather_attention_agree",),
+        "K/V gathered over the CP group in the model dtype, then the same fused per-block kernel calls as the ring (no mask, no cache); backward gathers again and reduce-scatters the K/V gradients, so saved activations are 1/CP. While a layer runs it holds the whole sequence's K/V.",
+        ("tests/test_context_parallel.py::test_cp_attention_matches_one_process",),
         config="parallel.cp_comm_type=all_gather",
-        measured=(Measured("saved activations 0.241x of CP=1 at CP=4 (2k-32k tokens); peak 0.73x at 32k (ring: 0.34x)",
-                           "python benchmarks/long_context_memory.py --max-len 32768"),),
+    ),
+    Feature(
+        "Context parallelism: a2a / Ulysses (local path)", "parallelism", TESTED_CPU,
+        "An all-to-all turns sequence shards into head shards, one fused causal attention runs over the whole sequence (packed rows: per sequence), another all-to-all turns it back. K/V heads are split over CP when they divide, replicated when CP is a multiple of them.",
+        ("tests/test_context_parallel.py::test_cp_attention_matches_one_process",),
+        (
+            _need("parallel.cp",
+                  lambda c, w: _a2a_heads_fit(c),
+                  "a2a splits each TP rank's heads over {c.parallel.cp_comm_type}'s a2a group: it needs (heads/tp) "
+                  "divisible by the a2a size, and (kv_heads/tp) divisible by it or dividing it",
+                  "use parallel.cp_comm_type=p2p, or an a2a size that divides heads/tp",
+                  "a2a (local): (heads/tp) % a2a == 0; kv_heads/tp split or replicated",
+                  when=lambda c: not _uses_te(c) and c.parallel.cp > 1 and c.parallel.cp_comm_type in A2A_COMM_TYPES),
+        ),
+        config="parallel.cp_comm_type=a2a",
+    ),
+    Feature(
+        "Context parallelism: a2a+p2p, hierarchical (local path)", "parallelism", TESTED_CPU,
+        "a2a inside groups of consecutive CP ranks (parallel.hierarchical_context_parallel_sizes[0]), the ring across the groups: after the inner all-to-all a group holds exactly the zigzag halves of the outer ring, so the ring runs unchanged on head shards.",
+        ("tests/test_context_parallel.py::test_cp_attention_matches_one_process",),
+        config="parallel.cp_comm_type=a2a+p2p, parallel.hierarchical_context_parallel_sizes=[a2a, p2p]",
     ),
     Feature(
         "Context parallelism: TransformerEngine p2p / all_gather / a2a / a2a+p2p", "parallelism", GPU_UNTESTED,
@@ -722,7 +747,7 @@ FEATURES: list[Feature] = [
                   "and (kv_heads/tp) % cp == 0",
                   "use parallel.cp_comm_type=p2p, or a cp dividing both heads/tp and kv_heads/tp",
                   "a2a needs (heads/tp) % cp == 0 and (kv_heads/tp) % cp == 0",
-                  when=lambda c: _uses_te(c) and c.parallel.cp > 1 and c.parallel.cp_comm_type in TE_CP_COMM_TYPES),
+                  when=lambda c: _uses_te(c) and c.parallel.cp > 1 and c.parallel.cp_comm_type in A2A_COMM_TYPES),
             _need("parallel.hierarchical_context_parallel_sizes",
                   lambda c, w: _product(c.parallel.hierarchical_context_parallel_sizes) == c.parallel.cp,
                   "the hierarchical CP sizes must multiply to parallel.cp",

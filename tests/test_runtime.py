@@ -98,24 +98,24 @@ def test_layout_switches_release_process_groups():
 
 
 def lower_block_cap():
-    from megatron_rl.ops import cp_attention, zigzag
+    from megatron_rl.ops import cp_attention, packed_attention
 
-    zigzag.local_positions_thd((0, 8), 2, 0)  # fills a cache
-    cp_attention._MAX_BLOCK_ELEMENTS = 7  # and "forgets" to restore a tunable
-    return zigzag._thd_positions.cache_info().currsize
+    cp_attention.block_pairs((0, 8), 2, 0, 1)  # fills a cache
+    packed_attention.MAX_PADDING_WASTE = 7.0  # and "forgets" to restore a tunable
+    return cp_attention.block_pairs.cache_info().currsize
 
 
 def read_state():
-    from megatron_rl.ops import cp_attention, zigzag
+    from megatron_rl.ops import cp_attention, packed_attention
 
-    return cp_attention._MAX_BLOCK_ELEMENTS, zigzag._thd_positions.cache_info().currsize
+    return packed_attention.MAX_PADDING_WASTE, cp_attention.block_pairs.cache_info().currsize
 
 
 def test_each_body_starts_from_the_default_state():
     """What one body leaves in a reused worker's caches and tunables, the next body does not see."""
     import importlib
 
-    from megatron_rl.ops import cp_attention
+    from megatron_rl.ops import packed_attention
     from megatron_rl.testing import harness
 
     for module, attr, method in harness._CACHES:  # every name the reset touches still exists
@@ -123,4 +123,4 @@ def test_each_body_starts_from_the_default_state():
     for module, attr in harness._TUNABLES:
         assert hasattr(importlib.import_module(module), attr), (module, attr)
     assert run_distributed(1, lower_block_cap) == [1]
-    assert run_distributed(1, read_state) == [(cp_attention._MAX_BLOCK_ELEMENTS, 0)]
+    assert run_distributed(1, read_state) == [(packed_attention.MAX_PADDING_WASTE, 0)]

@@ -39,7 +39,7 @@ UNKNOWN_CHOICES = [
     ("model.recompute.granularity", "partial", "full, selective"),
     ("actor.optim.schedule", "bogus", "constant, linear, cosine"),
     ("critic.optim.schedule", "cosin", "did you mean cosine?"),
-    ("parallel.cp_comm_type", "bogus", "p2p, all_gather"),
+    ("parallel.cp_comm_type", "bogus", "p2p, all_gather, a2a, a2a+p2p"),
     ("distributed.backend", "mpi", "nccl, gloo"),
     ("distributed.device", "tpu", "cuda, cpu"),
     ("trainer.sft_answers", "maybe", "true, shuffled"),
@@ -155,11 +155,11 @@ def test_train_refuses_before_starting_any_process(tmp_path):
 
 
 def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
-    """With ``auto`` the a2a CP rule asks what auto resolves to on this machine, not the literal."""
-    cfg = load_config(DEMO, ["parallel.cp=2", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
+    """With ``auto`` the a2a CP rules ask what auto resolves to on this machine, not the literal:
+    the local path replicates K/V heads (2 KV heads over cp=4), TransformerEngine does not."""
+    cfg = load_config(DEMO, ["parallel.cp=4", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
                              "model.transformer_impl=auto", "batch.packing=false"])
-    with pytest.raises(ConfigError, match="only p2p and all_gather exist without TransformerEngine"):
-        validate(cfg, 2)
+    validate(cfg, 4)  # local path: 4 heads split over cp=4, 2 KV heads replicated
     import megatron_rl.config.validate as validate_mod
     import megatron_rl.features as features
 
@@ -168,7 +168,18 @@ def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
 
     monkeypatch.setattr(features, "resolve_transformer_impl", resolves_to_te)
     monkeypatch.setattr(validate_mod, "resolve_transformer_impl", resolves_to_te)
-    validate(cfg, 2)  # accepted where auto means TransformerEngine
+    with pytest.raises(ConfigError, match="TransformerEngine needs"):
+        validate(cfg, 4)
+
+
+def test_a2a_heads_must_split_over_the_a2a_group():
+    """4 heads cannot split over cp=8 (nor 3 KV heads be replicated over 2): refused before launch."""
+    cfg = load_config(DEMO, ["parallel.cp=8", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
+                             "model.transformer_impl=local", "batch.packing=false"])
+    with pytest.raises(ConfigError, match=r"parallel.cp=8: a2a splits each TP rank's heads"):
+        validate(cfg, 8)
+    validate(load_config(DEMO, ["parallel.cp=8", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=p2p",
+                                "model.transformer_impl=local", "batch.packing=false"]), 8)
 
 
 def test_config_layer_does_not_import_megatron_core():

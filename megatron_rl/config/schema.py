@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from megatron_rl.algorithms.kl import KL_CONTROLLERS
-from megatron_rl.capabilities import BACKENDS, DEVICES, TE_CP_COMM_TYPES, TRANSFORMER_IMPLS
+from megatron_rl.capabilities import BACKENDS, DEVICES, TRANSFORMER_IMPLS
 from megatron_rl.engine.lr_schedules import LR_SCHEDULE_NAMES
 from megatron_rl.models.arch import (
     ACTIVATION_NAMES,
@@ -30,7 +30,6 @@ from megatron_rl.models.arch import (
 )
 from megatron_rl.ops.cp_attention import CP_COMM_TYPES
 
-ALL_CP_COMM_TYPES = CP_COMM_TYPES + TE_CP_COMM_TYPES
 TRANSFORMER_IMPL_CHOICES = ("auto",) + TRANSFORMER_IMPLS
 SFT_TARGETS = ("true", "shuffled")
 BOUNDS = ("ge", "gt", "le", "lt")
@@ -63,8 +62,9 @@ class ParallelConfig:
     vpp: Optional[int] = _f(None, "Virtual pipeline stages per pipeline rank (interleaved 1F1B); null = off.", ge=1)
     cp: int = _f(1, "Context-parallel size: each sequence is split over this many ranks (zigzag).", ge=1)
     sequence_parallel: bool = _f(False, "Shard activations outside attention/MLP over the TP group (needs tp>1).")
-    cp_comm_type: Literal[ALL_CP_COMM_TYPES] = _f(
-        "p2p", "CP attention communication: p2p (ring), all_gather; with TransformerEngine also a2a, a2a+p2p."
+    cp_comm_type: Literal[CP_COMM_TYPES] = _f(
+        "p2p", "CP attention communication: p2p (ring), all_gather, a2a (Ulysses: heads split over CP), "
+        "a2a+p2p (a2a inside groups, ring across them)."
     )
     batch_p2p_comm: Optional[bool] = _f(
         None, "Batch pipeline send/recv; null = auto (off for PP=2 with VPP, where megatron-core is wrong)."

@@ -6,7 +6,8 @@ refuses context parallelism and packed sequences.  It handles:
 * BSHD input (``[s, b, heads, dim]``) and packed THD input (``[t, heads, dim]`` with
   ``PackedSeqParams``), never attending across sequence boundaries;
 * context parallelism with the zigzag layout, through :mod:`megatron_rl.ops.cp_attention`
-  (``all_gather`` or ``p2p`` ring);
+  (``p2p`` ring, ``all_gather``, ``a2a`` and ``a2a+p2p``), on fused kernels;
+* packed rows at CP=1 through :mod:`megatron_rl.ops.packed_attention` (no per-sequence loop);
 * GQA without materialising repeated K/V heads.
 
 Dropout inside attention is not supported: RL needs deterministic log-probs, so the model
@@ -26,7 +27,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.ops import cp_attention
-from megatron_rl.ops.zigzag import host_values, local_positions_bshd, local_positions_thd
+from megatron_rl.ops.packed_attention import packed_causal_attention
+from megatron_rl.ops.zigzag import host_values
 
 
 class LocalCoreAttention(MegatronModule):
@@ -58,6 +60,13 @@ class LocalCoreAttention(MegatronModule):
         else:
             self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
 
+    def _hierarchy(self):
+        """``(a2a group, p2p group)`` for ``a2a+p2p``: megatron's hierarchical CP groups, inner first."""
+        if self.cp_comm_type != "a2a+p2p":
+            return None
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        return tuple(groups) if groups else None
+
     def _cp(self) -> tuple[int, int]:
         if self.cp_group is None:
             return 1, 0
@@ -75,7 +84,7 @@ class LocalCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by LocalCoreAttention")
-        cp_size, cp_rank = self._cp()
+        cp_size, _ = self._cp()
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if packed:
             # [t, n, d] -> [1, n, t, d]
@@ -89,16 +98,12 @@ class LocalCoreAttention(MegatronModule):
                 q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1)
             )
         elif cp_size == 1:
-            out = _packed_causal_attention(q, k, v, _padded_cu_seqlens(packed_seq_params), self.softmax_scale)
+            out = packed_causal_attention(q, k, v, _padded_cu_seqlens(packed_seq_params), self.softmax_scale)
         else:
-            if packed:
-                cu = _padded_cu_seqlens(packed_seq_params)
-                positions_of = lambda rank: local_positions_thd(cu, cp_size, rank)  # noqa: E731
-            else:
-                seq_local = q.size(2)
-                positions_of = lambda rank: local_positions_bshd(seq_local * cp_size, cp_size, rank)  # noqa: E731
+            # The sequences' global padded offsets: a packed row's, or one sequence per unpacked row.
+            cu = _padded_cu_seqlens(packed_seq_params) if packed else (0, q.size(2) * cp_size)
             out = cp_attention.context_parallel_attention(
-                q, k, v, positions_of, self.cp_group, self.softmax_scale, self.cp_comm_type
+                q, k, v, cu, self.cp_group, self.softmax_scale, self.cp_comm_type, self._hierarchy()
             )
 
         if packed:
@@ -114,18 +119,3 @@ def _padded_cu_seqlens(params: PackedSeqParams) -> tuple[int, ...]:
     cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
     return host_values(cu)
 
-
-def _packed_causal_attention(q, k, v, cu: tuple[int, ...], scale: float) -> torch.Tensor:
-    """Causal attention per packed sequence: no token sees another sequence."""
-    gqa = q.size(1) != k.size(1)
-    pieces = []
-    for start, end in zip(cu[:-1], cu[1:]):
-        if end == start:
-            continue
-        pieces.append(
-            F.scaled_dot_product_attention(
-                q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                is_causal=True, scale=scale, enable_gqa=gqa,
-            )
-        )
-    return torch.cat(pieces, dim=2)

@@ -1,164 +1,148 @@
-"""Context-parallel causal attention without TransformerEngine.
+"""Context-parallel causal attention without TransformerEngine, on fused kernels.
 
-Every rank holds a zigzag shard of the queries, keys and values (see :mod:`megatron_rl.ops.zigzag`)
-and a ``positions_of(rank) -> (positions, segment_ids)`` function that says which global positions any
-rank holds.  A key is visible to a query when both belong to the same sequence (segment) and the
-key's position is not after the query's, so packed and unpacked batches share one code path.
+Every rank holds a zigzag shard of each sequence (see :mod:`megatron_rl.ops.zigzag`): of a
+sequence cut into ``2*cp`` chunks, rank ``r`` keeps chunks ``r`` and ``2*cp-1-r`` (its two
+*halves*).  The layout is described by the sequences' global padded offsets ``cu`` (a packed row:
+one entry per sequence; unpacked rows: ``(0, S)``, every row alike), known on the host.
 
-Two strategies:
+With that layout every (query half, key half) pair is fully visible, causal-diagonal or
+invisible, so no mask tensor of any size is built.  Against the keys of rank ``src``, rank
+``r``'s queries of one sequence see:
 
-``all_gather``
-    Gather K/V from the whole CP group and run one masked attention; backward gathers again,
-    recomputes, and reduce-scatters the K/V gradients.  Saved activations stay O(S/CP); the
-    transient gathered K/V and the ``[S/CP, S]`` mask of one layer grow with the full length.
+* ``src == r``: their own two halves, causally (one causal kernel call);
+* ``src <  r``: the first key half only, fully (all queries x half the keys);
+* ``src >  r``: everything, but only from the second query half (half the queries x all keys);
+
+so every rank does the same work per step -- the zigzag balance holds inside the ring.  Each
+call is a fused kernel returning ``(out, lse)`` (:mod:`megatron_rl.ops.attention_kernels`);
+partial results merge through the log-sum-exp, and backward calls the kernels' backward with
+the merged output and log-sum-exp.
+
+Strategies (``parallel.cp_comm_type``):
+
 ``p2p``
-    Ring attention: K/V blocks travel around the CP ring while each rank merges block results
-    with an online softmax.  Its own backward recomputes each block and sends the K/V gradients
-    around the ring back to their owners, so saved activations stay O(S/CP).
+    Ring: K/V travel around the CP group in the model dtype, the next hop overlapping the current
+    block; backward sends K/V ahead the same way and the K/V gradients back to their owners.
+``all_gather``
+    K/V gathered once in the model dtype, then the same per-block calls; backward gathers again
+    and reduce-scatters the K/V gradients, so saved activations stay ``O(S/cp)``.
+``a2a``
+    Ulysses: an all-to-all turns sequence shards into head shards, one causal attention runs over
+    the whole sequence per head group, another all-to-all turns it back.  Needs
+    ``heads % cp == 0``; K/V heads are split when ``kv_heads % cp == 0`` and replicated when
+    ``cp % kv_heads == 0``.
+``a2a+p2p``
+    a2a inside groups of consecutive CP ranks, ring across the groups: after the inner
+    all-to-all a group holds exactly the zigzag halves of a ring of ``cp / a2a`` members.
 
-Shapes: ``q`` is ``[b, heads, sq, d]``, ``k``/``v`` are ``[b, kv_heads, sk, d]`` (GQA allowed).
-
-Nothing in the per-layer loop reads a value back from the device: which query tiles of a ring
-step see any key is decided on the host from the (host) positions, once per micro-batch, and the
-positions reach the device once per micro-batch; every layer reuses both (:data:`_MASKS`).
+Shapes: ``q`` is ``[b, heads, s, d]``, ``k``/``v`` are ``[b, kv_heads, s, d]`` (GQA allowed).
+Nothing here reads a value back from the device.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
+import functools
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rl.ops.precision import compute_dtype
-from megatron_rl.ops.zigzag import to_device
+from megatron_rl.ops.attention_kernels import attention_backward, attention_forward, lse_dtype, merge_into
+from megatron_rl.ops.packed_attention import packed_causal_attention
+from megatron_rl.ops.zigzag import zigzag_index
 
-PositionFn = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# The types that split attention heads over (part of) the CP group.
+A2A_COMM_TYPES = ("a2a", "a2a+p2p")
 
-CP_COMM_TYPES = ("p2p", "all_gather")
 
-
-def context_parallel_attention(q, k, v, positions_of: PositionFn, group, scale: float, comm_type: str):
-    if comm_type == "all_gather":
-        return AllGatherAttention.apply(q, k, v, positions_of, group, scale)
+def context_parallel_attention(q, k, v, cu: Sequence[int], group, scale: float, comm_type: str,
+                               hierarchy: Optional[tuple] = None):
+    """Causal attention of this rank's zigzag shard; ``cu`` are the global padded sequence
+    offsets; ``hierarchy`` is ``(a2a group, p2p group)`` for ``a2a+p2p``."""
+    cu = tuple(int(c) for c in cu)
     if comm_type == "p2p":
-        return RingAttention.apply(q, k, v, positions_of, group, scale)
-    raise ValueError(
-        f"parallel.cp_comm_type={comm_type!r} is not available without TransformerEngine; "
-        f"use one of {CP_COMM_TYPES}"
-    )
+        return RingAttention.apply(q, k, v, cu, group, scale)
+    if comm_type == "all_gather":
+        return AllGatherAttention.apply(q, k, v, cu, group, scale)
+    if comm_type == "a2a":
+        return ulysses_attention(q, k, v, cu, group, None, scale)
+    if comm_type == "a2a+p2p":
+        if hierarchy is None:
+            raise ValueError("cp_comm_type=a2a+p2p needs the hierarchical CP groups "
+                             "(parallel.hierarchical_context_parallel_sizes)")
+        return ulysses_attention(q, k, v, cu, hierarchy[0], hierarchy[1], scale)
+    raise ValueError(f"parallel.cp_comm_type={comm_type!r} is not available without TransformerEngine; "
+                     f"use one of {CP_COMM_TYPES}")
 
 
-def visibility_mask(pos_q, seg_q, pos_k, seg_k) -> torch.Tensor:
-    """``[sq, sk]`` bool: True where the query may attend to the key."""
-    return (seg_q[:, None] == seg_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+# ----------------------------------------------------------------------------- block plan
 
 
-# ----------------------------------------------------------------------------- all_gather
+@functools.lru_cache(maxsize=256)
+def block_pairs(cu: tuple[int, ...], cp: int, rank: int, src: int) -> tuple:
+    """``((q_start, q_end), (k_start, k_end), causal)`` per sequence: the kernel calls rank
+    ``rank``'s queries make against rank ``src``'s keys (local token offsets)."""
+    pairs = []
+    for start, end in zip(cu[:-1], cu[1:]):
+        length = end - start
+        if length == 0:
+            continue
+        if length % (2 * cp):
+            raise ValueError(f"sequence length {length} is not a multiple of 2*cp={2 * cp}")
+        s0, h = start // cp, length // (2 * cp)
+        if src == rank:
+            pairs.append(((s0, s0 + 2 * h), (s0, s0 + 2 * h), True))
+        elif src < rank:
+            pairs.append(((s0, s0 + 2 * h), (s0, s0 + h), False))
+        else:
+            pairs.append(((s0 + h, s0 + 2 * h), (s0, s0 + 2 * h), False))
+    return tuple(pairs)
 
 
-def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """All-gather dim 2 of ``[b, n, s, d]`` over ``group``, in rank order."""
-    front = x.permute(2, 0, 1, 3).contiguous()
-    out = front.new_empty((group.size() * front.size(0), *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
-    return out.permute(1, 2, 0, 3)
+def _rows(x, a, e):
+    return x[..., a:e, :]
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``[b, n, S, d]`` over ``group`` and keep this rank's ``S / cp`` slice of dim 2."""
-    front = x.permute(2, 0, 1, 3).contiguous()
-    out = front.new_empty((front.size(0) // group.size(), *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=group)
-    return out.permute(1, 2, 0, 3)
+def _block_forward(q, k, v, pairs, scale, acc_out, acc_lse, first: bool) -> None:
+    """Attend ``q`` to one rank's ``k``/``v`` and fold the results into the accumulators; the
+    first block (a rank's own keys) covers every query, so it initialises them."""
+    for (qa, qe), (ka, ke), causal in pairs:
+        out, lse = attention_forward(_rows(q, qa, qe), _rows(k, ka, ke), _rows(v, ka, ke), causal, scale)
+        if first:
+            acc_out[..., qa:qe, :].copy_(out)
+            acc_lse[..., qa:qe].copy_(lse)
+        else:
+            merge_into(acc_out[..., qa:qe, :], acc_lse[..., qa:qe], out, lse)
 
 
-# What one micro-batch's layers share, keyed by the identity of its (cached) position tensors:
-# the all_gather additive masks and the ring's plans.  Cleared between test bodies.
-_MASKS: dict = {}
-_MAX_ENTRIES = 8
+def _block_backward(do, q, k, v, out, lse, pairs, scale, dq, dkv, d: int) -> None:
+    """Add one key block's share of the gradients to ``dq`` and to the block's ``dkv`` (in place)."""
+    for (qa, qe), (ka, ke), causal in pairs:
+        gq, gk, gv = attention_backward(_rows(do, qa, qe), _rows(q, qa, qe), _rows(k, ka, ke), _rows(v, ka, ke),
+                                        _rows(out, qa, qe), lse[..., qa:qe], causal, scale)
+        dq[..., qa:qe, :] += gq
+        dkv[..., ka:ke, :d] += gk
+        dkv[..., ka:ke, d:] += gv
 
 
-def _remember(key, value, held):
-    """Cache ``value``; holding the position tensors keeps their ids from being reused."""
-    if len(_MASKS) > _MAX_ENTRIES:
-        _MASKS.clear()
-    _MASKS[key] = (value, held)
-    return value
-
-
-def _additive_mask(positions_of: PositionFn, cp: int, rank: int, dtype, device) -> torch.Tensor:
-    """``[local, full]`` additive mask (0 / -inf), one tensor per position function shared by all layers.
-
-    SDPA keeps the mask it is given for backward; handing every layer the same tensor keeps one
-    copy instead of one per layer.  The position functions return cached tensors, whose identity
-    keys this cache."""
-    pos_q, seg_q = positions_of(rank)
-    per_rank = [positions_of(r) for r in range(cp)]
-    key = (id(pos_q), id(seg_q), tuple(id(p) for p, _ in per_rank), dtype, str(device))
-    entry = _MASKS.get(key)
-    mask = entry[0] if entry is not None else None
-    if mask is None:
-        pos_k = torch.cat([p for p, _ in per_rank])
-        seg_k = torch.cat([s for _, s in per_rank])
-        visible = visibility_mask(pos_q, seg_q, pos_k, seg_k).to(device)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-        _remember(key, mask, (pos_q, seg_q, per_rank))
-    return mask
-
-
-def _masked_attention(q, k_all, v_all, positions_of: PositionFn, group, scale):
-    mask = _additive_mask(positions_of, group.size(), group.rank(), q.dtype, q.device)
-    return F.scaled_dot_product_attention(
-        q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=q.size(1) != k_all.size(1)
-    )
-
-
-class AllGatherAttention(torch.autograd.Function):
-    """Gather K/V over the CP group and attend; backward gathers again and recomputes.
-
-    Keeping the gathered K/V for backward would cost every layer CP times its local K/V -- at
-    32k tokens and CP=4 most of the activation memory.  Saving only the local q, k, v costs one
-    more all-gather and attention forward per layer in backward, and keeps saved activations
-    O(S/CP) like the ring."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, positions_of: PositionFn, group, scale: float):
-        out = _masked_attention(q, _gather_seq(k, group), _gather_seq(v, group), positions_of, group, scale)
-        ctx.save_for_backward(q, k, v)
-        ctx.positions_of, ctx.group, ctx.scale = positions_of, group, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
-        group = ctx.group
-        k_all, v_all = _gather_seq(k, group), _gather_seq(v, group)
-        with torch.enable_grad():
-            q, k_all, v_all = (t.detach().requires_grad_() for t in (q, k_all, v_all))
-            out = _masked_attention(q, k_all, v_all, ctx.positions_of, group, ctx.scale)
-            dq, dk_all, dv_all = torch.autograd.grad(out, (q, k_all, v_all), grad_out)
-        return dq, _reduce_scatter_seq(dk_all, group), _reduce_scatter_seq(dv_all, group), None, None, None
+def _accumulators(q):
+    dtype = lse_dtype(q.dtype)
+    return torch.empty(q.shape, dtype=dtype, device=q.device), torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
 
 
 # ----------------------------------------------------------------------------- ring (p2p)
 
 
-def _group_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    b, n, s, d = q.shape
-    return q.reshape(b, kv_heads, n // kv_heads, s, d)
-
-
-def _ring_exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
-    """Start sending ``send`` to the next CP rank and receiving the previous rank's tensor."""
+def _ring_exchange(send: torch.Tensor, group, tag: int) -> tuple[torch.Tensor, list]:
+    """Start sending ``send`` to the next rank of ``group`` and receiving the previous rank's."""
     cp, rank = group.size(), group.rank()
     send = send.contiguous()
     recv = torch.empty_like(send)
     nxt = dist.get_global_rank(group, (rank + 1) % cp)
     prv = dist.get_global_rank(group, (rank - 1) % cp)
-    ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)]
     return recv, dist.batch_isend_irecv(ops)
 
 
@@ -167,152 +151,216 @@ def _wait(reqs) -> None:
         req.wait()
 
 
-# Largest score block (elements) one query tile may create per ring step: the transient
-# [b, heads, tile, S/cp] fp32 scores stay near 64 MiB however long the sequence is.
-_MAX_BLOCK_ELEMENTS = 1 << 24
-
-
-def _query_tiles(qf: torch.Tensor, sk: int):
-    """Query ranges ``(start, end)`` so one tile's score block stays under the cap."""
-    b, h, g, sq, _ = qf.shape
-    tile = max(16, min(sq, _MAX_BLOCK_ELEMENTS // max(1, b * h * g * sk)))
-    return tuple((a, min(sq, a + tile)) for a in range(0, sq, tile))
-
-
-def _visible_tiles(pos_q, seg_q, pos_k, seg_k, tiles) -> tuple:
-    """The query tiles that see at least one key of a block, from host positions.
-
-    A query sees a key of its own sequence at or before it, so it sees some key of the block when
-    its position reaches the block's first key of that sequence."""
-    segments = int(torch.maximum(seg_q.max(), seg_k.max())) + 1
-    first = torch.full((segments,), torch.iinfo(pos_k.dtype).max, dtype=pos_k.dtype)
-    first.scatter_reduce_(0, seg_k, pos_k, reduce="amin")
-    sees = (pos_q >= first[seg_q]).long()
-    seen_before = [0] + sees.cumsum(0).tolist()
-    return tuple((a, e) for a, e in tiles if seen_before[e] > seen_before[a])
-
-
-@dataclasses.dataclass(frozen=True)
-class _RingPlan:
-    """One rank's ring for one micro-batch: its positions on the device, and per source rank the
-    key positions on the device and the query tiles that see any of those keys."""
-
-    q: tuple
-    k: tuple  # per source rank: (positions, segments) on the device
-    tiles: tuple  # per source rank: ((start, end), ...)
-
-
-def _ring_plan(positions_of: PositionFn, cp: int, rank: int, tiles: tuple, device) -> _RingPlan:
-    per_rank = [positions_of(r) for r in range(cp)]
-    key = ("ring", rank, tiles, str(device), tuple(id(t) for pair in per_rank for t in pair))
-    entry = _MASKS.get(key)
-    if entry is not None:
-        return entry[0]
-    pos_q, seg_q = per_rank[rank]
-    plan = _RingPlan(
-        q=(to_device(pos_q, device), to_device(seg_q, device)),
-        k=tuple((to_device(p, device), to_device(sg, device)) for p, sg in per_rank),
-        tiles=tuple(_visible_tiles(pos_q, seg_q, p, sg, tiles) for p, sg in per_rank),
-    )
-    return _remember(key, plan, per_rank)
-
-
-def _tile_mask(plan: _RingPlan, src: int, a: int, e: int) -> torch.Tensor:
-    pos_q, seg_q = plan.q
-    return visibility_mask(pos_q[a:e], seg_q[a:e], *plan.k[src])
-
-
-def _block_forward(qf, kb, vb, plan: _RingPlan, src: int, scale, acc_o, acc_m, acc_l) -> None:
-    """Merge one K/V block into the running (output, max, sum) of each query tile, in place."""
-    for a, e in plan.tiles[src]:
-        tile_mask = _tile_mask(plan, src, a, e)
-        s = torch.einsum("bhgqd,bhkd->bhgqk", qf[..., a:e, :], kb) * scale
-        s = s.masked_fill(~tile_mask, float("-inf"))
-        m_old = acc_m[..., a:e]
-        new_m = torch.maximum(m_old, s.amax(-1))
-        safe_m = torch.where(torch.isinf(new_m), torch.zeros_like(new_m), new_m)
-        p = torch.exp(s - safe_m[..., None])
-        alpha = torch.exp(m_old - safe_m)
-        acc_l[..., a:e] = acc_l[..., a:e] * alpha + p.sum(-1)
-        acc_o[..., a:e, :] = acc_o[..., a:e, :] * alpha[..., None] + torch.einsum("bhgqk,bhkd->bhgqd", p, vb)
-        acc_m[..., a:e] = new_m
-
-
-def _block_backward(qf, do, delta, lse, kb, vb, plan: _RingPlan, src: int, scale, dq, dkv, d: int) -> None:
-    """Add one K/V block's contribution to dq (in place) and to the block's dk/dv (in dkv)."""
-    for a, e in plan.tiles[src]:
-        tile_mask = _tile_mask(plan, src, a, e)
-        q_t, do_t = qf[..., a:e, :], do[..., a:e, :]
-        s = torch.einsum("bhgqd,bhkd->bhgqk", q_t, kb) * scale
-        s = s.masked_fill(~tile_mask, float("-inf"))
-        p = torch.exp(s - lse[..., a:e, None])
-        dkv[..., d:] += torch.einsum("bhgqk,bhgqd->bhkd", p, do_t)
-        dp = torch.einsum("bhgqd,bhkd->bhgqk", do_t, vb)
-        ds = p * (dp - delta[..., a:e, None])
-        dq[..., a:e, :] += torch.einsum("bhgqk,bhkd->bhgqd", ds, kb) * scale
-        dkv[..., :d] += torch.einsum("bhgqk,bhgqd->bhkd", ds, q_t) * scale
-
-
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, positions_of: PositionFn, group, scale: float):
+    def forward(ctx, q, k, v, cu, group, scale: float):
         cp, rank = group.size(), group.rank()
-        kv_heads, d = k.size(1), k.size(-1)
-        dtype = compute_dtype(q)
-        qf = _group_heads(q.to(dtype), kv_heads)  # [b, h, g, sq, d]
-        plan = _ring_plan(positions_of, cp, rank, _query_tiles(qf, k.size(2)), q.device)
-
-        acc_o = torch.zeros_like(qf)
-        acc_m = torch.full(qf.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
-        acc_l = torch.zeros(qf.shape[:-1], dtype=dtype, device=q.device)
-        kv = torch.cat([k, v], dim=-1).contiguous()
+        acc_out, acc_lse = _accumulators(q)
+        kv = torch.cat([k, v], dim=-1)
+        d = k.size(-1)
         for step in range(cp):
             reqs = []
             if step < cp - 1:
-                next_kv, reqs = _ring_exchange(kv, group)
+                next_kv, reqs = _ring_exchange(kv, group, tag=step)
             src = (rank - step) % cp
-            if plan.tiles[src]:
-                _block_forward(qf, kv[..., :d].to(dtype), kv[..., d:].to(dtype), plan, src, scale, acc_o, acc_m, acc_l)
+            _block_forward(q, kv[..., :d], kv[..., d:], block_pairs(cu, cp, rank, src), scale, acc_out, acc_lse,
+                           first=step == 0)
             if step < cp - 1:
                 _wait(reqs)
                 kv = next_kv
-        out = acc_o / acc_l[..., None]
-        lse = acc_m + torch.log(acc_l)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.positions_of, ctx.group, ctx.scale = positions_of, group, scale
-        b, n, sq, _ = q.shape
-        return out.reshape(b, n, sq, d).to(q.dtype)
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.cu, ctx.group, ctx.scale = cu, group, scale
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        positions_of, group, scale = ctx.positions_of, ctx.group, ctx.scale
+        cu, group, scale = ctx.cu, ctx.group, ctx.scale
         cp, rank = group.size(), group.rank()
-        kv_heads, d = k.size(1), k.size(-1)
-        dtype = compute_dtype(q)
-        qf = _group_heads(q.to(dtype), kv_heads)
-        do = _group_heads(grad_out.to(dtype), kv_heads)
-        delta = (do * out).sum(-1)  # [b, h, g, sq]
-        plan = _ring_plan(positions_of, cp, rank, _query_tiles(qf, k.size(2)), q.device)
-
-        dq = torch.zeros_like(qf)
-        kv = torch.cat([k, v], dim=-1).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        d = k.size(-1)
+        dtype = lse_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        kv = torch.cat([k, v], dim=-1)
+        dkv_reqs, dkv_in = [], None
         for step in range(cp):
-            src = (rank - step) % cp
-            if plan.tiles[src]:
-                _block_backward(qf, do, delta, lse, kv[..., :d].to(dtype), kv[..., d:].to(dtype), plan, src, scale,
-                                dq, dkv, d)
-            # Pass the block and its accumulated gradient on; after cp sends it is home again.
+            kv_reqs = []
             if step < cp - 1:
-                both = torch.cat([kv.to(dtype), dkv], dim=-1)
-                recv, reqs = _ring_exchange(both, group)
-                _wait(reqs)
-                kv = recv[..., : 2 * d].to(k.dtype)
-                dkv = recv[..., 2 * d :]
-            else:
-                dkv, reqs = _ring_exchange(dkv, group)
-                _wait(reqs)
-        b, n, sq, _ = q.shape
-        dq = dq.reshape(b, n, sq, d).to(q.dtype)
-        return dq, dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None
+                next_kv, kv_reqs = _ring_exchange(kv, group, tag=2 * step)
+            src = (rank - step) % cp
+            dkv = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+            _block_backward(grad_out, q, kv[..., :d], kv[..., d:], out, lse, block_pairs(cu, cp, rank, src), scale,
+                            dq, dkv, d)
+            if step > 0:  # what the ranks before this one added to this block's gradient
+                _wait(dkv_reqs)
+                dkv += dkv_in
+            # On to the next rank; after the last step that is the block's owner.
+            dkv_in, dkv_reqs = _ring_exchange(dkv, group, tag=2 * step + 1) if cp > 1 else (dkv, [])
+            if step < cp - 1:
+                _wait(kv_reqs)
+                kv = next_kv
+        _wait(dkv_reqs)
+        return dq.to(q.dtype), dkv_in[..., :d].to(k.dtype), dkv_in[..., d:].to(v.dtype), None, None, None
+
+
+# ----------------------------------------------------------------------------- all_gather
+
+
+def _gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather dim 2 of ``[b, n, s, d]`` over ``group``: ``[cp, b, n, s, d]`` in rank order."""
+    front = x.unsqueeze(0).contiguous()
+    out = front.new_empty((group.size(), *x.shape))
+    dist.all_gather_into_tensor(out, front, group=group)
+    return out
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``[cp, b, n, s, d]`` over ``group`` and keep this rank's ``[b, n, s, d]``."""
+    out = x.new_empty((1, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out[0]
+
+
+def _own_block_first(cp: int, rank: int) -> list[int]:
+    return [rank] + [r for r in range(cp) if r != rank]
+
+
+class AllGatherAttention(torch.autograd.Function):
+    """Gather K/V over the CP group and attend block by block; backward gathers again.
+
+    Keeping the gathered K/V for backward would cost every layer CP times its local K/V; saving
+    only the local q, k, v costs one more all-gather per layer in backward and keeps saved
+    activations ``O(S/cp)`` like the ring."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, group, scale: float):
+        cp, rank = group.size(), group.rank()
+        d = k.size(-1)
+        kv_all = _gather_seq(torch.cat([k, v], dim=-1), group)
+        acc_out, acc_lse = _accumulators(q)
+        for src in _own_block_first(cp, rank):
+            _block_forward(q, kv_all[src, ..., :d], kv_all[src, ..., d:], block_pairs(cu, cp, rank, src), scale,
+                           acc_out, acc_lse, first=src == rank)
+        del kv_all
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.cu, ctx.group, ctx.scale = cu, group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cu, group, scale = ctx.cu, ctx.group, ctx.scale
+        cp, rank = group.size(), group.rank()
+        d = k.size(-1)
+        dtype = lse_dtype(q.dtype)
+        kv_all = _gather_seq(torch.cat([k, v], dim=-1), group)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dkv_all = torch.zeros(kv_all.shape, dtype=dtype, device=q.device)
+        for src in range(cp):
+            _block_backward(grad_out, q, kv_all[src, ..., :d], kv_all[src, ..., d:], out, lse,
+                            block_pairs(cu, cp, rank, src), scale, dq, dkv_all[src], d)
+        del kv_all
+        dkv = _reduce_scatter_seq(dkv_all, group)
+        return dq.to(q.dtype), dkv[..., :d].to(k.dtype), dkv[..., d:].to(v.dtype), None, None, None
+
+
+# ----------------------------------------------------------------------------- a2a (Ulysses)
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def _seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``[b, n, s, d]`` sequence shard -> ``[b, n/A, A*s, d]`` head shard, sequence in rank order."""
+    a = group.size()
+    b, n, s, d = x.shape
+    recv = _all_to_all(x.reshape(b, a, n // a, s, d).transpose(0, 1).contiguous(), group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, n // a, a * s, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`_seq_to_heads`."""
+    a = group.size()
+    b, m, total, d = x.shape
+    s = total // a
+    recv = _all_to_all(x.reshape(b, m, a, s, d).permute(2, 0, 1, 3, 4).contiguous(), group)
+    return recv.transpose(0, 1).reshape(b, a * m, s, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad, ctx.group), None
+
+
+@functools.lru_cache(maxsize=64)
+def _global_positions(cu: tuple[int, ...], cp: int, rank: int) -> torch.Tensor:
+    """Packed-row positions (sequence offset + position) of a CP rank's local tokens, in order."""
+    parts = [start + zigzag_index(end - start, cp, rank) for start, end in zip(cu[:-1], cu[1:]) if end > start]
+    return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def a2a_order(cu: tuple[int, ...], cp: int, group_rank: int, a2a: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)``: sorts the a2a group's gathered tokens (rank-major) by position.
+
+    The group's CP ranks ``o*a2a .. o*a2a + a2a-1`` hold, together, the zigzag halves ``o`` and
+    ``2P-1-o`` of a ring of ``P = cp/a2a`` members, so position order is that ring's local layout
+    (with ``P = 1``, the natural order)."""
+    first = group_rank * a2a
+    held = torch.cat([_global_positions(cu, cp, first + a) for a in range(a2a)])
+    order = torch.argsort(held)
+    return order, torch.argsort(order)
+
+
+def kv_replication(kv_heads: int, a2a: int) -> int:
+    """How many times a2a repeats each K/V head so every rank of the group gets whole heads."""
+    if kv_heads % a2a == 0:
+        return 1
+    if a2a % kv_heads == 0:
+        return a2a // kv_heads
+    raise ValueError(f"a2a context parallelism over {a2a} ranks needs kv_heads ({kv_heads}) divisible by {a2a}, "
+                     f"or {a2a} divisible by kv_heads")
+
+
+def ulysses_attention(q, k, v, cu: tuple[int, ...], a2a_group, ring_group, scale: float):
+    """a2a (``ring_group`` None) or a2a+p2p attention of this rank's zigzag shard."""
+    a2a = a2a_group.size()
+    rings = ring_group.size() if ring_group is not None else 1
+    cp = a2a * rings
+    if q.size(1) % a2a:
+        raise ValueError(f"a2a context parallelism needs the heads per rank ({q.size(1)}) divisible by {a2a}")
+    repeat = kv_replication(k.size(1), a2a)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    outer = ring_group.rank() if ring_group is not None else 0
+    order, inverse = (t.to(q.device) for t in a2a_order(cu, cp, outer, a2a))
+    qh, kh, vh = (_SeqToHeads.apply(x, a2a_group).index_select(2, order) for x in (q, k, v))
+    if ring_group is not None:
+        out = RingAttention.apply(qh, kh, vh, cu, ring_group, scale)
+    elif len(cu) == 2:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                             enable_gqa=qh.size(1) != kh.size(1))
+    else:
+        out = packed_causal_attention(qh, kh, vh, cu, scale)
+    return _HeadsToSeq.apply(out.index_select(2, inverse), a2a_group)

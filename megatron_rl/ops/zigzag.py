@@ -3,7 +3,7 @@
 A sequence of length ``L`` (a multiple of ``2*cp``) is cut into ``2*cp`` equal chunks; rank ``r``
 keeps chunks ``r`` and ``2*cp-1-r``.  Causal attention work is then the same on every rank.
 These helpers work on host tensors so a rank can take its shard *before* moving data to its
-device, and give the global positions the attention masks need.
+device.
 
 Host copies travel with the device tensors they describe (:func:`with_host_values`): the packed
 ``cu_seqlens`` a micro-batch sends to its device carry their values as Python ints, so attention
@@ -12,7 +12,6 @@ and RoPE read offsets in every layer without asking the device (a sync per read 
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -51,38 +50,6 @@ def unshard(shards: Sequence[torch.Tensor], dim: int = -1) -> torch.Tensor:
     for rank, piece in enumerate(shards):
         out.index_copy_(dim % out.dim(), zigzag_index(seq_len, cp_size, rank).to(out.device), piece)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _bshd_positions(seq_len: int, cp_size: int, cp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    pos = zigzag_index(seq_len, cp_size, cp_rank)
-    return pos, torch.zeros_like(pos)
-
-
-def local_positions_bshd(seq_len: int, cp_size: int, cp_rank: int):
-    """(global position, segment id) of each local token of an unpacked row."""
-    return _bshd_positions(seq_len, cp_size, cp_rank)
-
-
-@functools.lru_cache(maxsize=64)
-def _thd_positions(cu: tuple[int, ...], cp_size: int, cp_rank: int):
-    positions, segments = [], []
-    for seg, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        length = end - start
-        if length == 0:
-            continue
-        pos = zigzag_index(length, cp_size, cp_rank) if cp_size > 1 else torch.arange(length)
-        positions.append(pos)
-        segments.append(torch.full_like(pos, seg))
-    return torch.cat(positions), torch.cat(segments)
-
-
-def local_positions_thd(cu_seqlens_padded: Sequence[int], cp_size: int, cp_rank: int):
-    """(position within its sequence, sequence id) of each local token of a packed batch.
-
-    ``cu_seqlens_padded`` are the *global* cumulative padded lengths, each a multiple of ``2*cp``.
-    """
-    return _thd_positions(tuple(int(c) for c in cu_seqlens_padded), cp_size, cp_rank)
 
 
 def with_host_values(t: torch.Tensor, values: Sequence[int]) -> torch.Tensor:

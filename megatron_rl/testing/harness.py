@@ -54,12 +54,13 @@ _DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_RL_TEST_TIMEOUT", "300"))
 # Process-wide state one body may change and the next should not inherit.  Caches, cleared
 # (``cache_clear`` for functools caches, ``clear`` for dicts): (module, attribute, method).
 _CACHES = (
-    ("megatron_rl.ops.zigzag", "_thd_positions", "cache_clear"),
-    ("megatron_rl.ops.zigzag", "_bshd_positions", "cache_clear"),
-    ("megatron_rl.ops.cp_attention", "_MASKS", "clear"),
+    ("megatron_rl.ops.cp_attention", "block_pairs", "cache_clear"),
+    ("megatron_rl.ops.cp_attention", "_global_positions", "cache_clear"),
+    ("megatron_rl.ops.cp_attention", "a2a_order", "cache_clear"),
+    ("megatron_rl.ops.packed_attention", "_plan", "cache_clear"),
 )
 # Tunables tests lower, set back to their values when the worker started: (module, attribute).
-_TUNABLES = (("megatron_rl.ops.cp_attention", "_MAX_BLOCK_ELEMENTS"),)
+_TUNABLES = (("megatron_rl.ops.packed_attention", "MAX_PADDING_WASTE"),)
 _DEFAULTS: dict[tuple[str, str], Any] = {}
 
 
