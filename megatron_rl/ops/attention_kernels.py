@@ -29,11 +29,6 @@ _HALF = (torch.bfloat16, torch.float16)
 _MAX_SCORES_PER_CALL = 2**31
 
 
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The precision partial results are merged in: the input's, at least float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def attention_forward(q, k, v, causal: bool, scale: float):
     """``(out, lse)`` of softmax attention of ``q`` over ``k``/``v``; ``out`` in ``q``'s dtype."""
     if q.device.type == "cpu":

@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rl.ops.attention_kernels import attention_backward, attention_forward, lse_dtype, merge_into
+from megatron_rl.ops.attention_kernels import attention_backward, attention_forward, merge_into
 from megatron_rl.ops.packed_attention import packed_causal_attention
+from megatron_rl.ops.precision import compute_dtype
 from megatron_rl.ops.zigzag import zigzag_index
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
@@ -127,8 +128,19 @@ def _block_backward(do, q, k, v, out, lse, pairs, scale, dq, dkv, d: int) -> Non
         dkv[..., ka:ke, d:] += gv
 
 
+def _save(ctx, q, k, v, out, lse, cu, group, scale):
+    """What both strategies' backward needs: the local inputs, the merged output and lse."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.cu, ctx.group, ctx.scale = cu, group, scale
+    return out
+
+
+def _restore(ctx):
+    return (*ctx.saved_tensors, ctx.cu, ctx.group, ctx.scale)
+
+
 def _accumulators(q):
-    dtype = lse_dtype(q.dtype)
+    dtype = compute_dtype(q)
     return torch.empty(q.shape, dtype=dtype, device=q.device), torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
 
 
@@ -168,18 +180,12 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 _wait(reqs)
                 kv = next_kv
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.cu, ctx.group, ctx.scale = cu, group, scale
-        return out
+        return _save(ctx, q, k, v, acc_out.to(q.dtype), acc_lse, cu, group, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        cu, group, scale = ctx.cu, ctx.group, ctx.scale
-        cp, rank = group.size(), group.rank()
-        d = k.size(-1)
-        dtype = lse_dtype(q.dtype)
+        q, k, v, out, lse, cu, group, scale = _restore(ctx)
+        cp, rank, d, dtype = group.size(), group.rank(), k.size(-1), compute_dtype(q)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         kv = torch.cat([k, v], dim=-1)
         dkv_reqs, dkv_in = [], None
@@ -242,18 +248,12 @@ class AllGatherAttention(torch.autograd.Function):
             _block_forward(q, kv_all[src, ..., :d], kv_all[src, ..., d:], block_pairs(cu, cp, rank, src), scale,
                            acc_out, acc_lse, first=src == rank)
         del kv_all
-        out = acc_out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.cu, ctx.group, ctx.scale = cu, group, scale
-        return out
+        return _save(ctx, q, k, v, acc_out.to(q.dtype), acc_lse, cu, group, scale)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        cu, group, scale = ctx.cu, ctx.group, ctx.scale
-        cp, rank = group.size(), group.rank()
-        d = k.size(-1)
-        dtype = lse_dtype(q.dtype)
+        q, k, v, out, lse, cu, group, scale = _restore(ctx)
+        cp, rank, d, dtype = group.size(), group.rank(), k.size(-1), compute_dtype(q)
         kv_all = _gather_seq(torch.cat([k, v], dim=-1), group)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dkv_all = torch.zeros(kv_all.shape, dtype=dtype, device=q.device)
