@@ -7,8 +7,8 @@ similar length, each bucket gathered into a padded ``[sequences, heads, length, 
 one fused causal SDPA call, and the valid rows scattered back.  Padding sits at the end of each
 sequence, so under the causal mask a real token never sees it; padded rows are dropped, so they
 get no gradient.  A bucket may waste at most :data:`MAX_PADDING_WASTE` of its attention work on
-padding: equal lengths (the usual RL micro-batch) give one call, very different lengths one call
-per sequence, as before.
+padding beyond what another kernel call would cost (:data:`CALL_COST_ELEMENTS`): short or equal
+lengths (the usual RL micro-batch) give one call, very different long lengths one call each.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
-# Most extra attention work (padded score elements / real ones) a bucket may add.
+# Most extra attention work (padded score elements / real ones) a bucket may add...
 MAX_PADDING_WASTE = 0.3
+# ...beyond what one more kernel call costs, in score elements: short sequences share a call
+# whatever their lengths, since launching and gathering costs more than their padding.
+CALL_COST_ELEMENTS = 1 << 16
 
 
 def _buckets(lengths: tuple[int, ...]) -> list[list[int]]:
@@ -31,7 +34,7 @@ def _buckets(lengths: tuple[int, ...]) -> list[list[int]]:
             group = groups[-1]
             longest = lengths[group[0]]
             real = sum(lengths[j] ** 2 for j in group) + lengths[i] ** 2
-            if (len(group) + 1) * longest**2 <= (1 + MAX_PADDING_WASTE) * real:
+            if (len(group) + 1) * longest**2 - real <= MAX_PADDING_WASTE * real + CALL_COST_ELEMENTS:
                 group.append(i)
                 continue
         groups.append([i])
