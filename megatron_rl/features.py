@@ -21,6 +21,7 @@ from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.models.arch import RECOMPUTE_MODULES, attention_dims
 from megatron_rl.ops.cp_attention import A2A_COMM_TYPES, kv_replication
+from megatron_rl.trainer.old_logprobs import training_forward_blockers
 
 TESTED_CPU = "tested on CPU"
 TESTED_GPU = "tested on GPU"
@@ -523,6 +524,25 @@ FEATURES: list[Feature] = [
         config="algorithm.overlong_buffer, overlong_penalty",
     ),
     Feature(
+        "Old log-prob source (on-policy shortcut)", "algorithms", TESTED_CPU,
+        "algorithm.old_logprobs: auto (default) takes the PPO ratio's old log-probs from the update's own forward, detached, when the update is exactly on-policy (one epoch, one mini-batch, no rollout correction, no KL in the reward): the same loss and gradients as recomputing them, one actor forward fewer per step; otherwise it recomputes them. recompute and rollout (the engine's log-probs) on request.",
+        ("tests/test_ppo.py::test_on_policy_shortcut_gives_the_recompute_gradients_with_one_forward_fewer",
+         "tests/test_ppo.py::test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it"),
+        (
+            _need("algorithm.old_logprobs", lambda c, w: not training_forward_blockers(c.algorithm),
+                  "the update's forward gives the old log-probs only when it is exactly on-policy "
+                  "(ppo_epochs=1, mini_batches=1, rollout_correction.mode=off, no KL in the reward)",
+                  "use algorithm.old_logprobs=auto (it recomputes them here) or recompute",
+                  "training_forward: ppo_epochs=1, mini_batches=1, no rollout correction, no KL in the reward",
+                  when=lambda c: c.algorithm.old_logprobs == "training_forward"),
+            _need("algorithm.old_logprobs", lambda c, w: c.algorithm.rollout_correction.mode == "off",
+                  "rollout correction weighs the trainer's log-probs against the rollout's, which are the old ones here",
+                  "use algorithm.old_logprobs=auto or recompute, or algorithm.rollout_correction.mode=off",
+                  "rollout: no rollout correction", when=lambda c: c.algorithm.old_logprobs == "rollout"),
+        ),
+        config="algorithm.old_logprobs=auto (default) | recompute | training_forward | rollout",
+    ),
+    Feature(
         "Rollout correction (TIS / MIS)", "algorithms", TESTED_CPU,
         "Importance weights exp(logp_trainer - logp_rollout) per token or per sequence, truncated (tis) or masked (mis) at a threshold, multiply the policy loss; logged: rollout_correction/weight_mean, weight_max, truncated_frac or masked_frac. Off by default; for bf16, external or asynchronous engines.",
         ("tests/test_new_losses.py::test_rollout_correction_tis_and_mis_token_and_sequence",
@@ -792,6 +812,13 @@ FEATURES: list[Feature] = [
         ("tests/test_context_parallel.py::test_token_budget_does_not_change_logprobs_or_gradients",
          "tests/test_context_parallel.py::test_sequence_longer_than_budget_times_cp_is_a_data_error"),
         config="batch.max_tokens_per_rank",
+    ),
+    Feature(
+        "Token-budget micro-batches by default", "data", TESTED_CPU,
+        "With neither batch.max_tokens_per_rank nor batch.micro_batch_size set, the budget is derived: 64 sequences of data.max_prompt_tokens + rollout.max_new_tokens, at most what 4 GiB of activations per rank hold for the model and layout, at least one such sequence, at least pp micro-batches; rollout.max_batch_size likewise defaults to the step's whole batch per rank (within 4 GiB of KV cache). An explicit micro_batch_size still fixes the size; a budget takes precedence over it.",
+        ("tests/test_ppo.py::test_default_configs_train_on_micro_batches_of_many_sequences",
+         "tests/test_context_parallel.py::test_token_budget_does_not_change_logprobs_or_gradients"),
+        config="batch.max_tokens_per_rank=null, batch.micro_batch_size=null (defaults)",
     ),
     Feature(
         "Slurm launch (sbatch)", "cluster", TESTED_CPU,

@@ -100,3 +100,47 @@ def test_features_command_prints_versions_and_patches():
     assert proc.returncode == 0
     assert "megatron-core 0.16.1" in proc.stdout and "Tensor parallelism" in proc.stdout
     assert "cpu.cuda_to_cpu_function_mode" in proc.stdout
+
+
+def param_count_body(overrides: list[str]) -> int:
+    """Parameters of the actor ``overrides`` builds on one process (vocabulary unpadded)."""
+    import torch
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.testing.layouts import use_layout
+
+    cfg = load_config(None, overrides + ["model.make_vocab_size_divisible_by=1"])
+    chunks = build_gpt_chunks(cfg.model, use_layout(), torch.device("cpu"))
+    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
+
+
+def test_train_says_what_it_loaded_and_a_finished_rerun_exits_at_once(tmp_path):
+    from megatron_rl.testing.harness import run_distributed
+    from tests._helpers import TINY
+
+    args = ("train", *TINY, "trainer.steps=1", f"run.dir={tmp_path}", "run.name=r")
+    first, first_s = cli(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    lines = first.stdout.splitlines()
+    startup = {line.split(":")[0]: line for line in lines[:8]}
+    assert startup["layout"] == "layout: tp=1 pp=1 cp=1 dp=1, world size 1, cpu"
+    assert startup["tokenizer"] == "tokenizer: char (vocab 54)"
+    assert startup["prompts"] == "prompts: 20 from task:add_small"
+    count = run_distributed(1, param_count_body, list(TINY))[0]
+    assert startup["model"] == (f"model: random init (seed 1234): {count:,} parameters (2 layers, hidden 32); "
+                                "built actor, reference, critic")
+    assert startup["batching"] == "batching: 2 sequence(s) per micro-batch (batch.micro_batch_size)"
+    # The job waits for its last checkpoint: it says so before, and how long it took after.
+    ckpt = str(tmp_path / "r" / "checkpoints")
+    assert f"checkpoint: writing step 1 to {ckpt} before exiting ..." in lines
+    assert any(line.startswith(f"checkpoint: step 1 saved to {ckpt}/step_00000001 in ") for line in lines)
+
+    again, again_s = cli(*args)
+    print(f"first run {first_s:.1f}s, finished re-run {again_s:.1f}s")
+    assert again.returncode == 0 and again.stderr == ""  # no warnings: no model or rank was started
+    assert again.stdout.splitlines() == [
+        f"run finished: step 1 of trainer.steps=1 is done in {tmp_path / 'r'}; nothing to do. To train further: "
+        f"trainer.steps=<more than 1>; to start fresh: run.name=<new name>, or trainer.resume=never "
+        f"(overwrites {tmp_path / 'r'})"]
+    assert again_s < first_s

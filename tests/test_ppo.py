@@ -19,7 +19,8 @@ from tests._helpers import TINY, ppo_body, read_metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
             "actor/clipfrac", "actor/grad_norm", "critic/vf_loss", "critic/explained_var",
-            "timing/rollout_s", "timing/actor_update_s", "throughput/tokens_per_s", "memory/rss_gb")
+            "timing/rollout_s", "timing/actor_update_s", "throughput/generated_tokens_per_s",
+            "throughput/total_tokens_per_s", "memory/rss_gb")
 
 
 LAYOUTS = {
@@ -54,6 +55,169 @@ def test_grpo_runs_without_a_critic(tmp_path):
     assert len(rows) == 2 and not any(k.startswith("critic/") for k in rows[0])
     meta = json.loads((tmp_path / "g" / "checkpoints" / "step_00000002" / "meta.json").read_text())
     assert meta["parts"] == ["actor", "reference"]
+
+
+# ----------------------------------------------------------------------------- default batching
+
+
+def one_step_body(config, overrides: list[str]):
+    """One PPO step of ``config`` (None: the schema defaults) + ``overrides``: the sequences in each
+    micro-batch the trainer built -- training (with a loss mask) and forward-only passes apart --,
+    its batch plan and rollout batch."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.engine import forward
+    from megatron_rl.trainer.ppo import PPOTrainer
+
+    cfg = load_config(config, overrides)
+    validate(cfg, dist.get_world_size())
+    seen = {"train": [], "forward_only": []}
+    original = forward.build_microbatch
+
+    def recording(seqs, seq_indices, **kw):
+        seen["train" if "loss_mask" in seqs[0] else "forward_only"].append(len(seqs))
+        return original(seqs, seq_indices, **kw)
+
+    forward.build_microbatch = recording
+    try:
+        trainer = PPOTrainer(cfg, log=lambda line: None)
+        metrics = trainer.train_step(1)
+    finally:
+        forward.build_microbatch = original
+    return {"seen": seen, "budget": trainer.plan.max_tokens_per_rank, "derived": trainer.plan.derived,
+            "rollout_batch": trainer.cfg.rollout.max_batch_size, "metrics": metrics,
+            "samples": len(trainer.prompts), "prompt_len": len(trainer.prompts.prompt_ids[0])}
+
+
+def test_default_configs_train_on_micro_batches_of_many_sequences(tmp_path):
+    """Neither the schema defaults nor configs/demo_cpu.yaml set a micro-batch size: the derived
+    token budget packs many sequences into every micro-batch the update runs."""
+    run = [f"run.dir={tmp_path}", "trainer.resume=never"]
+    defaults = run_distributed(1, one_step_body, None, run + ["run.name=defaults"])[0]
+    # 64 sequences of data.max_prompt_tokens + rollout.max_new_tokens = 512 + 64; the 4 GiB cap
+    # is far above that for this model.  All 16 x 4 samples are generated in one pass.
+    assert defaults["derived"] and defaults["budget"] == 64 * (512 + 64)
+    assert defaults["rollout_batch"] == 16 * 4
+    print(f"schema defaults: sequences per training micro-batch {defaults['seen']['train']}")
+    assert defaults["seen"]["train"] and min(defaults["seen"]["train"]) > 1
+    # One epoch, one mini-batch: the old log-probs come from the training forward (no extra pass);
+    # the critic's value pass and the two updates (actor, critic) run one micro-batch each.
+    assert defaults["seen"]["train"] == [64, 64] and defaults["seen"]["forward_only"] == [64]
+
+    demo = run_distributed(4, one_step_body, os.path.join(ROOT, "configs", "demo_cpu.yaml"),
+                           run + ["run.name=demo", "trainer.sft_warmup_steps=0"])[0]
+    # TP2 with sequence parallelism pads sequences to even lengths: 64 x align(16 + 3, 2) tokens.
+    assert demo["derived"] and demo["budget"] == 64 * 20
+    assert demo["rollout_batch"] == 16 * 8
+    print(f"demo_cpu.yaml: sequences per training micro-batch {demo['seen']['train']}")
+    # Two mini-batches of 64 samples, each cut into pp=2 micro-batches (the pipeline needs two).
+    assert sorted(demo["seen"]["train"]) == [32] * 8  # (actor + critic) x 2 mini-batches x 2
+    assert min(demo["seen"]["forward_only"]) > 1
+
+
+def test_throughput_metrics_count_generated_and_total_tokens(tmp_path):
+    out = run_distributed(1, one_step_body, None, TINY + [f"run.dir={tmp_path}", "run.name=t"])[0]
+    m, samples = out["metrics"], 4 * 2  # prompts_per_step x rollout.n
+    generated = m["throughput/generated_tokens_per_s"] * m["timing/step_s"]
+    total = m["throughput/total_tokens_per_s"] * m["timing/step_s"]
+    assert generated == pytest.approx(m["response_length/mean"] * samples, rel=1e-9)
+    assert total - generated == pytest.approx(out["prompt_len"] * samples, rel=1e-9)  # add_small prompts: one length
+
+
+# ----------------------------------------------------------------------------- old log-probs
+
+
+def old_logprob_body(source: str, overrides: list[str]):
+    """Two steps of the TINY run (critic + KL loss to a reference) with one mini-batch and
+    ``algorithm.old_logprobs=source``: the actor's gradients before each optimizer step, the second
+    step's metrics (the reference differs from the actor only after the first), and how many
+    forward passes the actor's model ran in the second step."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.models.canonical import gather_canonical
+    from megatron_rl.trainer.ppo import PPOTrainer
+
+    cfg = load_config(None, TINY + ["batch.micro_batch_size=null", "algorithm.mini_batches=1",
+                                    f"algorithm.old_logprobs={source}", "trainer.resume=never"] + overrides)
+    trainer = PPOTrainer(cfg, log=lambda line: None)
+    forwards, grads = [0], []
+    step = trainer.actor.step
+
+    def recording_step():
+        grads.append(gather_canonical(trainer.actor.chunks, "grad"))
+        return step()
+
+    trainer.actor.step = recording_step
+    trainer.train_step(1)
+
+    def count(*_):
+        forwards[0] += 1
+
+    hook = trainer.actor.chunks[0].register_forward_pre_hook(count)
+    try:
+        metrics = trainer.train_step(2)
+    finally:
+        hook.remove()
+    return {"grads": grads, "metrics": metrics, "forwards": forwards[0], "source": trainer.old_logprobs}
+
+
+def test_on_policy_shortcut_gives_the_recompute_gradients_with_one_forward_fewer(tmp_path):
+    runs = {s: run_distributed(1, old_logprob_body, s, [f"run.dir={tmp_path}", f"run.name={s}"])[0]
+            for s in ("recompute", "training_forward", "rollout", "auto")}
+    rec, fwd = runs["recompute"], runs["training_forward"]
+    assert runs["auto"]["source"] == "training_forward"  # one epoch, one mini-batch: exactly on-policy
+    assert len(rec["grads"]) == len(fwd["grads"]) == 2
+    assert min(max(float(g.abs().max()) for g in step.values()) for step in rec["grads"]) > 1e-3
+    worst = _max_grad_diff(fwd["grads"], rec["grads"])
+    print(f"training_forward vs recompute: max |dgrad| {worst:.2e}; actor forwards "
+          f"{ {s: r['forwards'] for s, r in runs.items()} }")
+    assert worst <= 1e-6
+    # The same step in every number (loss, clip fraction, KL, entropy, grad norm, critic ...).
+    volatile = ("timing/", "throughput/", "memory/")
+    keys = [k for k in rec["metrics"] if not k.startswith(volatile)]
+    assert set(keys) == {k for k in fwd["metrics"] if not k.startswith(volatile)}
+    for key in keys:
+        assert fwd["metrics"][key] == pytest.approx(rec["metrics"][key], abs=1e-6), key
+    assert rec["metrics"]["actor/kl_loss"] > 1e-4 and rec["metrics"]["actor/kl"] > 1e-4
+    # One forward fewer: the recompute pass (one micro-batch under the derived budget) is gone.
+    assert rec["forwards"] - fwd["forwards"] == 1 and "timing/old_logprob_s" not in fwd["metrics"]
+    assert runs["rollout"]["forwards"] == fwd["forwards"] == runs["auto"]["forwards"]
+    # The engine's log-probs differ from the trainer's by rounding only, and so do the gradients.
+    worst_rollout = _max_grad_diff(runs["rollout"]["grads"], rec["grads"])
+    print(f"rollout vs recompute: max |dgrad| {worst_rollout:.2e}")
+    assert worst_rollout <= 1e-4
+
+
+def _max_grad_diff(steps_a: list[dict], steps_b: list[dict]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for a, b in zip(steps_a, steps_b) for k in b)
+
+
+def test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it():
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source
+
+    cases = [
+        ([], "training_forward"),
+        (["algorithm.mini_batches=2"], "recompute"),
+        (["algorithm.ppo_epochs=2"], "recompute"),
+        (["algorithm.rollout_correction.mode=tis"], "recompute"),  # its weights need them before the update
+        (["algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"], "recompute"),  # the KL changes the advantages
+        (["algorithm.kl_coef=0.1"], "training_forward"),  # a KL loss reads the update's own log-probs
+        (["algorithm.old_logprobs=recompute"], "recompute"),
+        (["algorithm.old_logprobs=rollout", "algorithm.mini_batches=4"], "rollout"),
+    ]
+    for overrides, want in cases:
+        cfg = load_config(None, overrides)
+        validate(cfg, 1)
+        assert resolve_old_logprob_source(cfg.algorithm) == want, overrides
+    for overrides in (["algorithm.old_logprobs=training_forward", "algorithm.mini_batches=2"],
+                      ["algorithm.old_logprobs=training_forward", "algorithm.rollout_correction.mode=mis"],
+                      ["algorithm.old_logprobs=rollout", "algorithm.rollout_correction.mode=tis"]):
+        with pytest.raises(ConfigError, match=r"^config error: algorithm.old_logprobs="):
+            validate(load_config(None, overrides), 1)
 
 
 # ----------------------------------------------------------------------------- exact resume

@@ -29,6 +29,7 @@ from megatron_rl.models.arch import (
     RECOMPUTE_METHODS,
 )
 from megatron_rl.ops.cp_attention import CP_COMM_TYPES
+from megatron_rl.trainer.old_logprobs import OLD_LOGPROB_SOURCES
 
 TRANSFORMER_IMPL_CHOICES = ("auto",) + TRANSFORMER_IMPLS
 SFT_TARGETS = ("true", "shuffled")
@@ -124,9 +125,14 @@ class ModelConfig:
 @dataclass
 class BatchConfig:
     max_tokens_per_rank: Optional[int] = _f(
-        None, "Token budget per micro-batch per rank (dynamic batch size); null = fixed micro_batch_size.", ge=1
+        None, "Token budget per micro-batch per rank (micro-batches are filled up to it); takes precedence over "
+        "micro_batch_size. null with micro_batch_size null = derived: room for 64 sequences of "
+        "data.max_prompt_tokens + rollout.max_new_tokens, at most what 4 GiB of activations hold for this model "
+        "and layout, at least one such sequence; at least pp micro-batches (docs/quickstart.md).", ge=1
     )
-    micro_batch_size: int = _f(1, "Sequences per micro-batch when no token budget is set.", ge=1)
+    micro_batch_size: Optional[int] = _f(
+        None, "Fixed sequences per micro-batch, used when max_tokens_per_rank is null; null = the token budget.", ge=1
+    )
     packing: bool = _f(True, "Pack sequences into one THD row (no padding waste); false = padded BSHD rows.")
     logprob_chunk_size: int = _f(1024, "Tokens per chunk of the vocab-parallel log-prob/entropy computation.", ge=1)
 
@@ -171,7 +177,7 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling; 1 = off.", gt=0, le=1)
     top_k: int = _f(0, "Top-k sampling; 0 = off.", ge=0)
     stop: list = _f([], "Extra stop strings (EOS always stops).")
-    max_batch_size: int = _f(64, "Sequences generated together.", ge=1)
+    max_batch_size: Optional[int] = _f(None, "Sequences generated together per rank; null = the step's whole batch on this rank (prompts_per_step x n / dp), at most what 4 GiB of full-length KV cache holds.", ge=1)
 
 
 @dataclass
@@ -228,6 +234,15 @@ class AlgorithmConfig:
                               "grows to overlong_penalty; 0 = off.", ge=0)
     overlong_penalty: float = _f(1.0, "DAPO overlong shaping: the penalty at rollout.max_new_tokens.", ge=0)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    old_logprobs: Literal[OLD_LOGPROB_SOURCES] = _f(
+        "auto", "Old log-probs of the PPO ratio: recompute (a forward before the update), training_forward (the "
+        "update's own forward, detached: same loss and gradients, one forward fewer; needs ppo_epochs=1, "
+        "mini_batches=1, no rollout correction, no KL in the reward), rollout (the rollout engine's); auto = "
+        "training_forward when allowed, else recompute."
+    )
+    routing_replay: bool = _f(
+        False, "MoE: record each token's experts in the old-log-prob pass and route the update's forwards the same "
+        "way (actor/routing_replay_mismatch: share of tokens whose own top-k differs); needs old_logprobs=recompute.")
 
 
 @dataclass

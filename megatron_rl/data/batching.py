@@ -5,6 +5,11 @@ sequence and a micro-batch of sixteen 1k sequences are not treated as equal.  Wi
 (``batch.max_tokens_per_rank``) micro-batches are filled so that no rank holds more than the budget
 of tokens; at context parallelism ``cp`` a rank holds ``1/cp`` of each sequence, so sequences up to
 ``budget * cp`` tokens fit.  Every data-parallel rank runs the same number of micro-batches.
+
+Unless a config fixes ``batch.max_tokens_per_rank`` or ``batch.micro_batch_size``, the budget is
+derived (:func:`default_token_budget`): room for :data:`DEFAULT_SEQUENCES_PER_MICROBATCH` sequences
+of the longest length the config allows, capped by what :data:`DEFAULT_ACTIVATION_BUDGET_BYTES` of
+activations hold, never below one such sequence.
 """
 
 from __future__ import annotations
@@ -15,6 +20,21 @@ from typing import Optional, Sequence
 from megatron_rl.data.microbatch import align_to
 from megatron_rl.distributed import collectives
 from megatron_rl.errors import DataError
+
+# The derived token budget: this many full-length sequences per micro-batch ...
+DEFAULT_SEQUENCES_PER_MICROBATCH = 64
+# ... unless their activations (kept for backward, per rank) would exceed this.
+DEFAULT_ACTIVATION_BUDGET_BYTES = 4 * 2**30
+
+
+def default_token_budget(max_seq_len: int, activation_bytes_per_token: float, *, cp: int = 1, align: int = 1) -> int:
+    """Tokens per rank per micro-batch when the config sets neither a budget nor a micro-batch size.
+
+    ``min(64 x one full-length sequence, 4 GiB / activation bytes per token)``, and at least one
+    full-length sequence (``max_seq_len`` aligned, ``1/cp`` of it per rank), which always fits."""
+    longest = align_to(max_seq_len, align) // cp
+    cap = int(DEFAULT_ACTIVATION_BUDGET_BYTES // max(activation_bytes_per_token, 1e-9))
+    return max(longest, min(DEFAULT_SEQUENCES_PER_MICROBATCH * longest, cap))
 
 
 def sequence_cost(length: int, attention_weight: float = 1.0 / 4096) -> float:
@@ -67,13 +87,17 @@ def plan_microbatches(
     packed: bool,
     dp_group=None,
     multiple_of: int = 1,
+    min_count: int = 1,
+    oversized_alone: bool = False,
 ) -> list[list[int]]:
     """Group ``indices`` (this rank's sequences) into micro-batches.
 
     Without a token budget: ``ceil(n / micro_batch_size)`` balanced groups.  With one: the fewest
-    micro-batches whose local token count stays within the budget.  The count is agreed (max)
-    over the data-parallel group and rounded up to ``multiple_of`` (the interleaved pipeline
-    schedule needs a multiple of the pipeline size).
+    micro-batches (at least ``min_count``) whose local token count stays within the budget; a
+    sequence over the budget is an error, or with ``oversized_alone`` (a derived budget, which
+    a warm-up answer longer than the response limit may exceed) a micro-batch of its own.  The
+    count is agreed (max) over the data-parallel group and rounded up to ``multiple_of`` (the
+    interleaved pipeline schedule needs a multiple of the pipeline size).
     """
     indices = list(indices)
     if not indices:
@@ -81,19 +105,19 @@ def plan_microbatches(
     if max_tokens_per_rank:
         for i in indices:
             local = _local_tokens(lengths, [i], align, cp, packed)
-            if local > max_tokens_per_rank:
+            if local > max_tokens_per_rank and not oversized_alone:
                 raise DataError(
                     "batch.max_tokens_per_rank", max_tokens_per_rank,
                     f"a sequence of {lengths[i]} tokens needs {local} tokens per rank at cp={cp}, over the budget",
                     f"raise batch.max_tokens_per_rank to >= {local}, raise parallel.cp, or cap the response length",
                 )
         total = _local_tokens(lengths, indices, align, cp, packed=True)
-        count = max(1, -(-total // max_tokens_per_rank))
+        count = max(1, min_count, -(-total // max_tokens_per_rank))
         while count < len(indices) and not _fits(lengths, _balanced(lengths, indices, count), align, cp,
                                                 packed, max_tokens_per_rank):
             count += 1
     else:
-        count = -(-len(indices) // micro_batch_size)
+        count = -(-len(indices) // (micro_batch_size or 1))
     count = _agree_max(count, dp_group)
     if multiple_of > 1:
         count = -(-count // multiple_of) * multiple_of
@@ -111,7 +135,8 @@ def plan_microbatches(
 
 
 def _fits(lengths, bins, align, cp, packed, budget) -> bool:
-    return all(_local_tokens(lengths, b, align, cp, packed) <= budget for b in bins)
+    """Every micro-batch within the budget (one sequence alone always fits: it was checked before)."""
+    return all(len(b) == 1 or _local_tokens(lengths, b, align, cp, packed) <= budget for b in bins)
 
 
 def _balanced(lengths, indices, count: int) -> list[list[int]]:

@@ -3,7 +3,8 @@
 This is the one data path for scoring, the reference/old log-prob passes and training:
 
 1. sequences are split over data-parallel ranks (balanced by cost);
-2. each rank plans its micro-batches (fixed size or token budget, same count on every DP rank);
+2. each rank plans its micro-batches (token budget -- derived from the model and the longest
+   sequence unless the config sets one -- or fixed size; the same count on every DP rank);
 3. each micro-batch is padded / packed and cut to this rank's context-parallel shard on the
    host (:mod:`megatron_rl.data.microbatch`), and only that shard moves to the device;
 4. megatron's pipeline schedule runs forward (and backward when training) over the micro-batches;
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.compat.megatron_fixes import pre_normalised_count
-from megatron_rl.data.batching import plan_microbatches, split_data_parallel
+from megatron_rl.data.batching import default_token_budget, plan_microbatches, split_data_parallel
 from megatron_rl.data.microbatch import Microbatch, alignment, build_microbatch
 from megatron_rl.distributed import collectives
 from megatron_rl.engine.pipeline import run_microbatches
@@ -41,10 +42,47 @@ LossFn = Callable[[dict, dict, Microbatch], tuple]
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
+    """How :func:`run_sequences` cuts sequences into micro-batches: a token budget per rank when
+    ``max_tokens_per_rank`` is set, else ``micro_batch_size`` sequences.  ``derived`` marks a budget
+    the config did not set (:func:`batch_plan`): a sequence over it gets a micro-batch of its own
+    instead of an error, and there are at least ``min_microbatches`` (the pipeline size)."""
+
     max_tokens_per_rank: Optional[int] = None
-    micro_batch_size: int = 1
+    micro_batch_size: Optional[int] = 1
     packed: bool = True
     pad_id: int = 0
+    derived: bool = False
+    min_microbatches: int = 1
+
+    def describe(self) -> str:
+        if self.max_tokens_per_rank is None:
+            return f"{self.micro_batch_size or 1} sequence(s) per micro-batch (batch.micro_batch_size)"
+        origin = "derived" if self.derived else "batch.max_tokens_per_rank"
+        return f"up to {self.max_tokens_per_rank} tokens per micro-batch per rank ({origin})"
+
+
+def activation_bytes_per_token(model, layout, dtype_bytes: int) -> float:
+    """Bytes a rank keeps for backward per local token of a micro-batch: the decoder layers of its
+    pipeline stage (pp micro-batches in flight) and the log-prob path, as the planner counts them."""
+    from megatron_rl.planner.memory import PlanOption, activation_bytes, head_bytes
+
+    option = PlanOption(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
+                        sequence_parallel=layout.sequence_parallel, recompute=model.recompute.granularity,
+                        cp_comm_type=layout.cp_comm_type)
+    return activation_bytes(model, option, 1, dtype_bytes) + head_bytes(model, option, 1, dtype_bytes)["saved"]
+
+
+def batch_plan(batch, model, layout, max_seq_len: int, dtype_bytes: int, pad_id: int = 0) -> BatchPlan:
+    """The plan for ``batch`` (a BatchConfig): ``max_tokens_per_rank`` when set, else
+    ``micro_batch_size`` when set, else a budget derived from ``max_seq_len`` (the longest sequence
+    the run makes) and the model's activation memory per token on ``layout``
+    (:func:`megatron_rl.data.batching.default_token_budget`)."""
+    if batch.max_tokens_per_rank or batch.micro_batch_size:
+        return BatchPlan(batch.max_tokens_per_rank, batch.micro_batch_size, batch.packing, pad_id=pad_id)
+    align = alignment(layout.cp, layout.tp, layout.sequence_parallel)
+    budget = default_token_budget(max_seq_len, activation_bytes_per_token(model, layout, dtype_bytes),
+                                  cp=layout.cp, align=align)
+    return BatchPlan(budget, None, batch.packing, pad_id=pad_id, derived=True, min_microbatches=layout.pp)
 
 
 def _model_inputs(mb: Microbatch, device):
@@ -74,6 +112,7 @@ def run_sequences(
         lengths, mine, max_tokens_per_rank=plan.max_tokens_per_rank, micro_batch_size=plan.micro_batch_size,
         cp=cp, align=align, packed=plan.packed, dp_group=ps.get_data_parallel_group(),
         multiple_of=ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1,
+        min_count=plan.min_microbatches, oversized_alone=plan.derived,
     )
     mbs = [build_microbatch([seqs[i] for i in g], g, cp_size=cp, cp_rank=cp_rank, align=align,
                             packed=plan.packed, pad_id=plan.pad_id) for g in groups]
@@ -84,6 +123,8 @@ def run_sequences(
 
     def forward_step(mb: Microbatch, model):
         inputs, packed_params = _model_inputs(mb, device)
+        for hook in getattr(unwrap(model), "microbatch_hooks", ()):  # e.g. MoE routers (models/moe.py)
+            hook(mb)
         hidden = model(inputs["tokens"], inputs["position_ids"], None, packed_seq_params=packed_params)
 
         def loss_func(output):

@@ -213,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg0 = load_config(args.config, args.overrides)
         nproc = args.nproc or cfg0.distributed.nproc
         cfg = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command)
+        if args.command == "train":
+            from megatron_rl.trainer.finished import finished_message, finished_step
+
+            done = finished_step(cfg)
+            if done is not None:  # a re-run of a finished run: one line, no ranks started
+                print(finished_message(cfg, done), flush=True)
+                return 0
         if args.command in ("train", "smoke"):
             cfg.distributed.nproc = nproc  # the record says how the job was launched, --nproc included
             save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"))

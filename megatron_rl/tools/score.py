@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
-from megatron_rl.engine.forward import BatchPlan, run_sequences
+from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.errors import DataError
+from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import LogProbHead
 from megatron_rl.models.hf_bridge import load_hf_weights
@@ -71,7 +72,8 @@ def run_score(cfg: Config, hf_dir: str, input_path: str, output_path: str, tempe
     for chunk in chunks:
         chunk.eval()
     seqs = [{"tokens": torch.tensor(ids, dtype=torch.long)} for ids in sequences]
-    plan = BatchPlan(cfg.batch.max_tokens_per_rank, cfg.batch.micro_batch_size, cfg.batch.packing)
+    plan = batch_plan(cfg.batch, model_cfg, layout, max(map(len, sequences)),
+                      resolve_dtype(model_cfg.params_dtype, device).itemsize)
     head = LogProbHead(temperature=temperature, chunk_size=cfg.batch.logprob_chunk_size)
     with torch.no_grad():
         outputs, _ = run_sequences(chunks, seqs, head, plan, device)

@@ -98,8 +98,8 @@ class Experience:
     samples: Samples
     scores: torch.Tensor           # [B] reward of each sample
     mask: torch.Tensor             # [B, R]
-    old_logprob: torch.Tensor      # [B, R]
-    entropy: torch.Tensor          # [B, R]
+    old_logprob: Optional[torch.Tensor]  # [B, R]; None until the update with old_logprobs=training_forward
+    entropy: Optional[torch.Tensor]      # [B, R] of the trainer's policy before this step's update
     ref_logprob: Optional[torch.Tensor]
     values: Optional[torch.Tensor]
     token_rewards: torch.Tensor
@@ -108,6 +108,10 @@ class Experience:
     kl: Optional[torch.Tensor]
     rollout_weights: Optional[torch.Tensor] = None  # [B, R] rollout-correction loss multipliers
     metrics: dict = dataclasses.field(default_factory=dict)  # algorithm metrics of this step
+    # The trainer's own log-probs before this step's update (the recompute pass, or the update's
+    # first forward), on the rows ``measured`` marks (None: every row).
+    trainer_logprob: Optional[torch.Tensor] = None
+    measured: Optional[torch.Tensor] = None
 
     def full_length(self, i: int, rows: torch.Tensor) -> torch.Tensor:
         """Row ``i`` of a ``[B, R]`` tensor placed at its response positions of the full sequence."""

@@ -91,28 +91,44 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            print("metrics: waiting for Weights & Biases to finish uploading ...", flush=True)
             self._wandb.finish()
 
 
 def experience_metrics(exp: Experience) -> dict:
-    """Rewards, response lengths, entropy, advantages, rollout-vs-trainer log-prob mismatch, values."""
+    """Rewards, response lengths, entropy, advantages, rollout-vs-trainer log-prob mismatch, values.
+
+    Entropy and the mismatch are over the samples the trainer's pre-update log-probs were measured
+    on (``exp.measured``; every sample unless old_logprobs=rollout with several mini-batches)."""
     mask, samples = exp.mask, exp.samples
     lengths = mask.sum(-1)
+    measured = mask if exp.measured is None else mask * exp.measured[:, None]
     out = {
         "reward/mean": float(exp.scores.mean()), "reward/std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
         "reward/max": float(exp.scores.max()), "reward/min": float(exp.scores.min()),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "response_length/stopped_frac": sum(r == "stop" for r in samples.finish_reason) / len(samples),
-        "actor/entropy": float(losses.aggregate(exp.entropy, mask, "token-mean")),
         "advantages/mean": float(losses.aggregate(exp.advantages, mask, "token-mean")),
     }
-    diff = (samples.rollout_logprobs() - exp.old_logprob).abs() * mask
-    out["rollout/logprob_mismatch_mean"] = float(diff.sum() / mask.sum().clamp(min=1))
-    out["rollout/logprob_mismatch_max"] = float(diff.max())
+    if exp.entropy is not None:
+        out["actor/entropy"] = float(losses.aggregate(exp.entropy, measured, "token-mean"))
+    if exp.trainer_logprob is not None:
+        diff = (samples.rollout_logprobs() - exp.trainer_logprob).abs() * measured
+        out["rollout/logprob_mismatch_mean"] = float(diff.sum() / measured.sum().clamp(min=1))
+        out["rollout/logprob_mismatch_max"] = float(diff.max())
     if exp.values is not None:
         out["critic/explained_var"] = float(losses.explained_variance(exp.values, exp.returns, mask))
         out["critic/values_mean"] = float(losses.aggregate(exp.values, mask, "token-mean"))
     return out
+
+
+def throughput_metrics(samples, step_s: float) -> dict:
+    """Tokens per second of the whole step: generated (response) tokens, and all tokens the
+    trainer processed (prompt + response)."""
+    generated = sum(len(r) for r in samples.response_ids)
+    prompt = sum(len(p) for p in samples.prompt_ids)
+    return {"throughput/generated_tokens_per_s": generated / step_s,
+            "throughput/total_tokens_per_s": (prompt + generated) / step_s}
 
 
 def optimizer_step_metrics(phase: str, results: Sequence[StepResult]) -> dict:

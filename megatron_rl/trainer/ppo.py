@@ -7,8 +7,10 @@
    ``reward.timeout_s``, and every rank receives all scores), add the overlong penalty (``algorithms/shaping.py``); with dynamic sampling,
    repeat 1-2 on further prompts until the batch holds enough groups whose rewards differ
    (``trainer/dynamic_sampling.py``);
-3. recompute old log-probs (and entropy) with the training model, reference log-probs, values;
-   token rewards, KL, advantages (the registered estimator), rollout-correction weights;
+3. old log-probs (and entropy) -- recomputed by the training model, or taken from the update's own
+   forward when it is exactly on-policy, or the rollout engine's (``trainer/old_logprobs.py``) --,
+   reference log-probs, values; token rewards, KL, advantages (the registered estimator),
+   rollout-correction weights;
 4. update actor and critic over ``ppo_epochs`` x ``mini_batches`` optimizer steps, and stop the
    run when every step of a phase was skipped as non-finite (``trainer/guards.py``);
 5. log metrics, checkpoint when due or when SIGTERM/SIGUSR1 asked for it.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -40,14 +43,16 @@ from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sum_count, reduce_sums
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine import checkpoint
-from megatron_rl.engine.forward import BatchPlan, run_sequences
+from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
+from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
 from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.planner.memory import kv_cache_bytes, total_params
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
@@ -55,6 +60,7 @@ from megatron_rl.rollout.engine import make_engine
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
+from megatron_rl.trainer.finished import finished_message, finished_step
 from megatron_rl.trainer.guards import check_updates_applied
 from megatron_rl.trainer.metrics import (
     MetricsWriter,
@@ -62,7 +68,9 @@ from megatron_rl.trainer.metrics import (
     memory_metrics,
     optimizer_step_metrics,
     plot_metrics,
+    throughput_metrics,
 )
+from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.update import (
@@ -76,9 +84,27 @@ from megatron_rl.trainer.update import (
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
 
+# A derived rollout.max_batch_size generates at most this much full-length KV cache at once.
+ROLLOUT_KV_BUDGET_BYTES = 4 * 2**30
+
 
 def _rank0() -> bool:
     return dist.get_rank() == 0
+
+
+def layout_line(layout: ParallelLayout, world_size: int, device) -> str:
+    vpp = f" vpp={layout.vpp}" if layout.vpp else ""
+    sp = " (sequence parallel)" if layout.sequence_parallel else ""
+    return (f"layout: tp={layout.tp} pp={layout.pp}{vpp} cp={layout.cp} dp={layout.dp}{sp}, world size {world_size}, "
+            f"{torch.device(device).type}")
+
+
+def model_source(cfg: Config) -> str:
+    if cfg.actor.init_checkpoint:
+        return cfg.actor.init_checkpoint
+    if cfg.model.hf_path:
+        return cfg.model.hf_path
+    return f"random init (seed {cfg.run.seed})"
 
 
 class PPOTrainer:
@@ -91,6 +117,7 @@ class PPOTrainer:
         self.layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
         init_model_parallel(self.layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
         self.device = resolve_device(cfg.distributed)
+        self.log(layout_line(self.layout, dist.get_world_size(), self.device))
         self.run_dir = os.path.join(cfg.run.dir, cfg.run.name)
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         os.makedirs(self.run_dir, exist_ok=True)
@@ -98,10 +125,24 @@ class PPOTrainer:
         self.use_critic = needs_critic(alg.advantage)
         self.use_ref = alg.kl_coef > 0
 
-        self.tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
-        self.plan = BatchPlan(cfg.batch.max_tokens_per_rank, cfg.batch.micro_batch_size, cfg.batch.packing,
-                              pad_id=self.tokenizer.pad_id)
+        spec = tokenizer_spec(cfg.data, cfg.model.hf_path)
+        self.tokenizer = load_tokenizer(spec)
+        self.log(f"tokenizer: {spec} (vocab {self.tokenizer.vocab_size})")
         self.prompts = self._load_prompts()
+        dtype_bytes = resolve_dtype(cfg.model.params_dtype, self.device).itemsize
+        self.plan = batch_plan(cfg.batch, cfg.model, self.layout, self.max_sequence_length(), dtype_bytes,
+                               pad_id=self.tokenizer.pad_id)
+        self.log(f"batching: {self.plan.describe()}")
+        origin = "rollout.max_batch_size"
+        if cfg.rollout.max_batch_size is None:
+            # Resolved once, here: everything after reads an int from self.cfg.
+            origin = "derived"
+            rollout = dataclasses.replace(cfg.rollout, max_batch_size=self._rollout_batch(dtype_bytes))
+            self.cfg = cfg = dataclasses.replace(cfg, rollout=rollout)
+        self.log(f"rollout: {cfg.rollout.engine} engine, up to {cfg.rollout.max_batch_size} sequences per "
+                 f"generation pass per rank ({origin})")
+        self.old_logprobs = resolve_old_logprob_source(alg)
+        self.log(f"old log-probs: {self.old_logprobs}" + (" (auto)" if alg.old_logprobs == "auto" else ""))
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn)
         self.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -117,6 +158,10 @@ class PPOTrainer:
         self.critic: Optional[Trainable] = (
             make_trainable(attach_value_head(self._build()), cfg.critic.optim, updates) if self.use_critic else None
         )
+        built = ", ".join(name for name, on in (("actor", True), ("reference", self.use_ref),
+                                                 ("critic", self.use_critic)) if on)
+        self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
+                 f"hidden {cfg.model.hidden_size}); built {built}")
         self.engine = make_engine(cfg.rollout.engine, cfg.model, device=self.device,
                                   max_batch_size=cfg.rollout.max_batch_size)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
@@ -146,10 +191,23 @@ class PPOTrainer:
     # ------------------------------------------------------------------ setup
 
     def _load_prompts(self) -> PromptSet:
-        prompts = load_prompt_source(self.cfg.data, self.tokenizer)
-        if prompts.num_dropped:
-            self.log(f"data: dropped {prompts.num_dropped} prompts longer than {self.cfg.data.max_prompt_tokens} tokens")
+        data = self.cfg.data
+        prompts = load_prompt_source(data, self.tokenizer)
+        dropped = f"; dropped {prompts.num_dropped} longer than {data.max_prompt_tokens} tokens" if prompts.num_dropped else ""
+        self.log(f"prompts: {len(prompts)} from {data.train_path}{dropped}")
         return prompts
+
+    def max_sequence_length(self) -> int:
+        """The longest prompt + response this run can make (what the derived token budget is sized for)."""
+        return self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens
+
+    def _rollout_batch(self, dtype_bytes: int) -> int:
+        """``rollout.max_batch_size`` when unset: every sample this rank generates in a step, in one pass,
+        at most what :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds (at least 1)."""
+        cfg = self.cfg
+        per_rank = -(-cfg.trainer.prompts_per_step // self.layout.dp) * cfg.rollout.n
+        per_seq = kv_cache_bytes(cfg.model, 1, self.max_sequence_length(), dtype_bytes)
+        return max(1, min(per_rank, int(ROLLOUT_KV_BUDGET_BYTES // per_seq)))
 
     def _build(self) -> list:
         return build_gpt_chunks(self.cfg.model, self.layout, self.device)
@@ -214,6 +272,15 @@ class PPOTrainer:
         return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
                                           keep_last=self.cfg.trainer.keep_last)
 
+    def _save_and_say(self, step: int, final: bool) -> str:
+        """Save, with a line after it; before the last one also a line, since the job waits for it."""
+        if final:
+            self.log(f"checkpoint: writing step {step} to {self.ckpt_root} before exiting ...")
+        start = time.perf_counter()
+        path = self.save(step)
+        self.log(f"checkpoint: step {step} saved to {path} in {time.perf_counter() - start:.1f}s")
+        return path
+
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> dict:
@@ -223,7 +290,7 @@ class PPOTrainer:
         step = self.start_step
         try:
             if step >= cfg.trainer.steps:
-                self.log(f"nothing to do: the run already finished {step} steps")
+                self.log(finished_message(cfg, step))
                 return last
             while step < cfg.trainer.steps:
                 step += 1
@@ -236,7 +303,7 @@ class PPOTrainer:
                 stopping = stop.agreed()
                 if due or stopping or step == cfg.trainer.steps:
                     self._phase(None)
-                    path = self.save(step)
+                    path = self._save_and_say(step, final=stopping or step == cfg.trainer.steps)
                     if stopping:
                         self.log(f"signal {stop.signum or 'on another rank'}: checkpoint after step {step} "
                                  f"at {path}; exiting")
@@ -263,12 +330,10 @@ class PPOTrainer:
             metrics.update(experience_metrics(exp))
             metrics.update(sampling_metrics)
             metrics.update(exp.metrics)
-        step_s = timings[timing_key("step")]
-        tokens = sum(len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids))
         metrics.update(timings)
         metrics.update(memory_metrics())
         metrics["rollout/weights_gb"] = self.engine.weight_bytes() / 2**30
-        metrics["throughput/tokens_per_s"] = tokens / step_s
+        metrics.update(throughput_metrics(samples, timings[timing_key("step")]))
         return metrics
 
     # ------------------------------------------------------------------ one step, in order
@@ -338,11 +403,12 @@ class PPOTrainer:
         seqs = samples.sequences()
         mask = samples.response_mask()
         head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
-        ref = values = None
+        old = ref = values = None
         with torch.no_grad():
-            with timed("old_logprob", timings):
-                self._phase("actor")
-                old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
+            if self.old_logprobs == "recompute":
+                with timed("old_logprob", timings):
+                    self._phase("actor")
+                    old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
             if self.reference is not None:
                 with timed("ref_logprob", timings):
                     self._phase("reference")
@@ -352,13 +418,18 @@ class PPOTrainer:
                 with timed("values", timings):
                     self._phase("critic")
                     values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
-        old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
-        entropy = samples.pad_responses([o["entropy"] for o in old]) * mask
+        # training_forward: filled in by the update (_measure_in_update); rollout: the engine's.
+        old_logprob = entropy = None
+        if old is not None:
+            old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
+            entropy = samples.pad_responses([o["entropy"] for o in old]) * mask
+        elif self.old_logprobs == "rollout":
+            old_logprob = samples.rollout_logprobs() * mask
         ref_logprob = samples.pad_responses([o["logprob"] for o in ref]) * mask if ref is not None else None
         value_rows = samples.pad_responses([o["value"] for o in values]) * mask if values is not None else None
         token_rewards = token_rewards_from_scores(scores, mask)
         kl = None
-        if ref_logprob is not None:
+        if ref_logprob is not None and old_logprob is not None:
             # The per-token KL is always measured (metrics, controller); it is subtracted from the
             # rewards only with kl_in_reward -- otherwise the actor loss carries it (coefficient 0 here).
             # Outcome estimators (GRPO, RLOO, ...) see it as the row sum of the penalised token rewards.
@@ -373,12 +444,15 @@ class PPOTrainer:
             weights, metrics = correction_weights(old_logprob, samples.rollout_logprobs(), mask, correction.mode,
                                                   correction.level, correction.threshold)
         return Experience(samples, scores, mask, old_logprob, entropy, ref_logprob, value_rows, token_rewards,
-                          advantage_rows, returns, kl, rollout_weights=weights, metrics=metrics)
+                          advantage_rows, returns, kl, rollout_weights=weights, metrics=metrics,
+                          trainer_logprob=old_logprob if old is not None else None)
 
     def _update(self, exp: Experience, step: int, timings: dict) -> dict:
         alg = self.cfg.algorithm
         kl_in_loss = self.reference is not None and not alg.kl_in_reward
-        fields = {"old_logprob": exp.old_logprob, "advantages": exp.advantages}
+        fields = {"advantages": exp.advantages}
+        if self.old_logprobs != "training_forward":  # without the field the loss takes its own forward's
+            fields["old_logprob"] = exp.old_logprob
         if kl_in_loss:
             fields["ref_logprob"] = exp.ref_logprob
         if exp.rollout_weights is not None:
@@ -389,9 +463,12 @@ class PPOTrainer:
         seqs = exp.training_sequences(fields)
         valid = [len(r) for r in exp.samples.response_ids]
         kl_loss_coef = self.kl_ctl.value if kl_in_loss else 0.0
+        # Without the recompute pass, the first training forward also measures entropy and the trainer's log-probs.
+        measure = self.old_logprobs != "recompute"
         head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
-                           with_entropy=alg.entropy_coef > 0)
+                           with_entropy=alg.entropy_coef > 0 or measure)
         actor_logs, critic_logs, results = [], [], {"actor": [], "critic": []}
+        first_forward = None
         for epoch in range(alg.ppo_epochs):
             order_seed = None if alg.mini_batches == 1 else derive_seed(self.cfg.run.seed, "mini_batches", step, epoch)
             for members in mini_batches(len(seqs), alg.mini_batches, order_seed):
@@ -401,11 +478,13 @@ class PPOTrainer:
                 with timed("actor_update", timings):
                     self._phase("actor")
                     self.actor.zero_grad()
-                    _, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
-                                            loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
-                                            forward_only=False)
+                    outs, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
+                                               loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
+                                               forward_only=False)
                     results["actor"].append(self.actor.step())
                     actor_logs.append(logs)
+                    if measure and first_forward is None:
+                        first_forward = (members, outs)  # the weights before any update of this step
                 if self.critic is not None:
                     with timed("critic_update", timings):
                         self._phase("critic")
@@ -415,6 +494,8 @@ class PPOTrainer:
                                                 forward_only=False)
                         results["critic"].append(self.critic.step())
                         critic_logs.append(logs)
+        if first_forward is not None:
+            self._measure_in_update(exp, *first_forward)
         # A critic whose updates all failed also poisons the actor's advantages: name it first.
         check_updates_applied("critic", results["critic"], step, self.cfg)
         check_updates_applied("actor", results["actor"], step, self.cfg)
@@ -432,6 +513,26 @@ class PPOTrainer:
             out.update(optimizer_step_metrics("critic", results["critic"]))
         return out
 
+    def _measure_in_update(self, exp: Experience, members: list[int], outs: list[dict]) -> None:
+        """Trainer log-probs and entropy of the samples ``members`` from the update's first forward;
+        with ``training_forward`` (one mini-batch: every sample) they are the old log-probs, and the
+        KL to the reference is measured from them as the recompute pass would have."""
+        samples = exp.samples
+        logprob = [torch.zeros(len(p) + len(r)) for p, r in zip(samples.prompt_ids, samples.response_ids)]
+        entropy = list(logprob)
+        measured = torch.zeros(len(samples), dtype=torch.bool)
+        for i, out in zip(members, outs):
+            logprob[i], entropy[i], measured[i] = out["logprob"], out["entropy"], True
+        mask = exp.mask * measured[:, None]
+        exp.trainer_logprob = samples.pad_responses(logprob) * mask
+        exp.entropy = samples.pad_responses(entropy) * mask
+        exp.measured = measured
+        if self.old_logprobs == "training_forward":
+            exp.old_logprob = exp.trainer_logprob
+            if exp.ref_logprob is not None:  # measured only: the KL is never in the reward here
+                _, exp.kl = apply_kl_penalty(exp.token_rewards, exp.old_logprob, exp.ref_logprob, exp.mask, 0.0,
+                                             self.cfg.algorithm.kl_kind)
+
     def _update_kl_coef(self, exp: Experience) -> dict:
         """Move the KL coefficient by the KL to the reference measured this step; both as metrics."""
         if exp.kl is None:
@@ -442,6 +543,11 @@ class PPOTrainer:
 
 
 def run_ppo(cfg: Config, log=print) -> dict:
+    done = finished_step(cfg)
+    if done is not None:  # before any model is built: a re-run of a finished run only says so
+        if _rank0():
+            log(finished_message(cfg, done))
+        return {}
     trainer = PPOTrainer(cfg, log=log)
     return trainer.train()
 

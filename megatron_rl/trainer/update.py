@@ -71,6 +71,8 @@ def actor_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Seque
     """The registered policy loss (+ entropy bonus, + KL loss) for ``run_sequences``.
 
     ``horizon`` is the constant of ``seq-mean-token-sum-norm`` (the trainer passes rollout.max_new_tokens).
+    Sequences without an ``old_logprob`` field take this forward's own log-probs, detached, as the
+    old ones (``algorithm.old_logprobs=training_forward``): ratio 1, the gradient of the recompute path.
     """
 
     def loss_fn(outs: dict, t: dict, mb: Microbatch):
@@ -79,8 +81,9 @@ def actor_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Seque
         lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
         logp = rows(outs["logprob"])
         weights = rows(t["rollout_weight"]) if "rollout_weight" in t else None
+        old = rows(t["old_logprob"]) if "old_logprob" in t else logp.detach()
         num, _, metrics = losses.policy_loss_terms(
-            alg.policy_loss, logp, rows(t["old_logprob"]), rows(t["advantages"]), mask, alg, agg=alg.loss_agg,
+            alg.policy_loss, logp, old, rows(t["advantages"]), mask, alg, agg=alg.loss_agg,
             seq_lengths=lengths, horizon=horizon, weights=weights, row_sum=context_parallel_row_sum,
         )
         logs = _renamed("actor", metrics)
