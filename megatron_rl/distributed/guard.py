@@ -75,12 +75,26 @@ def _reap_children() -> None:
     try:
         children = psutil.Process().children(recursive=True)
         for child in children:
-            child.terminate()
+            # multiprocessing's resource tracker ignores SIGTERM: waiting for it added the whole
+            # timeout to every exit.  It would be killed after it anyway.
+            if _is_resource_tracker(child):
+                child.kill()
+            else:
+                child.terminate()
         _, alive = psutil.wait_procs(children, timeout=3)
         for child in alive:
             child.kill()
     except psutil.Error:  # processes already gone
         pass
+
+
+def _is_resource_tracker(proc) -> bool:
+    import psutil
+
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _exit(code: int) -> None:
