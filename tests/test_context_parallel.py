@@ -10,131 +10,33 @@ rank must only ever see its ``1/cp`` of the tokens.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-
-TOL = 1e-5
-MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-             num_query_groups=2, vocab_size=100, params_dtype="float32")
-# Odd lengths, several shorter than 2*cp chunks (1..3 tokens), so padding and empty chunks occur.
-LENGTHS = (13, 1, 30, 2, 7, 3, 21)
-
-
-def make_sequences(lengths=LENGTHS, vocab=MODEL["vocab_size"], seed=11) -> list[dict]:
-    """Token ids plus per-token loss coefficients; fields pad with 0, which masks the padding."""
-    g = torch.Generator().manual_seed(seed)
-    return [{"tokens": torch.randint(0, vocab, (n,), generator=g),
-             "coef_logp": torch.randn(n, generator=g),
-             "coef_entropy": torch.randn(n, generator=g),
-             "target": torch.randn(n, generator=g),
-             "mask": torch.ones(n)} for n in lengths]
-
-
-@dataclasses.dataclass(frozen=True)
-class ActorCriticHead:
-    """Log-probs, entropy and values from one forward, so one run checks all three."""
-
-    outputs = ("logprob", "entropy", "value")
-
-    def __call__(self, model, hidden, tensors):
-        from megatron_rl.models.heads import LogProbHead, ValueOutput
-
-        out = LogProbHead(chunk_size=16)(model, hidden, tensors)
-        out.update(ValueOutput()(model, hidden, tensors))
-        return out
-
-
-def build_with_value_head(layout, weights, params_dtype: str = "auto"):
-    """The model with a (non-zero) value head; canonical ``weights`` loaded, or gathered if None."""
-    from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.canonical import gather_canonical, load_canonical
-    from megatron_rl.models.heads import attach_value_head
-
-    model = ModelConfig(**dict(MODEL, params_dtype=params_dtype))
-    chunks = attach_value_head(build_gpt_chunks(model, layout, torch.device("cpu")))
-    for chunk in chunks:
-        if chunk.post_process:
-            # The value head freezes the LM output layer; this test wants its gradient too.
-            chunk.output_layer.weight.requires_grad_(True)
-            g = torch.Generator().manual_seed(5)
-            with torch.no_grad():
-                chunk.value_head.linear.weight.copy_(torch.randn(1, MODEL["hidden_size"], generator=g) * 0.2)
-                chunk.value_head.linear.bias.fill_(0.3)
-    if weights is None:
-        weights = gather_canonical(chunks)
-    else:
-        load_canonical(chunks, weights, strict=False)
-    return chunks, weights
+from tests._helpers import CP_LENGTHS as LENGTHS
+from tests._helpers import CP_MODEL as MODEL
+from tests._helpers import CP_TOL as TOL
+from tests._helpers import (  # noqa: F401 - ActorCriticHead, build_with_value_head: tests/test_bf16.py uses them
+    ActorCriticHead,
+    actor_critic_step,
+    build_with_value_head,
+    check_against_reference,
+    cp_reference,
+    make_sequences,
+)
+from tests._helpers import max_diff_outputs as _max_diff_outputs
+from tests._helpers import max_diff_tensors as _max_diff_grads
 
 
 def train_body(layout_kw: dict, weights, lengths, plan_kw: dict, forward_only: bool = False):
     """One forward+backward of the actor/critic loss through ``run_sequences`` on this layout."""
-    import torch.distributed as dist
-
-    from megatron_rl.config.schema import OptimConfig
-    from megatron_rl.engine.forward import BatchPlan, run_sequences
-    from megatron_rl.engine.trainable import make_trainable
-    from megatron_rl.models.canonical import gather_canonical
-    from megatron_rl.testing.layouts import use_layout
-
-    layout = use_layout(**layout_kw)
-    chunks, weights = build_with_value_head(layout, weights)
-    trainable = make_trainable(chunks, OptimConfig(), total_steps=1)
-    seqs = make_sequences(lengths)
-    total = float(sum(lengths))
-
-    def loss_fn(outs, tensors, mb):
-        per_token = (outs["logprob"] * tensors["coef_logp"] + outs["entropy"] * tensors["coef_entropy"]
-                     + tensors["mask"] * (outs["value"] - tensors["target"]) ** 2)
-        return per_token.sum() / total, {}
-
-    trainable.zero_grad()
-    stats: dict = {}
-    outs, _ = run_sequences(trainable.chunks, seqs, ActorCriticHead(), BatchPlan(**plan_kw), torch.device("cpu"),
-                            loss_fn=None if forward_only else loss_fn, forward_only=forward_only, stats=stats)
-    result = {"outs": outs, "weights": weights, "local_tokens": stats["local_tokens"]}
-    if not forward_only:
-        result["grads"] = gather_canonical(trainable.chunks, "grad")
-    return result if dist.get_rank() == 0 else stats["local_tokens"]
+    return actor_critic_step(layout_kw, weights, lengths, plan_kw, forward_only)
 
 
-@functools.lru_cache(maxsize=None)
 def reference(lengths=LENGTHS):
     """CP=1 on one process, whole sequences."""
-    return run_distributed(1, train_body, {}, None, lengths, dict(micro_batch_size=3))[0]
-
-
-def _max_diff_outputs(got: list[dict], ref: list[dict]) -> dict:
-    worst = {}
-    for a, b in zip(got, ref, strict=True):
-        for name in b:
-            assert a[name].shape == b[name].shape, name
-            worst[name] = max(worst.get(name, 0.0), float((a[name] - b[name]).abs().max()))
-    return worst
-
-
-def _max_diff_grads(got: dict, ref: dict) -> float:
-    assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
-    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
-
-
-def check_against_reference(world, layout_kw, plan_kw, lengths=LENGTHS):
-    ref = reference(lengths)
-    got = run_distributed(world, train_body, layout_kw, ref["weights"], lengths, plan_kw)[0]
-    outs = _max_diff_outputs(got["outs"], ref["outs"])
-    grad = _max_diff_grads(got["grads"], ref["grads"])
-    print(f"{layout_kw} {plan_kw}: max|d| {outs} grads {grad:.2e}")
-    assert all(v <= TOL for v in outs.values()), outs
-    assert grad <= TOL
-    # The comparison means something: gradients reach every parameter.
-    assert all(float(g.abs().max()) > 0 for g in ref["grads"].values())
-    return got
+    return cp_reference(tuple(lengths))
 
 
 CP_LAYOUTS = {
