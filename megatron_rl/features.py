@@ -611,6 +611,30 @@ FEATURES: list[Feature] = [
                            "python benchmarks/rollout_tp_sharded.py"),),
     ),
     Feature(
+        "Megatron-core dynamic inference engine", "rollout", TESTED_CPU,
+        "rollout.engine=megatron: megatron-core's DynamicInferenceEngine on the actor's own TP/PP(/SP) shards, no weight copy: paged KV cache (rollout.kv_cache_memory, kv_block_tokens), continuous batching of rollout.max_batch_size requests, chunked prefill (rollout.prefill_chunk_tokens); suspended (KV freed) while the actor trains. The project's sampler on the true vocabulary (temperature-scaled log-probs, top-k with top-p, n, every stop id and sequence) with keyed noise: a seed gives the same samples whatever the KV budget or scheduling. CPU via compat/inference_cpu.py (SDPA over the KV pages); GPU needs flash-attn >= 2.7.3, runs without CUDA graphs, untested there. Not the default: slower than the torch decoder on CPU (docs/rollout.md).",
+        ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
+         "tests/test_rollout_megatron_engine.py::test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling",
+         "tests/test_rollout_megatron_engine.py::test_stop_on_every_eos_id_and_stop_sequences_and_padded_vocab_never_drawn",
+         "tests/test_rollout_megatron_engine.py::test_ppo_runs_with_the_megatron_engine_and_recomputes_its_logprobs"),
+        constraints=(
+            _need("rollout.engine", lambda c, w: not c.parallel.vpp or c.parallel.vpp <= 1,
+                  "megatron-core's inference refuses virtual pipeline stages (interleaved chunks)",
+                  "use rollout.engine=tp_sharded or torch with parallel.vpp, or set parallel.vpp=null",
+                  "no VPP", when=lambda c: c.rollout.engine == "megatron"),
+        ),
+        config="rollout.engine=megatron",
+        measured=(Measured("long-tail response lengths on CPU: 0.65x the torch decoder's tokens per CPU-second "
+                           "(1.6x HF generate's), half its decode steps, 0.55x its peak memory (docs/rollout.md)",
+                           "python benchmarks/rollout_engines.py"),),
+    ),
+    Feature(
+        "Rollout without redundant generators", "rollout", TESTED_CPU,
+        "Every DP x CP rank generates a distinct share of the prompts (context-parallel ranks hold the same shards as their replica, so they generate as data-parallel ones do); the TP/PP ranks of a generator share one; each sample is gathered once.",
+        ("tests/test_rollout_megatron_engine.py::test_every_prompt_is_generated_once_over_the_world",),
+        config="(always on)",
+    ),
+    Feature(
         "Non-finite gradients skip the update", "runtime", TESTED_CPU,
         "A NaN/inf gradient norm skips the optimizer step and is reported as actor/skipped_updates, critic/skipped_updates; a PPO step in which every actor or critic step was skipped stops the run with one line naming the likely cause (exit 2) instead of logging nulls.",
         ("tests/test_parallel_parity.py::test_non_finite_gradients_skip_the_update",

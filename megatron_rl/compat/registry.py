@@ -87,7 +87,14 @@ def register_warning(known: KnownWarning) -> KnownWarning:
 
 
 def _load_records() -> None:
-    from megatron_rl.compat import cpu, megatron_fixes, parallel_state, rope_host_seqlens, warning_filters  # noqa: F401
+    from megatron_rl.compat import (  # noqa: F401
+        cpu,
+        inference_cpu,
+        megatron_fixes,
+        parallel_state,
+        rope_host_seqlens,
+        warning_filters,
+    )
 
 
 def all_patches() -> list[Patch]:

@@ -167,7 +167,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("torch", choices="megatron_rl.rollout.engine:ENGINES", help="Generation engine: torch (KV-cache decoder on a full copy of the actor's weights on every rank) or tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP).")
+    engine: str = _f("torch", choices="megatron_rl.rollout.engine:ENGINES", help="Generation engine: torch (KV-cache decoder on a full copy of the actor's weights on every rank), tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP) or megatron (megatron-core's dynamic inference engine on the actor's own TP/PP shards: paged KV cache, continuous batching, chunked prefill; no VPP; docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
     temperature: float = _f(
@@ -177,7 +177,10 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling; 1 = off.", gt=0, le=1)
     top_k: int = _f(0, "Top-k sampling; 0 = off.", ge=0)
     stop: list = _f([], "Extra stop strings (EOS always stops).")
-    max_batch_size: Optional[int] = _f(None, "Sequences generated together per rank; null = the step's whole batch on this rank (prompts_per_step x n / dp), at most what 4 GiB of full-length KV cache holds.", ge=1)
+    max_batch_size: Optional[int] = _f(None, "Sequences generated together per rank (megatron engine: most requests in flight at once); null = the step's whole batch on this rank (prompts_per_step x n / dp), at most what 4 GiB of full-length KV cache holds.", ge=1)
+    kv_cache_memory: float = _f(0.4, "rollout.engine=megatron: KV-cache budget per rank: a fraction of the memory free when each rollout starts (<= 1), or bytes (> 1); freed while the actor trains.", gt=0)
+    prefill_chunk_tokens: int = _f(4096, "rollout.engine=megatron: most tokens one forward step takes (longer prompts are prefilled in chunks).", ge=1)
+    kv_block_tokens: int = _f(256, "rollout.engine=megatron: tokens per KV-cache page.", ge=1)
 
 
 @dataclass

@@ -1,9 +1,14 @@
-"""Rollout over data-parallel ranks: each DP rank generates for its share of the prompts, then
-every rank receives the whole batch.
+"""Rollout over the data- and context-parallel ranks: each generator samples a distinct share of
+the prompts, then every rank receives the whole batch.
 
-The prompts are cut into contiguous shares in DP-rank order.  All ranks of one DP index (its
-TP/PP/CP ranks) generate the same samples; the first rank of each DP index is the one whose
-samples are kept, so the gathered batch holds each sample once, in prompt order.
+A *generator* is one replica of the actor's tensor/pipeline shards: the TP x PP ranks that share
+a data-parallel and a context-parallel index.  Context-parallel ranks hold the same shards as
+their DP replica (CP splits sequences, not weights), and generation has no use for splitting a
+sequence, so each CP rank is a generator of its own: DP x CP generators in all, none repeating
+another's work.  The TP/PP ranks of one generator call the engine together with the same share
+(``tp_sharded`` and ``megatron`` split the model between them; ``torch`` runs a full copy on
+each, so there they compute the same samples).  The first rank of each generator (TP and PP rank
+0) reports its samples, so the gathered batch holds each sample once, in prompt order.
 """
 
 from __future__ import annotations
@@ -16,10 +21,21 @@ from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.utils.seeds import derive_seed
 
 
-def data_parallel_share(num_prompts: int, dp_size: int, dp_rank: int) -> range:
-    """The prompt positions ``dp_rank`` generates for: a contiguous ``ceil(num / dp)`` share."""
-    per_rank = -(-num_prompts // dp_size)
-    return range(dp_rank * per_rank, min(num_prompts, (dp_rank + 1) * per_rank))
+def data_parallel_share(num_prompts: int, generators: int, index: int) -> range:
+    """The prompt positions generator ``index`` samples: a contiguous ``ceil(num / generators)`` share."""
+    per_rank = -(-num_prompts // generators)
+    return range(index * per_rank, min(num_prompts, (index + 1) * per_rank))
+
+
+def generator_of_this_rank() -> tuple[int, int, bool]:
+    """``(generators, this rank's generator, whether this rank reports that generator's samples)``.
+
+    Generators are indexed by the DP x CP rank; with CP = 1 that is the data-parallel rank."""
+    size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    index = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    reports = (parallel_state.get_tensor_model_parallel_rank() == 0
+               and parallel_state.get_pipeline_model_parallel_rank() == 0)
+    return size, index, reports
 
 
 def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], params: SamplingParams,
@@ -27,18 +43,17 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
     """``params.n`` samples of every prompt, the same batch on every rank.
 
     ``prompt_index`` of the result indexes ``prompt_ids``; sample ``j`` of prompt ``i`` is at
-    ``i * n + j``.  Each DP rank samples with its own seed derived from ``seed``.
+    ``i * n + j``.  Each generator samples with its own seed derived from ``seed``.
     """
-    dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    share = data_parallel_share(len(prompt_ids), dp_size, dp_rank)
-    local = engine.generate([prompt_ids[i] for i in share], params, seed=derive_seed(seed, "dp_rank", dp_rank))
+    generators, index, reports = generator_of_this_rank()
+    share = data_parallel_share(len(prompt_ids), generators, index)
+    # The tag keeps the name it had when generators were the DP ranks: runs without CP sample
+    # what they sampled before.
+    local = engine.generate([prompt_ids[i] for i in share], params, seed=derive_seed(seed, "dp_rank", index))
     rows = [(share[local.prompt_index[k]], k, local.prompt_ids[k], local.response_ids[k],
-             local.response_logprobs[k], local.finish_reason[k]) for k in range(len(local))]
-    gathered = collectives.all_gather_object((dp_rank, rows))
-    rows_of_dp_rank: dict[int, list] = {}
-    for rank_dp, rank_rows in gathered:
-        rows_of_dp_rank.setdefault(rank_dp, rank_rows)
-    merged = sorted((row for rank_rows in rows_of_dp_rank.values() for row in rank_rows), key=lambda r: r[:2])
+             local.response_logprobs[k], local.finish_reason[k]) for k in range(len(local))] if reports else []
+    gathered = collectives.all_gather_object(rows)
+    merged = sorted((row for rank_rows in gathered for row in rank_rows), key=lambda r: r[:2])
     return RolloutBatch(
         prompt_index=[r[0] for r in merged], prompt_ids=[list(r[2]) for r in merged],
         response_ids=[list(r[3]) for r in merged], response_logprobs=[list(r[4]) for r in merged],

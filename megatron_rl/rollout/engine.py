@@ -74,7 +74,8 @@ class RolloutEngine(Protocol):
         """``len(prompt_ids) * params.n`` samples; the same seed reproduces them on one device."""
 
 
-def _stopped(response: list[int], params: SamplingParams) -> bool:
+def stopped(response: list[int], params: SamplingParams) -> bool:
+    """Whether ``response`` ends with a stop id or a stop sequence (one rule for every engine)."""
     if response[-1] in params.stop_token_ids:
         return True
     return any(
@@ -177,7 +178,7 @@ class TorchRolloutEngine:
                     continue
                 responses[s].append(tok)
                 logprobs[s].append(lp)
-                if _stopped(responses[s], params):
+                if stopped(responses[s], params):
                     reasons[s] = "stop"
                 else:
                     running.append(r)
@@ -203,6 +204,7 @@ class TorchRolloutEngine:
 ENGINES = {
     "torch": "megatron_rl.rollout.engine:TorchRolloutEngine",
     "tp_sharded": "megatron_rl.rollout.tp_engine:TPShardedRolloutEngine",
+    "megatron": "megatron_rl.rollout.megatron_engine:MegatronRolloutEngine",
 }
 
 
@@ -217,3 +219,13 @@ def engine_class(name: str) -> type:
 def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
     """Build the engine registered as ``name`` (e.g. ``make_engine("torch", model_cfg, device)``)."""
     return engine_class(name)(*args, **kwargs)
+
+
+def make_rollout_engine(rollout, model_cfg: ModelConfig, device) -> RolloutEngine:
+    """The engine ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`) names, with
+    the options that engine takes."""
+    options = {}
+    if rollout.engine == "megatron":
+        options = dict(kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
+                       kv_block_tokens=rollout.kv_block_tokens)
+    return make_engine(rollout.engine, model_cfg, device=device, max_batch_size=rollout.max_batch_size, **options)

@@ -8,7 +8,10 @@ Temperature 0 is greedy decoding, reported at temperature 1 by both (one rule,
 :func:`megatron_rl.ops.logprob.logprob_temperature`).
 
 Randomness comes from an explicit ``torch.Generator``: the same seed on the same device, with
-the same inputs, draws the same tokens.
+the same inputs, draws the same tokens.  Or from :func:`keyed_exponentials`, noise that is a pure
+function of (sample key, response position, token id): then a sample's draws do not depend on
+which other samples share its batch or step, so an engine that schedules requests dynamically
+(``rollout.engine=megatron``) reproduces a seed whatever its KV budget or batch composition.
 """
 
 from __future__ import annotations
@@ -86,9 +89,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of ``[b, vocab]`` logits: ``(tokens [b], logprobs [b] fp32)``."""
+    """Draw one token per row of ``[b, vocab]`` logits: ``(tokens [b], logprobs [b] fp32)``.
+
+    ``noise``: ``[b, vocab]`` Exp(1) draws to race with (e.g. :func:`keyed_exponentials`) instead
+    of drawing them from ``generator``."""
     logits = logits.float()
     logp_full = torch.log_softmax(logits / params.logprob_temperature, dim=-1)
     if params.is_greedy:
@@ -96,6 +103,62 @@ def sample(
     else:
         probs = torch.softmax(filter_logits(logits, params), dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, without a host sync.
-        race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
+        if noise is None:
+            race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-30)
+        else:
+            race = noise.to(probs).clamp_min(1e-30)
         tokens = (probs / race).argmax(dim=-1)
     return tokens, logp_full.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+# -- counter-based noise -------------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """``(x * c) mod 2**32`` for ``x`` in ``[0, 2**32)`` with every product below ``2**48`` (no
+    int64 overflow); works on Python ints and int64 tensors alike."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x):
+    """A 32-bit integer mixer (Wellons' lowbias32) on ``[0, 2**32)`` values, ints or int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sample_key(seed: int) -> int:
+    """The 32-bit key of a sample whose stream is ``seed`` (any non-negative int, e.g. from
+    :func:`megatron_rl.utils.seeds.derive_seed`)."""
+    return hash32(hash32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+
+
+def keyed_exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[b, vocab]`` fp32 Exp(1) draws, a pure function of each row's ``(key, position)`` and the
+    token id.  ``keys``: :func:`sample_key` values; ``positions``: index of the token being drawn
+    in each row's response."""
+    rows = hash32(hash32(keys.long() & _MASK32) ^ (positions.long() & _MASK32))
+    cols = hash32(torch.arange(vocab, device=keys.device, dtype=torch.long) ^ 0x9E3779B9)
+    bits = hash32(rows[:, None] ^ cols[None, :])
+    uniform = (bits.double() + 0.5) * 2.0**-32  # in (0, 1)
+    return (-torch.log(uniform)).float()
+
+
+def eos_token_ids(tokenizer, hf_dir: str | None = None) -> tuple[int, ...]:
+    """Every id that ends a response: the tokenizer's EOS, and the ``eos_token_id`` of the model's
+    ``generation_config.json`` (one id or a list, e.g. Llama-3's end-of-text and end-of-turn)."""
+    import json
+    import os
+
+    ids = [int(tokenizer.eos_id)]
+    path = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
+    if path and os.path.isfile(path):
+        with open(path) as fh:
+            extra = json.load(fh).get("eos_token_id")
+        for token in extra if isinstance(extra, list) else [extra]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)

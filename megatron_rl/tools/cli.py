@@ -3,6 +3,7 @@
     megatron-rl train    --config configs/demo_cpu.yaml [--nproc N] [key=value ...]
     megatron-rl smoke    [--nproc N] [key=value ...]
     megatron-rl score    --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
+    megatron-rl generate --hf-model DIR | --checkpoint CKPT --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
     megatron-rl convert  --hf-model DIR --out CKPT_ROOT | --checkpoint CKPT --hf-out DIR [--part critic]
     megatron-rl plan     --model qwen2.5-7b --response-len 32768 --nodes 1 --gpus-per-node 8 --gpu-memory 80
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
@@ -20,7 +21,7 @@ import sys
 
 from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
 
-DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert")
+DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert", "generate")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +38,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="JSONL to write, one line per input line")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--config", help="YAML config file (parallel layout, batch)")
+    p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p = sub.add_parser("generate", help="completions (tokens, text, log-probs) for a JSONL of prompts")
+    p.add_argument("--hf-model", help="local Hugging Face model directory")
+    p.add_argument("--checkpoint", help="megatron_rl checkpoint directory (step_XXXXXXXX), instead of --hf-model")
+    p.add_argument("--part", default="actor", help="which model of the checkpoint (default actor)")
+    p.add_argument("--input", required=True, help="JSONL with input_ids, prompt or messages per line")
+    p.add_argument("--output", required=True, help="JSONL to write, rollout.n lines per input line")
+    p.add_argument("--config", help="YAML config file (parallel layout, rollout.*)")
     p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p = sub.add_parser("convert", help="Hugging Face <-> megatron_rl checkpoints")
@@ -140,7 +150,13 @@ def _convert(cfg, args) -> int:
     return 0
 
 
-_COMMANDS = {"train": _train, "smoke": _smoke, "score": _score, "convert": _convert}
+def _generate(cfg, args) -> int:
+    from megatron_rl.tools.generate import run_generate
+
+    return run_generate(cfg, args.input, args.output, args.hf_model, args.checkpoint, args.part)
+
+
+_COMMANDS = {"train": _train, "smoke": _smoke, "score": _score, "convert": _convert, "generate": _generate}
 
 
 def _features(args) -> int:
@@ -205,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UserInputError("convert --hf-model/--checkpoint", None,
                                  "needs --hf-model with --out, or --checkpoint with --hf-out",
                                  "e.g. megatron-rl convert --hf-model ./Qwen2.5-0.5B --out ./ckpt")
+        if args.command == "generate" and bool(args.hf_model) == bool(args.checkpoint):
+            raise UserInputError("generate --hf-model/--checkpoint", None, "needs exactly one of them",
+                                 "e.g. megatron-rl generate --hf-model ./Qwen2.5-0.5B --input p.jsonl --output o.jsonl")
         if _under_launcher():
             return _rank_main(args)
         # Launcher side: validate for the world we are about to start, then start it.

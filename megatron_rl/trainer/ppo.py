@@ -56,8 +56,8 @@ from megatron_rl.planner.memory import kv_cache_bytes, total_params
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
-from megatron_rl.rollout.engine import make_engine
-from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.rollout.engine import make_rollout_engine
+from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
 from megatron_rl.trainer.finished import finished_message, finished_step
@@ -149,7 +149,7 @@ class PPOTrainer:
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
             max_new_tokens=cfg.rollout.max_new_tokens, n=cfg.rollout.n,
-            stop_token_ids=(self.tokenizer.eos_id,),
+            stop_token_ids=eos_token_ids(self.tokenizer, cfg.model.hf_path),
             stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.rollout.stop),
         )
         updates = scheduled_updates(cfg)
@@ -162,8 +162,7 @@ class PPOTrainer:
                                                  ("critic", self.use_critic)) if on)
         self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
                  f"hidden {cfg.model.hidden_size}); built {built}")
-        self.engine = make_engine(cfg.rollout.engine, cfg.model, device=self.device,
-                                  max_batch_size=cfg.rollout.max_batch_size)
+        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()

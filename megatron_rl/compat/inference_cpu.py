@@ -1,0 +1,252 @@
+"""Run megatron-core's dynamic inference engine on a CPU-only PyTorch (gloo).
+
+``rollout.engine=megatron`` drives ``megatron.core.inference``'s ``DynamicInferenceEngine`` (paged
+KV cache, continuous batching, chunked prefill) on the actor's own shards.  On a CPU build of
+torch five things stop it; each is replaced here, for CPU processes only:
+
+* ``torch.cuda.Event`` -- the engine times every step with CUDA events; :class:`CpuEvent` keeps
+  the host clock instead;
+* NVTX ranges -- ``torch.cuda.nvtx.range_push/pop`` raise without CUDA; no-ops (also rebound in
+  ``dynamic_engine``, which imports them by name);
+* the paged attention kernels -- with a dynamic context ``Attention.forward`` skips the layer
+  spec's core attention and calls flash-attn's ``flash_attn_varlen_func`` (prefill and mixed
+  steps) and ``flash_attn_with_kvcache`` (decode-only steps) on the KV pages, after asserting a
+  flash-attn version.  :func:`sdpa_varlen_paged` and :func:`sdpa_decode_paged` compute the same
+  thing with ``scaled_dot_product_attention`` over each request's pages: causal attention aligned
+  to the end of the keys (a query at chunk offset ``j`` sees keys ``< kv_len - q_len + j + 1``),
+  GQA, and zeros for padding tokens and padding requests.  They are a CPU stand-in tested for
+  parity with a full-sequence forward, not a model of the GPU kernels' speed;
+* ``communication_utils._is_cuda`` -- asserts ``tensor.is_cuda`` on the logits the last pipeline
+  stage broadcasts (PP >= 2);
+* ``torch.cuda.memory_stats()`` -- ``{}`` on CPU, read with ``[...]`` keys by ``suspend()`` /
+  ``resume()``; a ``defaultdict(int)`` instead.
+
+On a GPU none of this applies: the engine needs flash-attn >= 2.7.3 (or FA3) there, and
+:mod:`megatron_rl.rollout.megatron_engine` says so before it starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.compat.registry import (
+    MEGATRON_TESTED,
+    TORCH_TESTED,
+    Patch,
+    Workaround,
+    register_patch,
+    register_workaround,
+)
+
+
+# ----------------------------------------------------------------------------- CUDA events
+class CpuEvent:
+    """``torch.cuda.Event`` on the host clock: ``elapsed_time`` in milliseconds, like CUDA's."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.enable_timing = enable_timing
+        self._t: float | None = None
+
+    def record(self, stream=None) -> None:
+        self._t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def elapsed_time(self, end: "CpuEvent") -> float:
+        if self._t is None or end._t is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        return (end._t - self._t) * 1e3
+
+
+def _patch_cuda_event() -> None:
+    torch.cuda.Event = CpuEvent
+
+
+# ----------------------------------------------------------------------------- NVTX
+def _nvtx_noop(*_args, **_kwargs) -> None:
+    return None
+
+
+def _patch_nvtx() -> None:
+    from torch.cuda import nvtx
+
+    for name in ("range_push", "range_pop", "mark"):
+        setattr(nvtx, name, _nvtx_noop)
+    engine = sys.modules.get("megatron.core.inference.engines.dynamic_engine")
+    if engine is not None:  # imported before compat: it holds the originals by name
+        engine.range_push = engine.range_pop = _nvtx_noop
+
+
+# ----------------------------------------------------------------------------- memory stats
+def _memory_stats(*_args, **_kwargs) -> collections.defaultdict:
+    return collections.defaultdict(int)
+
+
+def _patch_memory_stats() -> None:
+    torch.cuda.memory_stats = _memory_stats
+
+
+# ----------------------------------------------------------------------------- PP broadcast
+def _is_not_none(tensor) -> None:
+    assert tensor is not None
+
+
+def _patch_pp_broadcast_check() -> None:
+    from megatron.core.inference import communication_utils
+
+    communication_utils._is_cuda = _is_not_none
+
+
+# ----------------------------------------------------------------------------- paged attention
+def _pages(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length, kv_heads, d]``: one request's keys (or values) read from its KV pages."""
+    block = cache.size(1)
+    blocks = table_row[: -(-length // block)].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """``q [sq, h, d]`` over ``k/v [sk, kvh, d]``, causal aligned to the last key (flash-attn's rule)."""
+    sq, sk = q.size(0), k.size(0)
+    mask = None
+    if causal and sq > 1:
+        rows = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        mask = torch.arange(sk, device=q.device)[None, :] <= rows
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=q.size(1) != k.size(1),
+    )
+    return out.transpose(0, 1)
+
+
+def sdpa_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+                      softmax_scale=None, causal=True, block_table=None, **_unused):
+    """flash-attn's ``flash_attn_varlen_func`` with a ``block_table``, for the CPU.
+
+    ``q [tokens, heads, d]`` packs every request's new tokens (``cu_seqlens_q``); ``k``/``v`` are the
+    paged caches ``[blocks, block_size, kv_heads, d]`` already holding the new keys; request ``i``
+    has ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` keys in pages ``block_table[i]``.
+    """
+    scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
+    out = torch.zeros_like(q)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q0, q1, kv_len = cu_q[i], cu_q[i + 1], cu_k[i + 1] - cu_k[i]
+        if q1 == q0 or kv_len == 0:
+            continue  # a padding request
+        keys, values = _pages(k, block_table[i], kv_len), _pages(v, block_table[i], kv_len)
+        out[q0:q1] = _attend(q[q0:q1], keys, values, scale, causal)
+    return out
+
+
+def sdpa_decode_paged(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
+                      **_unused):
+    """flash-attn's ``flash_attn_with_kvcache`` with a ``block_table`` (decode: one query per
+    request), batched over the requests: ``q [b, 1, heads, d]`` -> ``[b, 1, heads, d]``."""
+    scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
+    out = torch.zeros_like(q)
+    live = (cache_seqlens > 0).nonzero().squeeze(1)  # padding requests have no keys: zeros
+    if live.numel() == 0:
+        return out
+    lengths = cache_seqlens[live].long()
+    longest = int(lengths.max())
+    block = k_cache.size(1)
+    positions = torch.arange(longest, device=q.device)[None, :]
+    valid = positions < lengths[:, None]  # [live, longest]
+    # Slots past a request's length may hold anything (uninitialised memory, NaN included, would
+    # survive the mask as 0 * NaN): they read the request's first key instead, which the mask hides.
+    safe = torch.where(valid, positions, 0)
+    slots = block_table[live].long().gather(1, safe // block).clamp_min(0) * block + safe % block
+    keys = k_cache.flatten(0, 1)[slots]  # [live, longest, kvh, d]
+    values = v_cache.flatten(0, 1)[slots]
+    attn = F.scaled_dot_product_attention(
+        q[live].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=q.size(2) != k_cache.size(2),
+    )
+    out[live] = attn.transpose(1, 2)
+    return out
+
+
+def _fa_version_ok(*_args, **_kwargs) -> bool:
+    return True
+
+
+def _patch_paged_attention() -> None:
+    from megatron.core.transformer import attention
+
+    attention.flash_attn_varlen_func = sdpa_varlen_paged
+    attention.flash_attn_with_kvcache = sdpa_decode_paged
+    attention.is_fa_min_version = _fa_version_ok  # only attention.py's dynamic-batching assert reads it
+
+
+# ----------------------------------------------------------------------------- the function mode
+@contextlib.contextmanager
+def cpu_function_mode_paused():
+    """Run the body without the CUDA->CPU function mode (:mod:`megatron_rl.compat.cpu`), when it
+    is the innermost mode of this thread; otherwise change nothing.
+
+    The mode costs about 10 us of Python per torch call, and a dynamic-engine step makes hundreds
+    of small ones (about 700 for a 4-layer model), while none of them asks for CUDA: every device
+    comes from ``torch.cuda.current_device()``, already the CPU (traced with
+    ``MEGATRON_RL_COMPAT_TRACE=1``: the only rewrite is the controller's ``pin_memory=True`` when
+    it is built).  So the engine steps with the mode paused."""
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    from megatron_rl.compat import cpu
+
+    if cpu._mode is None or _get_current_function_mode() is not cpu._mode:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
+register_workaround(
+    Workaround(
+        name="inference_cpu.function_mode_paused_while_stepping",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "the dynamic engine's ~700 small torch calls per step spend most of a CPU step in the "
+            "CUDA->CPU function mode; none of them needs a rewrite (traced), so the engine's steps run "
+            "with the mode paused"
+        ),
+        used_in="compat/inference_cpu.py:cpu_function_mode_paused; rollout/megatron_engine.py:cpu_function_mode_paused",
+    )
+)
+
+
+_CPU_PATCHES = (
+    ("inference_cpu.cuda_event", _patch_cuda_event,
+     "the dynamic engine times each step with torch.cuda.Event(enable_timing=True), which a CPU build "
+     "cannot instantiate ('dummy base class Event'); CpuEvent keeps the host clock"),
+    ("inference_cpu.nvtx_ranges", _patch_nvtx,
+     "dynamic_engine imports torch.cuda.nvtx range_push/range_pop and inference_request calls them; "
+     "on a CPU build they raise 'NVTX functions not installed'; no-ops instead"),
+    ("inference_cpu.paged_attention_sdpa", _patch_paged_attention,
+     "with a DynamicInferenceContext Attention.forward bypasses core_attention and calls flash-attn's "
+     "paged flash_attn_varlen_func / flash_attn_with_kvcache after asserting flash-attn >= 2.7.3; "
+     "SDPA over each request's KV pages computes the same attention on the CPU"),
+    ("inference_cpu.pp_logits_broadcast_is_cuda", _patch_pp_broadcast_check,
+     "communication_utils._is_cuda asserts tensor.is_cuda on the logits the last pipeline stage "
+     "broadcasts during generation (PP >= 2); only the not-None check is kept"),
+    ("inference_cpu.memory_stats", _patch_memory_stats,
+     "DynamicInferenceEngine.suspend()/resume() read torch.cuda.memory_stats()['allocated_bytes.all."
+     "current'], but the CPU build returns {}: KeyError; a defaultdict(int) reports zeros"),
+)
+
+for _name, _apply, _reason in _CPU_PATCHES:
+    register_patch(Patch(name=_name, megatron_versions=MEGATRON_TESTED, torch_versions=TORCH_TESTED,
+                         reason=_reason, apply=_apply, cpu_only=True))

@@ -1,0 +1,448 @@
+"""``rollout.engine=megatron``: megatron-core's ``DynamicInferenceEngine`` on the actor's own shards.
+
+The actor's TP/PP chunk generates directly -- no weight copy, no reshard: a paged KV cache
+(``rollout.kv_cache_memory``, blocks of ``rollout.kv_block_tokens``), continuous batching of up to
+``rollout.max_batch_size`` requests, prefill chunked to ``rollout.prefill_chunk_tokens`` tokens
+per step.  Between rollouts the engine is suspended (``release_weights``, which the trainer calls
+after every rollout): its KV cache is freed while the actor trains.  The next rollout resumes it
+at the same size when the budget is in bytes; a budget given as a fraction of free memory is
+measured again, so the context is rebuilt for it.
+
+What this module adds around megatron's engine, so its samples mean what the trainer expects:
+
+* **Logits from our model.**  ``RLGPTModel`` returns hidden states (the log-prob and value heads
+  replace the output layer); the inference wrapper here applies ``GPTModel``'s own output step to
+  them on the last stage (last-token selection, sequence-parallel gather, TP gather).
+* **Our sampler.**  The controller's sampling is replaced by
+  :func:`megatron_rl.rollout.sampling.sample` on the true vocabulary (padded ids are never drawn):
+  temperature, top-k and top-p together, greedy at T=0, and log-probs under the
+  temperature-scaled full distribution -- the trainer's definition, not megatron's raw-logit one.
+  The race noise is :func:`~megatron_rl.rollout.sampling.keyed_exponentials` of (seed, prompt,
+  sample, position), so a seed gives the same samples whatever the KV budget, chunk size or
+  scheduling (requests pausing, being evicted and re-prefilled).
+* **Our stop rule.**  Every stop id and stop sequence ends a sample on the step that produced it
+  (the stop token kept), through the engine's own termination path; ``n`` samples per prompt are
+  ``n`` requests.
+
+Layouts: TP, PP, SP, and CP -- each context-parallel rank generates on its own as a replica of
+the TP/PP shards (megatron's inference has no context parallelism, so the model's CP group is
+swapped for a one-rank group while it generates).  Not VPP: megatron's inference refuses
+interleaved chunks; validation points such layouts to the ``torch`` or ``tp_sharded`` engine.
+
+On a CPU the engine runs through the shims of :mod:`megatron_rl.compat.inference_cpu`; on a GPU
+it needs flash-attn >= 2.7.3 (or FA3) for the paged kernels.  CUDA graphs are a model-build-time
+switch in megatron-core 0.16 (``cuda_graph_impl``) that also changes the training forward, so the
+engine runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.compat.inference_cpu import cpu_function_mode_paused
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.rollout.engine import RolloutBatch, stopped
+from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample, sample_key
+from megatron_rl.utils.seeds import derive_seed
+
+# Tokens a forward step is padded to: megatron pads to 64 for CUDA graphs and tensor cores; on
+# the CPU that only adds work (a decode step of 3 requests would run 64 tokens).
+GPU_TOKEN_ROUNDER = 64
+CPU_TOKEN_ROUNDER = 1
+
+
+def kv_cache_bytes_for(budget: float, device: torch.device) -> int:
+    """``rollout.kv_cache_memory`` in bytes: a fraction of the memory free now when <= 1, else bytes."""
+    if budget > 1:
+        return int(budget)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # What torch's caching allocator holds unused is free to this process too.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return int(budget * free)
+
+
+def flash_attention_ready() -> bool:
+    """Whether megatron's dynamic-batching attention has its paged kernels (GPU)."""
+    from megatron.core.transformer import attention
+    from megatron.core.utils import is_fa_min_version
+
+    if attention.HAVE_FA3:
+        return True
+    # flash_attn_varlen_func is None when flash-attn is not installed (then no version is read)
+    return attention.flash_attn_varlen_func is not None and is_fa_min_version("2.7.3")
+
+
+class _IdsOnly:
+    """The tokenizer the controller is given: prompts arrive as ids and results leave as ids, so
+    only the attributes megatron reads at the end of a request exist (no text is produced)."""
+
+    eod = -1
+    bos = None
+
+    def detokenize(self, ids, **_kwargs) -> str:
+        return ""
+
+    def tokenize(self, text):
+        raise TypeError("rollout.engine=megatron takes token ids, not text")
+
+
+@functools.lru_cache(maxsize=None)
+def _one_rank_group():
+    """A process group of this rank alone (created collectively, once per process)."""
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
+
+
+@contextlib.contextmanager
+def _without_context_parallel(model: torch.nn.Module, cp_group):
+    """Let a model built for CP > 1 run whole sequences: every reference to ``cp_group`` in its
+    modules (RoPE's slicing, attention's THD RoPE) points at a one-rank group meanwhile."""
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        yield
+        return
+    solo = _one_rank_group()
+    swapped: list[tuple[object, str]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for holder in (module, getattr(module, "pg_collection", None)):
+            if holder is None or id(holder) in seen:
+                continue
+            seen.add(id(holder))
+            for attr in ("cp_group", "cp"):
+                if getattr(holder, attr, None) is cp_group:
+                    setattr(holder, attr, solo)
+                    swapped.append((holder, attr))
+    _clear_rope_cache()  # tables cached for the CP group are cut to this rank's slice
+    try:
+        yield
+    finally:
+        for holder, attr in swapped:
+            setattr(holder, attr, cp_group)
+
+
+def _clear_rope_cache() -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    RotaryEmbedding.forward.cache_clear()
+
+
+def _make_wrapper_class():
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_rl.models.gpt import RLGPTModel
+
+    class ActorInferenceWrapper(GPTInferenceWrapper):
+        """``GPTInferenceWrapper`` whose last stage turns ``RLGPTModel``'s hidden states into logits
+        with ``GPTModel``'s own output step (last tokens only, SP gather, TP gather)."""
+
+        def _forward(self, inference_input):
+            out = super()._forward(inference_input)
+            model = self.model
+            if not isinstance(model, RLGPTModel) or not model.post_process:
+                return out
+            return GPTModel._postprocess(
+                model, out, None, None, None, None, None, None,
+                inference_context=self.inference_context, runtime_gather_output=True,
+            )
+
+    return ActorInferenceWrapper
+
+
+def _make_controller_class():
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    class SamplingController(TextGenerationController):
+        """megatron's controller with the project's sampler, stop rule and log-probs.
+
+        Per request it keeps the response tokens and log-probs on the host (across evictions,
+        whose re-prefill re-enters the prompt and the tokens so far)."""
+
+        def begin(self, params: SamplingParams, true_vocab: int, keys: dict[int, int]) -> None:
+            self._init_dynamic_sampling_tensors()  # the context's tensors are new after a resume
+            self.params, self.true_vocab, self.keys = params, true_vocab, keys
+            self.responses: dict[int, list[int]] = {rid: [] for rid in keys}
+            self.logprobs: dict[int, list[float]] = {rid: [] for rid in keys}
+            self._stops = None
+
+        def _dynamic_step_sample_bookkeeping(self):
+            pass  # no per-parameter buckets: one SamplingParams per generate call
+
+        def _dynamic_step_sample_logits(self, logits):
+            ctx = self.inference_wrapped_model.inference_context
+            n = ctx.total_request_count - ctx.paused_request_count
+            last = logits.squeeze(0)[:n, : self.true_vocab]  # materialize_only_last_token_logits
+            rids = ctx.request_ids[ctx.paused_request_count : ctx.total_request_count].tolist()
+            noise = None
+            if not self.params.is_greedy:
+                keys = torch.tensor([self.keys[r] for r in rids], dtype=torch.long)
+                positions = torch.tensor([len(self.responses[r]) for r in rids], dtype=torch.long)
+                noise = keyed_exponentials(keys.to(last.device), positions.to(last.device), self.true_vocab)
+            tokens, logp = sample(last, self.params, None, noise=noise)
+            self._sampled_tokens_cuda[:n] = tokens
+            stops = []
+            for rid, token, lp in zip(rids, tokens.tolist(), logp.tolist()):
+                if rid == ctx.chunked_prefill_request_id:  # a prompt chunk: its token is discarded
+                    stops.append(False)
+                    continue
+                self.responses[rid].append(token)
+                self.logprobs[rid].append(lp)
+                stops.append(stopped(self.responses[rid], self.params))
+            self._stops = torch.tensor(stops, dtype=torch.bool, device=tokens.device)
+
+        def _dynamic_step_context_bookkeeping(self):
+            # megatron ends a request whose token equals its termination id: point it at the
+            # token just drawn for the requests our stop rule ends, at -1 (never drawn) otherwise.
+            ctx = self.inference_wrapped_model.inference_context
+            n = ctx.total_request_count - ctx.paused_request_count
+            term = ctx.request_metadata["termination_id"]
+            term[ctx.paused_request_count : ctx.total_request_count] = torch.where(
+                self._stops, self._sampled_tokens_cuda[:n], torch.full_like(self._sampled_tokens_cuda[:n], -1)
+            )
+            self._request_metadata["termination_id"] = term
+            return super()._dynamic_step_context_bookkeeping()
+
+    return SamplingController
+
+
+def _make_context_class(token_rounder: int):
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+
+    return type("PaddedTo%dContext" % token_rounder, (DynamicInferenceContext,), {"TOKEN_ROUNDER": token_rounder})
+
+
+class MegatronRolloutEngine:
+    """The rollout interface over megatron-core's dynamic inference engine (see the module doc)."""
+
+    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None, *,
+                 kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model_cfg = model_cfg
+        self.device = torch.device(device)
+        self.max_requests = max_batch_size
+        self.kv_cache_memory = kv_cache_memory
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.kv_block_tokens = kv_block_tokens
+        self._model = None  # the actor's RLGPTModel (this rank's TP/PP shard)
+        self._own_chunks: Optional[list] = None  # built by load_weights (tests, the generate command)
+        self._engine = None
+        self._kv_bytes = 0
+        self._suspended = False
+
+    # -- weights -------------------------------------------------------------------------------
+    def load_from_chunks(self, chunks: list) -> None:
+        """Generate with the actor's chunk itself (no copy); VPP (several chunks) is refused."""
+        from megatron_rl.models.canonical import unwrap
+
+        if len(chunks) != 1:
+            raise ValueError(
+                f"rollout.engine=megatron needs one model chunk per rank, got {len(chunks)} (virtual "
+                f"pipeline stages): megatron-core's inference refuses interleaved chunks; use "
+                f"rollout.engine=tp_sharded or torch"
+            )
+        model = unwrap(chunks[0])
+        if model is not self._model:
+            self._close()
+            self._model = model
+        if self._own_chunks is not None and unwrap(self._own_chunks[0]) is not model:
+            self._own_chunks = None
+
+    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Load a canonical state dict into a megatron model of the active layout built for it."""
+        from megatron_rl.distributed.runtime import active_layout
+        from megatron_rl.models.builder import build_gpt_chunks
+        from megatron_rl.models.canonical import load_canonical
+
+        if self._own_chunks is None:
+            layout = active_layout()
+            if layout is None:
+                raise RuntimeError("rollout.engine=megatron needs megatron's parallel groups (init_model_parallel)")
+            self._own_chunks = build_gpt_chunks(self.model_cfg, layout, self.device)
+            self.load_from_chunks(self._own_chunks)
+        load_canonical(self._own_chunks, canonical)
+
+    def release_weights(self) -> None:
+        """The weights are the actor's own and stay; the KV cache is freed until the next rollout."""
+        if self._engine is not None and not self._suspended:
+            self._engine.suspend()
+            self._suspended = True
+
+    def weight_bytes(self) -> int:
+        """Bytes of the actor shard this rank generates with (shared with training, not a copy)."""
+        if self._model is None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self._model.parameters())
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's paged KV cache while allocated (0 before the first rollout)."""
+        return 0 if self._engine is None or self._suspended else self._kv_bytes
+
+    # -- the engine ----------------------------------------------------------------------------
+    def _close(self) -> None:
+        if self._engine is not None and not self._suspended:
+            self._engine.suspend()
+        self._engine, self._suspended = None, False
+
+    def _build(self):
+        from megatron.core import parallel_state as ps
+        from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
+            InferenceWrapperConfig,
+        )
+
+        model = self._model
+        config = model.config
+        if self.device.type == "cuda" and not flash_attention_ready():
+            raise RuntimeError(
+                "rollout.engine=megatron on GPU needs flash-attn >= 2.7.3 or FA3 for megatron's paged "
+                "attention (pip install flash-attn), or use rollout.engine=tp_sharded"
+            )
+        if config.virtual_pipeline_model_parallel_size is not None:
+            raise ValueError("rollout.engine=megatron does not support virtual pipeline stages; use tp_sharded")
+        tp = ps.get_tensor_model_parallel_world_size()
+        rounder = GPU_TOKEN_ROUNDER if self.device.type == "cuda" else CPU_TOKEN_ROUNDER
+        token_rounder = math.ceil(rounder / tp) * tp
+        max_requests = math.ceil(self.max_requests / tp) * tp
+        # Every step's (padded) token count must fit max_tokens: a multiple of the rounder.
+        max_tokens = max(self.prefill_chunk_tokens, max_requests)
+        max_tokens = math.ceil(max_tokens / token_rounder) * token_rounder
+        self._kv_bytes = kv_cache_bytes_for(self.kv_cache_memory, self.device)
+        context = _make_context_class(rounder)(
+            params_dtype=config.params_dtype,
+            num_layers=len(model.decoder.layers),
+            kv_channels=config.kv_channels,
+            num_attention_heads=config.num_query_groups or config.num_attention_heads,
+            max_sequence_length=self.model_cfg.max_position_embeddings,
+            buffer_size_gb=self._kv_bytes / 1024**3,
+            max_requests=max_requests,
+            max_tokens=max_tokens,
+            block_size_tokens=self.kv_block_tokens,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            materialize_only_last_token_logits=True,
+            use_flashinfer_fused_rope=False,
+            unified_memory_level=0,
+        )
+        self._kv_bytes = context.block_allocator.total_count * context.block_size_bytes
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=config.hidden_size, params_dtype=config.params_dtype,
+            inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
+            fp32_residual_connection=config.fp32_residual_connection,
+        )
+        wrapper = _make_wrapper_class()(model, wrapper_config, context)
+        controller = _make_controller_class()(wrapper, _IdsOnly(), pp_group=ps.get_pipeline_model_parallel_group())
+        self._engine = DynamicInferenceEngine(controller, context, random_seed=0, enable_chunked_prefill=True)
+        self._suspended = False
+        self._cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+        if self._cp_group is not None:
+            _one_rank_group()  # collective: every rank creates the groups now, at the same time
+
+    def _run(self, engine) -> list:
+        """Step until every request finished.  Expert-parallel ranks (each with its own share of
+        prompts) step together: their MoE layers exchange tokens in every forward, so a rank
+        without work runs megatron's dummy forward until all of its EP group are done."""
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.distributed import collectives
+
+        done = []
+        if ps.get_expert_model_parallel_world_size() == 1:
+            while engine.has_unfinished_requests():
+                done += engine.step_modern()["finished_request_records"]
+            return done
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise NotImplementedError(
+                "rollout.engine=megatron with expert parallelism needs parallel.pp=1: megatron's dummy "
+                "forward for an idle expert-parallel rank has no pipeline stages"
+            )
+        group = ps.get_expert_model_parallel_group()
+        while True:
+            busy = engine.has_unfinished_requests()
+            if not collectives.agree_any(busy, group=group):
+                return done
+            if busy:
+                done += engine.step_modern()["finished_request_records"]
+            else:
+                engine.controller.dummy_forward()
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.model_cfg.max_position_embeddings
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
+        """``params.n`` samples per prompt; every TP/PP rank of the replica must call it with the
+        same arguments (they run one engine together)."""
+        from megatron.core.inference.inference_request import Status
+        from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+        if self._model is None:
+            raise RuntimeError("MegatronRolloutEngine.generate called before load_from_chunks / load_weights")
+        vocab = self.model_cfg.vocab_size
+        for i, prompt in enumerate(prompt_ids):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+            if len(prompt) + params.max_new_tokens > self.max_sequence_length:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceed "
+                    f"model.max_position_embeddings={self.max_sequence_length}"
+                )
+        if self._engine is not None and self._suspended and self.kv_cache_memory <= 1:
+            self._engine = None  # a fraction of what is free now: sized again for this rollout
+        if self._engine is None:
+            self._build()
+        elif self._suspended:
+            self._engine.resume()
+            self._suspended = False
+        engine, controller = self._engine, self._engine.controller
+        blocks = engine.context.block_allocator.active_count
+        longest = max(len(p) for p in prompt_ids) + params.max_new_tokens if prompt_ids else 0
+        if -(-longest // self.kv_block_tokens) > blocks:
+            raise ValueError(
+                f"rollout.kv_cache_memory: the KV cache holds {blocks} pages of {self.kv_block_tokens} tokens "
+                f"({self._kv_bytes} bytes), fewer than one sequence of {longest} tokens needs; raise "
+                f"rollout.kv_cache_memory or lower rollout.max_new_tokens"
+            )
+        samples = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
+        keys = {rid: sample_key(derive_seed(seed, i, j)) for rid, (i, j) in enumerate(samples)}
+        controller.begin(params, getattr(self._model, "true_vocab_size", None) or vocab, keys)
+        request = MegatronSampling(num_tokens_to_generate=params.max_new_tokens, termination_id=-1,
+                                   return_log_probs=False)
+        model, was_training = self._model, self._model.training
+        model.eval()
+        try:
+            with _without_context_parallel(model, self._cp_group), cpu_function_mode_paused():
+                for rid, (i, _) in enumerate(samples):
+                    engine.add_request(rid, list(prompt_ids[i]), request)
+                done = self._run(engine)
+        finally:
+            model.train(was_training)
+            _clear_rope_cache()  # its tables were made in inference mode: training must not reuse them
+        failed = [r for r in done if r.requests[-1].status == Status.FAILED]
+        if failed:
+            events = failed[0].requests[-1].events
+            raise RuntimeError(f"megatron inference failed request {failed[0].request_id}: {events}")
+        responses = [controller.responses[rid] for rid in range(len(samples))]
+        return RolloutBatch(
+            prompt_index=[i for i, _ in samples],
+            prompt_ids=[list(prompt_ids[i]) for i, _ in samples],
+            response_ids=responses,
+            response_logprobs=[controller.logprobs[rid] for rid in range(len(samples))],
+            finish_reason=["stop" if stopped(r, params) else "length" for r in responses],
+        )

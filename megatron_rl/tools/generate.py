@@ -1,0 +1,125 @@
+"""``megatron-rl generate``: completions for a JSONL of prompts, with the rollout engines.
+
+    megatron-rl generate --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
+    megatron-rl generate --checkpoint CKPT --input IN.jsonl --output OUT.jsonl [--part actor] ...
+
+Each input line is ``{"input_ids": [...]}``, ``{"prompt": "..."}`` (encoded as a prompt, BOS
+included) or ``{"messages": [...]}`` (the chat template).  Each output line, for sample ``j`` of
+input line ``i`` (``rollout.n`` per prompt, in input order), is ``{"index": i, "sample": j,
+"prompt_ids", "response_ids", "text", "logprobs", "finish_reason"}``: ``logprobs[t]`` is the
+log-prob of ``response_ids[t]`` under the temperature-scaled distribution, the trainer's
+definition.  Sampling comes from the ``rollout.*`` keys (``rollout.engine``, ``temperature``,
+``top_p``, ``top_k``, ``n``, ``max_new_tokens``, ``stop``), the seed from ``run.seed``; every
+EOS id of the tokenizer and of ``generation_config.json`` ends a response.  Generation is spread
+over the data- and context-parallel ranks of the layout (``rollout/dp.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch.distributed as dist
+
+from megatron_rl.config.schema import Config
+from megatron_rl.errors import CheckpointError, DataError
+
+DEFAULT_MAX_BATCH_SIZE = 64
+
+
+def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Prompt ids, one per non-empty line of ``path``."""
+    if not os.path.isfile(path):
+        raise DataError("--input", path, "file not found", "give a JSONL file with input_ids, prompt or messages per line")
+    prompts = []
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(where, None, f"not valid JSON ({err.msg})", "write one JSON object per line") from None
+            if "input_ids" in record:
+                ids = record["input_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                    raise DataError(where, None, "'input_ids' must be a non-empty list of integers", "fix that line")
+            elif isinstance(record.get("prompt"), str):
+                ids = tokenizer.encode_prompt(record["prompt"])
+            elif isinstance(record.get("messages"), list):
+                ids = tokenizer.apply_chat_template(record["messages"])
+            else:
+                raise DataError(where, None, "needs 'input_ids', 'prompt' or 'messages'", "fix that line")
+            bad = [t for t in ids if t < 0 or t >= vocab_size]
+            if bad or not ids:
+                raise DataError(where, bad[0] if bad else None,
+                                f"token ids must be non-empty and inside the vocabulary (size {vocab_size})", "fix that line")
+            prompts.append(ids)
+    if not prompts:
+        raise DataError("--input", path, "no prompts", "add at least one line")
+    return prompts
+
+
+def _model_from_checkpoint(checkpoint: str, part: str):
+    from megatron_rl.config.model_io import model_config_from_dict
+    from megatron_rl.engine.checkpoint import check_checkpoint
+
+    meta = check_checkpoint(checkpoint)
+    if part not in meta.get("models", {}):
+        raise CheckpointError("--part", part, f"the checkpoint holds {sorted(meta.get('models', {}))}",
+                              "choose one of those parts")
+    return model_config_from_dict(meta["models"][part]), meta.get("source")
+
+
+def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
+                 checkpoint: str | None = None, part: str = "actor") -> int:
+    from megatron_rl.data.sources import tokenizer_spec
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.rollout.dp import generate_data_parallel
+    from megatron_rl.rollout.engine import make_rollout_engine
+    from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
+
+    model_cfg, source = cfg.model, hf_dir
+    if checkpoint:
+        model_cfg, source = _model_from_checkpoint(checkpoint, part)
+    tokenizer = load_tokenizer(tokenizer_spec(cfg.data, source))
+    prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size)
+    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
+    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
+    device = resolve_device(cfg.distributed)
+    chunks = build_gpt_chunks(model_cfg, layout, device)
+    if checkpoint:
+        from megatron_rl.engine.checkpoint import ModelPart, load_checkpoint
+
+        load_checkpoint(checkpoint, {part: ModelPart(chunks)}, with_optimizer=False, load_rng=False)
+    else:
+        from megatron_rl.models.hf_bridge import load_hf_weights
+
+        load_hf_weights(chunks, hf_dir)
+    rollout = cfg.rollout
+    if rollout.max_batch_size is None:
+        rollout = dataclasses.replace(rollout, max_batch_size=DEFAULT_MAX_BATCH_SIZE)
+    engine = make_rollout_engine(rollout, model_cfg, device)
+    engine.load_from_chunks(chunks)
+    params = SamplingParams(
+        temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+        max_new_tokens=rollout.max_new_tokens, n=rollout.n, stop_token_ids=eos_token_ids(tokenizer, source),
+        stop_sequences=tuple(tuple(tokenizer.encode(s)) for s in rollout.stop),
+    )
+    batch = generate_data_parallel(engine, prompts, params, seed=cfg.run.seed)
+    if dist.get_rank() == 0:
+        tmp = output_path + ".tmp"
+        with open(tmp, "w") as fh:
+            for k in range(len(batch)):
+                fh.write(json.dumps({
+                    "index": batch.prompt_index[k], "sample": k % params.n, "prompt_ids": batch.prompt_ids[k],
+                    "response_ids": batch.response_ids[k], "text": tokenizer.decode(batch.response_ids[k]),
+                    "logprobs": batch.response_logprobs[k], "finish_reason": batch.finish_reason[k],
+                }) + "\n")
+        os.replace(tmp, output_path)
+        print(f"generated {len(batch)} samples for {len(prompts)} prompts -> {output_path}", flush=True)
+    return 0

@@ -1,0 +1,456 @@
+"""rollout.engine=megatron: megatron-core's dynamic inference engine on the actor's own shards, and
+rollout with no redundant generators.
+
+The engine's greedy tokens are the argmax of a full-sequence forward of the same model, and its
+log-probs are the trainer's (the chunked vocab-parallel op at the sampling temperature), on every
+layout the engine runs on.  Sampling follows the project's sampler (top-k and top-p together,
+keyed noise), so a seed gives the same samples whatever the KV budget and scheduling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.rollout.sampling import (
+    SamplingParams,
+    filter_logits,
+    keyed_exponentials,
+    sample,
+    sample_key,
+)
+from megatron_rl.testing.harness import run_distributed
+
+CFG = dict(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+    vocab_size=100, params_dtype="float32", transformer_impl="local", max_position_embeddings=96,
+)
+# The last prompt is longer than a prefill chunk (16 tokens): it is prefilled in pieces.
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30], [1], [70, 71, 72, 73, 74], list(range(20, 50))]
+GREEDY = SamplingParams(greedy=True, max_new_tokens=12)
+SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12, n=2, stop_token_ids=(3, 4))
+ENGINE = dict(max_batch_size=8, kv_cache_memory=2**22, prefill_chunk_tokens=16, kv_block_tokens=16)
+
+
+def _cfg(**overrides) -> ModelConfig:
+    return ModelConfig(**{**CFG, **overrides})
+
+
+class TrainerView:
+    """A head for ``run_sequences``: the trainer's log-probs at ``temperature`` and the argmax of
+    the full logits at every position (what greedy decoding must pick)."""
+
+    outputs = ("logprob", "argmax")
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+
+    def __call__(self, model, hidden, tensors):
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_sequence_parallel_region,
+            gather_from_tensor_model_parallel_region,
+        )
+
+        from megatron_rl.models.heads import LogProbHead
+
+        out = LogProbHead(temperature=self.temperature, with_entropy=False)(model, hidden, tensors)
+        if model.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        logits = gather_from_tensor_model_parallel_region(hidden.float() @ model.output_weight().float().t())
+        out["argmax"] = logits[..., : model.true_vocab_size].argmax(-1).transpose(0, 1).float()
+        return out
+
+
+def _actor(layout_kw: dict, cfg: ModelConfig, seed: int, std: float = 0.2):
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import load_canonical
+    from megatron_rl.rollout.decoder import random_canonical
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
+    load_canonical(chunks, random_canonical(cfg, seed, std=std))
+    return chunks
+
+
+def _engine(cfg: ModelConfig, chunks, **overrides):
+    from megatron_rl.rollout.engine import make_engine
+
+    engine = make_engine("megatron", cfg, "cpu", **{**ENGINE, **overrides})
+    engine.load_from_chunks(chunks)
+    return engine
+
+
+def _trainer_view(chunks, batch, temperature: float) -> list[tuple[list[int], list[float]]]:
+    """``(argmax, log-probs)`` of each sample's response positions from one full forward."""
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+
+    seqs = [{"tokens": torch.tensor(p + r)} for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    with torch.no_grad():
+        views, _ = run_sequences(chunks, seqs, TrainerView(temperature), BatchPlan(micro_batch_size=4),
+                                 torch.device("cpu"))
+    out = []
+    for prompt, response, view in zip(batch.prompt_ids, batch.response_ids, views):
+        span = slice(len(prompt) - 1, len(prompt) - 1 + len(response))
+        out.append((view["argmax"].long().tolist()[span], view["logprob"].tolist()[span]))
+    return out
+
+
+def parity_body(layout_kw: dict, cfg: ModelConfig, seed: int) -> dict:
+    chunks = _actor(layout_kw, cfg, seed)
+    engine = _engine(cfg, chunks)
+    greedy = engine.generate(PROMPTS, GREEDY, seed=0)
+    # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
+    with torch.inference_mode():  # the engine allocates its cache in inference mode
+        engine._engine.context.memory_buffer.fill_(float("nan"))
+    greedy_again = engine.generate(PROMPTS, GREEDY, seed=0)
+    sampled = engine.generate(PROMPTS, SAMPLED, seed=5)
+    kv_bytes = engine.kv_cache_bytes()
+    engine.release_weights()  # the trainer's call after a rollout: the KV cache is freed
+    freed = engine.kv_cache_bytes() == 0 and not engine._engine.context.is_tensor_state_allocated
+    resumed = engine.generate(PROMPTS, SAMPLED, seed=5)
+    other_seed = engine.generate(PROMPTS, SAMPLED, seed=6)
+    return dict(
+        greedy=dataclasses.asdict(greedy), greedy_again=dataclasses.asdict(greedy_again),
+        greedy_view=_trainer_view(chunks, greedy, 0.0),
+        sampled=dataclasses.asdict(sampled), sampled_view=_trainer_view(chunks, sampled, SAMPLED.temperature),
+        resumed=dataclasses.asdict(resumed), other_seed=other_seed.response_ids,
+        kv_bytes=kv_bytes, freed=freed, training=chunks[0].training,
+    )
+
+
+LAYOUTS = {
+    "world1": (1, {}),
+    "tp2": (2, dict(tp=2)),
+    "pp2": (2, dict(pp=2)),
+    "tp2_pp2_sp": (4, dict(tp=2, pp=2, sp=True)),
+    "cp2": (2, dict(cp=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout):
+    world, layout_kw = LAYOUTS[layout]
+    results = run_distributed(world, parity_body, layout_kw, _cfg(), 4)
+    first = results[0]
+    worst = 0.0
+    for got in results:  # every rank of the replica has the same samples
+        assert got["greedy"] == first["greedy"] and got["sampled"] == first["sampled"]
+    for name in ("greedy", "sampled"):
+        batch, view = first[name], first[f"{name}_view"]
+        for response, logprobs, (argmax, trainer) in zip(batch["response_ids"], batch["response_logprobs"], view):
+            if name == "greedy":
+                assert response == argmax
+            assert len(logprobs) == len(response) > 0
+            worst = max([worst] + [abs(a - b) for a, b in zip(logprobs, trainer)])
+    print(f"{layout}: max |engine logprob - trainer logprob| = {worst:.2e} (fp32)")
+    assert worst <= 1e-5
+    assert first["greedy_again"] == first["greedy"]
+    assert first["resumed"] == first["sampled"], "same seed after suspend/resume, same samples"
+    assert first["other_seed"] != first["sampled"]["response_ids"]
+    assert first["freed"] and first["kv_bytes"] > 0 and first["training"]
+    sampled = first["sampled"]
+    assert sampled["prompt_index"] == [i for i in range(len(PROMPTS)) for _ in range(SAMPLED.n)]
+    assert any(sampled["response_ids"][2 * i] != sampled["response_ids"][2 * i + 1] for i in range(len(PROMPTS)))
+    for response, reason in zip(sampled["response_ids"], sampled["finish_reason"]):
+        stops = [t in SAMPLED.stop_token_ids for t in response]
+        assert not any(stops[:-1]) and (reason == "stop") == stops[-1]
+        assert reason == "stop" or len(response) == SAMPLED.max_new_tokens
+        assert max(response) < CFG["vocab_size"]
+
+
+def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict]) -> list:
+    chunks = _actor({}, cfg, 4)
+    out = []
+    for options in engines:
+        engine = _engine(cfg, chunks, **options)
+        batch = engine.generate(PROMPTS, params, seed=9)
+        out.append((dataclasses.asdict(batch), engine._engine.evicted_request_count, engine._engine.step_count))
+    return out
+
+
+def test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling():
+    """A KV cache of a few pages, 3 requests in flight and 8-token prefill chunks: requests pause,
+    are evicted and re-prefilled -- and every sample is the one a roomy engine draws."""
+    cfg = _cfg()
+    params = SamplingParams(temperature=0.9, max_new_tokens=20, n=2)
+    page = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, fp32, 4-token pages
+    roomy, tight = run_distributed(1, scheduling_body, cfg, params, [
+        dict(kv_block_tokens=4),
+        dict(kv_block_tokens=4, kv_cache_memory=16 * page, max_batch_size=3, prefill_chunk_tokens=8),
+    ])[0]
+    print(f"roomy: {roomy[2]} steps, {roomy[1]} evictions; tight: {tight[2]} steps, {tight[1]} evictions")
+    assert tight[1] > 0 and tight[2] > 2 * roomy[2]
+    assert tight[0]["response_ids"] == roomy[0]["response_ids"]
+    worst = max(abs(a - b) for x, y in zip(tight[0]["response_logprobs"], roomy[0]["response_logprobs"])
+                for a, b in zip(x, y))
+    assert worst <= 1e-4  # another cut of the same sums
+
+
+def fraction_body(cfg: ModelConfig) -> tuple:
+    chunks = _actor({}, cfg, 4)
+    engine = _engine(cfg, chunks, kv_cache_memory=1e-3)  # a thousandth of the free memory
+    first = engine.generate(PROMPTS, SAMPLED, seed=2)
+    built, kv = engine._engine, engine.kv_cache_bytes()
+    engine.release_weights()
+    again = engine.generate(PROMPTS, SAMPLED, seed=2)
+    return first == again, engine._engine is not built, kv
+
+
+def test_kv_budget_as_a_fraction_of_free_memory_is_measured_for_each_rollout():
+    same, rebuilt, kv = run_distributed(1, fraction_body, _cfg())[0]
+    assert same and rebuilt and kv > 2**20
+
+
+def stops_body(cfg: ModelConfig) -> dict:
+    chunks = _actor({}, cfg, 4)
+    engine = _engine(cfg, chunks)
+    free = engine.generate(PROMPTS, GREEDY, seed=0).response_ids
+    ids = (free[0][4], free[1][2])  # two EOS ids, as Llama-3's end-of-text and end-of-turn
+    sequence = tuple(free[3][5:7])
+    by_ids = engine.generate(PROMPTS, dataclasses.replace(GREEDY, stop_token_ids=ids), seed=0)
+    by_seq = engine.generate(PROMPTS, dataclasses.replace(GREEDY, stop_sequences=(sequence,)), seed=0)
+    # Padded vocabulary rows (zeros from the canonical load) must never be drawn, even hot.
+    wide = _cfg(make_vocab_size_divisible_by=256)
+    hot = _engine(wide, _actor({}, wide, 4, std=0.02)).generate(
+        PROMPTS, SamplingParams(temperature=3.0, max_new_tokens=30, n=4), seed=1)
+    return dict(free=free, ids=ids, sequence=sequence, by_ids=dataclasses.asdict(by_ids),
+                by_seq=dataclasses.asdict(by_seq), hot=hot.response_ids)
+
+
+def _first_end(response, seq):
+    for end in range(len(seq), len(response) + 1):
+        if tuple(response[end - len(seq):end]) == tuple(seq):
+            return end
+    return None
+
+
+def test_stop_on_every_eos_id_and_stop_sequences_and_padded_vocab_never_drawn():
+    got = run_distributed(1, stops_body, _cfg())[0]
+    for full, response, reason in zip(got["free"], got["by_ids"]["response_ids"], got["by_ids"]["finish_reason"]):
+        ends = [k + 1 for k, t in enumerate(full) if t in got["ids"]]
+        assert response == (full[: ends[0]] if ends else full)
+        assert reason == ("stop" if ends else "length")
+    assert got["by_ids"]["finish_reason"][:2] == ["stop", "stop"]
+    for full, response, reason in zip(got["free"], got["by_seq"]["response_ids"], got["by_seq"]["finish_reason"]):
+        end = _first_end(full, got["sequence"])
+        assert response == (full[:end] if end else full) and reason == ("stop" if end else "length")
+    assert got["by_seq"]["finish_reason"][3] == "stop"
+    drawn = [t for r in got["hot"] for t in r]
+    assert len(set(drawn)) > 50 and max(drawn) < CFG["vocab_size"]
+
+
+# -- the sampler -------------------------------------------------------------------------------
+def test_keyed_sampling_is_the_decoders_sampler_with_other_noise():
+    """Given the same Exp(1) draws, the engine's sampling call picks what the decoder's does (top-k
+    and top-p applied together, log-probs of the full tempered distribution)."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(temperature=0.8, top_k=7, top_p=0.6)
+    noise = torch.empty(6, 50).exponential_(generator=torch.Generator().manual_seed(1))
+    decoder = sample(logits, params, torch.Generator().manual_seed(1))
+    keyed = sample(logits, params, None, noise=noise)
+    assert torch.equal(decoder[0], keyed[0]) and torch.equal(decoder[1], keyed[1])
+    allowed = ~torch.isinf(filter_logits(logits, params))
+    for seed in range(50):
+        keys = torch.tensor([sample_key(seed * 6 + r) for r in range(6)])
+        tokens, _ = sample(logits, params, None, noise=keyed_exponentials(keys, torch.zeros(6), 50))
+        assert bool(allowed.gather(1, tokens[:, None]).all())
+
+
+def test_keyed_noise_draws_from_the_distribution():
+    """Exp(1) noise from (key, position, token) hashes: 40,000 draws match the probabilities."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    n = 40_000
+    keys = torch.tensor([sample_key(s) for s in range(n // 8)]).repeat_interleave(8)
+    positions = torch.arange(8).repeat(n // 8)
+    noise = keyed_exponentials(keys, positions, 5)
+    assert abs(noise.mean().item() - 1.0) < 0.02
+    tokens = (probs / noise).argmax(-1)
+    freq = torch.bincount(tokens, minlength=5).float() / n
+    assert (freq - probs).abs().max() < 0.01, freq
+
+
+# -- no redundant generation ---------------------------------------------------------------------
+class CountingEngine:
+    """One response token per sample: the prompt's first id, so the gathered batch can be checked."""
+
+    def __init__(self):
+        self.generated: list[list[int]] = []
+
+    def generate(self, prompt_ids, params, seed):
+        from megatron_rl.rollout.engine import RolloutBatch
+
+        self.generated += [list(p) for p in prompt_ids]
+        n = params.n * len(prompt_ids)
+        return RolloutBatch(prompt_index=[k // params.n for k in range(n)],
+                            prompt_ids=[prompt_ids[k // params.n] for k in range(n)],
+                            response_ids=[[prompt_ids[k // params.n][0]] for k in range(n)],
+                            response_logprobs=[[-1.0]] * n, finish_reason=["length"] * n)
+
+
+def sharing_body(layout_kw: dict, num_prompts: int) -> tuple:
+    from megatron_rl.rollout.dp import generate_data_parallel
+    from megatron_rl.testing.layouts import use_layout
+
+    use_layout(**layout_kw)
+    engine = CountingEngine()
+    prompts = [[i, i + 1] for i in range(num_prompts)]
+    batch = generate_data_parallel(engine, prompts, SamplingParams(n=2), seed=3)
+    return [p[0] for p in engine.generated], batch.prompt_index, [r[0] for r in batch.response_ids]
+
+
+@pytest.mark.parametrize("world,layout_kw", [(2, dict(cp=2)), (4, dict(cp=2)), (4, dict(tp=2, cp=2))],
+                         ids=["cp2", "dp2_cp2", "tp2_cp2"])
+def test_every_prompt_is_generated_once_over_the_world(world, layout_kw):
+    """Context-parallel ranks generate as data-parallel ones do: each DP x CP generator samples a
+    distinct share, TP ranks of a generator share theirs, and the batch holds each sample once."""
+    num_prompts = 11
+    results = run_distributed(world, sharing_body, layout_kw, num_prompts)
+    tp = layout_kw.get("tp", 1)
+    generators = world // tp
+    counts = [len(generated) for generated, _, _ in results]
+    print(f"{world} ranks {layout_kw}: prompts generated per rank {counts}")
+    per_generator = [results[r][0] for r in range(0, world, tp)]  # megatron's order: TP ranks adjacent
+    for r in range(world):
+        assert results[r][0] == results[r - r % tp][0]  # TP ranks of a generator: the same share
+    flat = sorted(p for share in per_generator for p in share)
+    assert flat == list(range(num_prompts)) and len(per_generator) == generators
+    assert all(share for share in per_generator)
+    for _, prompt_index, first_ids in results:
+        assert prompt_index == [i for i in range(num_prompts) for _ in range(2)]
+        assert first_ids == prompt_index
+
+
+# -- the trainer and the command line ------------------------------------------------------------
+def test_ppo_runs_with_the_megatron_engine_and_recomputes_its_logprobs(tmp_path):
+    """Two PPO steps at TP=2 with rollout.engine=megatron: the engine is suspended while the actor
+    trains and generates from the updated shards; the trainer's recomputed old log-probs match
+    what the engine sampled with."""
+    from tests._helpers import ppo_body, read_metrics
+
+    run_distributed(2, ppo_body, ["parallel.tp=2", "rollout.engine=megatron", "rollout.kv_cache_memory=4e6",
+                                  "rollout.kv_block_tokens=16", "trainer.steps=2", f"run.dir={tmp_path}",
+                                  "run.name=m", "algorithm.old_logprobs=recompute"])
+    rows = read_metrics(tmp_path / "m")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
+
+
+def test_config_refuses_the_megatron_engine_with_virtual_pipeline_stages():
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.errors import UserInputError
+
+    cfg = load_config(None, ["rollout.engine=megatron", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"])
+    with pytest.raises(UserInputError, match="rollout.engine"):
+        validate(cfg, 2)
+    validate(load_config(None, ["rollout.engine=megatron", "parallel.pp=2", "model.num_layers=4"]), 2)
+
+
+def test_generate_command_writes_tokens_text_and_logprobs(tmp_path):
+    """megatron-rl generate on a tiny HF model: n samples per prompt line, log-probs included."""
+    from megatron_rl.testing.harness import get_pool
+    from tests._helpers import make_hf_model
+
+    hf_dir = str(tmp_path / "hf")
+    make_hf_model("llama", hf_dir)
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        fh.write(json.dumps({"input_ids": [3, 9, 27]}) + "\n")
+        fh.write(json.dumps({"input_ids": [5, 1]}) + "\n")
+    out = str(tmp_path / "out.jsonl")
+    get_pool(2).run(generate_body, hf_dir, str(tmp_path / "in.jsonl"), out,
+                    ["parallel.tp=2", "data.tokenizer=char", "rollout.engine=megatron", "rollout.n=2", "rollout.max_new_tokens=5",
+                     "rollout.temperature=0.8", "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16"])
+    rows = [json.loads(line) for line in open(out)]
+    assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for row in rows:
+        assert row["prompt_ids"] in ([3, 9, 27], [5, 1])
+        assert 0 < len(row["response_ids"]) == len(row["logprobs"]) <= 5
+        assert isinstance(row["text"], str) and all(lp <= 0 for lp in row["logprobs"])
+
+
+def test_generate_command_needs_one_model_source(capsys):
+    from megatron_rl.tools.cli import main
+
+    assert main(["generate", "--input", "in.jsonl", "--output", "out.jsonl"]) == 2
+    assert "needs exactly one of them" in capsys.readouterr().err
+    assert main(["generate", "--hf-model", "a", "--checkpoint", "b", "--input", "i", "--output", "o"]) == 2
+
+
+def generate_body(hf_dir: str, input_path: str, output: str, overrides: list[str]):
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.tools.generate import run_generate
+
+    cfg = load_config(None, overrides)
+    cfg.model = model_config_from_hf(read_hf_config(hf_dir), cfg.model)
+    cfg.model.hf_path = hf_dir
+    return run_generate(cfg, input_path, output, hf_dir=hf_dir)
+
+
+# -- GPU-only paths ------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's paged kernels run on CUDA only")
+def test_flash_paged_kernels_match_the_cpu_stand_in():
+    from megatron.core.transformer import attention
+
+    from megatron_rl.compat.inference_cpu import sdpa_decode_paged, sdpa_varlen_paged
+    from megatron_rl.rollout.megatron_engine import flash_attention_ready
+
+    if not flash_attention_ready():
+        pytest.skip("flash-attn >= 2.7.3 is not installed")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(9, 16, 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    table = torch.tensor([[3, 1, 7], [0, 5, -1]], device="cuda", dtype=torch.int32)
+    lengths = torch.tensor([40, 20], device="cuda", dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    got = attention.flash_attn_with_kvcache(q=q, k_cache=k, v_cache=v, cache_seqlens=lengths, causal=True,
+                                            block_table=table)
+    assert (got.float() - sdpa_decode_paged(q, k, v, lengths, table).float()).abs().max() < 2e-2
+    cu_q = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0, 40, 60], device="cuda", dtype=torch.int32)
+    qs = torch.randn(12, 4, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
+    got = attention.flash_attn_varlen_func(qs, k, v, cu_q, cu_k, 7, 96, causal=True, block_table=table)
+    assert (got.float() - sdpa_varlen_paged(qs, k, v, cu_q, cu_k, block_table=table).float()).abs().max() < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_are_not_captured_by_the_rollout_engine():
+    pytest.skip("CUDA graphs are a model-build switch in megatron-core 0.16 (cuda_graph_impl='local') that also "
+                "routes the training forward through the graph manager; the engine runs eagerly (docs/rollout.md)")
+
+
+def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():
+    """The SDPA stand-in for flash-attn's paged kernels against attention over gathered keys."""
+    from megatron_rl.compat.inference_cpu import sdpa_decode_paged, sdpa_varlen_paged
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)
+    table = torch.tensor([[4, 1, 0], [2, 3, -1], [-1, -1, -1]], dtype=torch.int32)
+    keys = [k[[4, 1, 0]].flatten(0, 1)[:10], k[[2, 3]].flatten(0, 1)[:7]]
+    values = [v[[4, 1, 0]].flatten(0, 1)[:10], v[[2, 3]].flatten(0, 1)[:7]]
+    q = torch.randn(3 + 2, 4, 8, generator=gen)  # 3 new tokens of request 0, 2 of request 1 (+0 padding)
+    out = sdpa_varlen_paged(q, k, v, torch.tensor([0, 3, 5, 5]), torch.tensor([0, 10, 17, 17]), block_table=table)
+    for r, (rows, kv_len) in enumerate([(slice(0, 3), 10), (slice(3, 5), 7)]):
+        qr = q[rows]
+        for j in range(qr.size(0)):
+            visible = kv_len - qr.size(0) + j + 1
+            kk = keys[r][:visible].repeat_interleave(2, 1)
+            vv = values[r][:visible].repeat_interleave(2, 1)
+            att = torch.softmax(torch.einsum("hd,khd->hk", qr[j], kk) / 8**0.5, -1)
+            assert torch.allclose(out[rows][j], torch.einsum("hk,khd->hd", att, vv), atol=1e-5)
+    dec = sdpa_decode_paged(q[:3, None], k, v, torch.tensor([10, 7, 0]), table)
+    assert dec[2].abs().max() == 0  # a padding request
+    att = torch.softmax(torch.einsum("hd,khd->hk", q[1], keys[1].repeat_interleave(2, 1)) / 8**0.5, -1)
+    assert torch.allclose(dec[1, 0], torch.einsum("hk,khd->hd", att, values[1].repeat_interleave(2, 1)), atol=1e-5)
+
+
+def test_megatron_engine_is_registered():
+    from megatron_rl.rollout.engine import ENGINES, engine_class
+    from megatron_rl.rollout.megatron_engine import MegatronRolloutEngine
+
+    assert engine_class("megatron") is MegatronRolloutEngine and "megatron" in ENGINES
