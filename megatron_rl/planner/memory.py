@@ -10,11 +10,17 @@ Per transformer layer and per token on this rank, in elements:
 * ``2 (q + kv) / tp`` attention inputs and output, ``q_heads / tp`` log-sum-exp values;
 * ``2 / tp_sp`` norm statistics and ``4 d`` rotary factors.
 
-Full recompute keeps only each layer's input plus one layer's activations while recomputing;
-``all_gather`` context parallelism keeps no more than the ring (it re-gathers K/V in backward),
-but while one layer runs it holds the whole sequence's K/V and a ``[local, full]`` mask.
-Everything outside the layers -- the final norm, the log-prob path (hidden states plus two
-``[chunk, vocab/TP]`` fp32 buffers), labels -- is counted once.
+Full recompute keeps only each layer's input plus one layer's activations while recomputing.
+Every context-parallel strategy keeps the same local tensors (``all_gather`` re-gathers K/V in
+backward); ``a2a`` keeps its head shard of the whole sequence instead, which is the same size
+unless it replicates K/V heads.  No strategy builds a mask: what one layer's attention holds
+while it runs is K/V blocks, accumulators and all-to-all buffers
+(:func:`attention_transient_bytes`).  Everything outside the layers -- the final norm, the
+log-prob path (hidden states plus two ``[chunk, vocab/TP]`` fp32 buffers), labels -- is counted
+once.
+
+The peak of a micro-batch (:func:`peak_bytes`) is what is kept plus the largest working set of
+one phase: an MLP, an attention (forward; with training, its backward) or the log-prob chunks.
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ class PlanOption:
     recompute: Optional[str] = None  # None | "selective" | "full"
     offload: bool = False
     distributed_optimizer: bool = False
-    cp_comm_type: str = "p2p"
+    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
     sharded_rollout: bool = False  # rollout.engine=tp_sharded: generation weights and KV cache / TP
+    hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
 
     @property
     def world(self) -> int:
@@ -59,6 +66,8 @@ class PlanOption:
                f"parallel.sequence_parallel={'true' if self.sequence_parallel and self.tp > 1 else 'false'}"]
         if self.cp > 1:
             out.append(f"parallel.cp_comm_type={self.cp_comm_type}")
+            if self.cp_comm_type == "a2a+p2p":
+                out.append("parallel.hierarchical_context_parallel_sizes=[{},{}]".format(*cp_levels(self)))
         if self.recompute:
             out.append(f"model.recompute.granularity={self.recompute}")
         if self.distributed_optimizer:
@@ -68,6 +77,35 @@ class PlanOption:
         if self.sharded_rollout:
             out.append("rollout.engine=tp_sharded")
         return out
+
+
+A2A_COMM_TYPES = ("a2a", "a2a+p2p")
+
+
+def cp_levels(layout: PlanOption) -> tuple[int, int]:
+    """``(a2a size, ring size)`` of the CP group: ``(cp, 1)`` for a2a, ``(1, cp)`` for p2p and
+    all_gather, the hierarchical sizes (default ``(2, cp / 2)``) for a2a+p2p."""
+    if layout.cp_comm_type == "a2a":
+        return layout.cp, 1
+    if layout.cp_comm_type == "a2a+p2p":
+        if layout.hierarchical_cp:
+            return int(layout.hierarchical_cp[0]), int(layout.hierarchical_cp[1])
+        return 2, max(layout.cp // 2, 1)
+    return 1, layout.cp
+
+
+def a2a_heads_ok(cfg: ModelConfig, tp: int, a2a: int) -> bool:
+    """Whether a2a over ``a2a`` ranks can split this model's heads at ``tp``: query heads per TP
+    rank divisible by it, K/V heads divisible by it (split) or dividing it (replicated)."""
+    nq, nkv, _ = attention_dims(cfg)
+    q_local, kv_local = nq // tp, max(nkv // tp, 1)
+    return q_local % a2a == 0 and (kv_local % a2a == 0 or a2a % kv_local == 0)
+
+
+def _kv_heads_after_a2a(kv_local: float, a2a: int) -> float:
+    """K/V heads a rank holds after a2a, times ``a2a`` (per local token): ``kv_local`` when they
+    split, ``a2a`` when there are fewer than ``a2a`` and each is replicated."""
+    return max(kv_local, a2a) if a2a > 1 else kv_local
 
 
 def sequence_parallel_divisor(layout: PlanOption) -> int:
@@ -104,20 +142,21 @@ def activation_elems_per_token_layer(cfg: ModelConfig, layout: PlanOption) -> fl
     tp = layout.tp
     sp = sequence_parallel_divisor(layout)
     ffn_terms = 4 * f if cfg.activation == "swiglu" else 2 * f
-    return 7 * h / sp + ffn_terms / tp + (2 * nq * d + 2 * nkv * d + nq) / tp + 2 / sp + 4 * d
+    kv = nkv / tp
+    if layout.cp > 1 and layout.cp_comm_type in A2A_COMM_TYPES:
+        kv = _kv_heads_after_a2a(kv, cp_levels(layout)[0])
+    return 7 * h / sp + ffn_terms / tp + (2 * nq / tp + 2 * kv) * d + nq / tp + 2 / sp + 4 * d
 
 
 def activation_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
                      seq_len: Optional[int] = None) -> float:
     """Bytes kept for backward by the decoder layers of one stage for ``tokens_local`` tokens.
 
-    Both CP strategies keep only local tensors (all_gather re-gathers K/V in backward), so
+    Every CP strategy keeps O(local) tensors (all_gather re-gathers K/V in backward), so
     ``seq_len`` matters only to :func:`attention_transient_bytes`."""
     layers = cfg.num_layers / layout.pp
     per_layer = activation_elems_per_token_layer(cfg, layout) * tokens_local * bytes_per
     nq, nkv, d = attention_dims(cfg)
-    if layout.cp > 1 and layout.cp_comm_type == "all_gather":
-        per_layer -= (nq * d + nq) / layout.tp * tokens_local * bytes_per  # no output / lse: recomputed
     # 1F1B keeps up to pp micro-batches in flight on the first stage: pp x (L/pp) layers' worth.
     in_flight = layout.pp
     if layout.recompute == "full":
@@ -129,16 +168,86 @@ def activation_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, by
 
 
 def attention_transient_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
-                              seq_len: Optional[int] = None) -> float:
-    """Memory one layer's attention holds while it runs (not kept for backward).
+                              seq_len: Optional[int] = None, backward: bool = False,
+                              training: bool = True) -> float:
+    """Memory one layer's attention holds while it runs (forward, or ``backward``), beyond its
+    inputs and what it keeps for backward.  No strategy builds a mask or materialises scores;
+    softmax statistics and merged partial results are fp32, K/V travel in the model dtype.
 
-    ``all_gather`` CP: the gathered K/V of the whole sequence and the ``[local, full]`` additive
-    mask (cached across layers).  The ring's query tiles cap its score blocks near 64 MiB."""
-    if layout.cp == 1 or layout.cp_comm_type != "all_gather":
+    * ``p2p`` (ring): its own K/V and the block in flight, the fp32 output accumulator and one
+      block's output; backward adds the fp32 dK/dV of the block and the one in flight, dQ and one
+      block's kernel gradients;
+    * ``all_gather``: the gathered K/V of the whole sequence, and in backward their fp32 gradients;
+    * ``a2a``: the all-to-all buffers (three copies of a q-sized tensor: send, receive,
+      reorder) and, when nothing is kept for backward (``training=False``), the head shard of the
+      whole sequence (q, k, v, out); backward: the head shard's gradients and two buffers;
+    * ``a2a+p2p``: the head shard's inputs (``training=False``) and the larger of the buffers and
+      the ring's terms on the head shard.
+
+    Checked against the op alone (``track_peak_memory``, fp32, cp 2 and 4): within 15% (the
+    all_gather forward's local K/V copy while gathering, and a2a+p2p's backward, are above)."""
+    if layout.cp == 1:
         return 0.0
-    _, nkv, d = attention_dims(cfg)
-    full = seq_len or tokens_local * layout.cp
-    return (2 * nkv * d / layout.tp) * full * bytes_per + tokens_local * full * bytes_per
+    nq, nkv, d = attention_dims(cfg)
+    s, tp, fp32 = tokens_local, layout.tp, 4
+    full = seq_len or s * layout.cp
+    q = s * nq / tp * d
+    lse = s * nq / tp
+    a2a, _ = cp_levels(layout)
+    kv_heads = _kv_heads_after_a2a(nkv / tp, a2a) if layout.cp_comm_type in A2A_COMM_TYPES else nkv / tp
+    kv = s * kv_heads * d  # one of K or V
+
+    def ring(q, kv, lse):
+        if backward:
+            return 2 * 2 * kv * bytes_per + 2 * 2 * kv * fp32 + q * fp32 + (q + 2 * kv) * bytes_per
+        return 2 * 2 * kv * bytes_per + q * (fp32 + bytes_per) + 2 * lse * fp32
+
+    comm = layout.cp_comm_type
+    if comm == "p2p":
+        return ring(q, kv, lse)
+    if comm == "all_gather":
+        gathered = 2 * kv * full / s
+        if backward:
+            return gathered * (bytes_per + fp32) + q * fp32 + (q + 2 * kv) * bytes_per
+        return gathered * bytes_per + q * (fp32 + bytes_per) + 2 * lse * fp32
+    # a2a, a2a+p2p: the head shard of the group's sequence has q's and kv's sizes; the all-to-all
+    # buffers are gone before the attention (or the ring) runs.
+    buffers = (2 if backward else 3) * q * bytes_per
+    if backward:
+        inner = (q + 2 * kv) * bytes_per if comm == "a2a" else ring(q, kv, lse)
+        return max(buffers, inner) if comm == "a2a+p2p" else buffers + inner
+    if comm == "a2a":
+        return buffers + (0 if training else (2 * q + 2 * kv) * bytes_per)
+    return (0 if training else (q + 2 * kv) * bytes_per) + max(buffers, ring(q, kv, lse))
+
+
+def layer_working_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
+                        training: bool = True) -> float:
+    """The MLP's working set of one layer beyond what is kept, measured on the local spec:
+    forward only, the fc1 output and the activation's intermediates (SwiGLU ``5 F / tp``, GELU
+    ``2 F / tp``) plus the residual stream (``4 h`` and the rotary factors); with backward, the
+    gradients of one layer's MLP (``4 F / tp``)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    _, _, d = attention_dims(cfg)
+    sp = sequence_parallel_divisor(layout)
+    if training:
+        return 4 * f / layout.tp * tokens_local * bytes_per
+    ffn = 5 * f if cfg.activation == "swiglu" else 2 * f
+    return (ffn / layout.tp + 4 * h / sp + d) * tokens_local * bytes_per
+
+
+def _attention_phase_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
+                           seq_len: Optional[int], training: bool) -> float:
+    """Forward only: the attention's inputs and output with the residual stream, plus its
+    transient; with backward, the attention backward's transient and its input gradients."""
+    nq, nkv, d = attention_dims(cfg)
+    sp = sequence_parallel_divisor(layout)
+    qkv = (2 * nq + 2 * nkv) * d / layout.tp * tokens_local * bytes_per
+    if training:
+        return qkv + attention_transient_bytes(cfg, layout, tokens_local, bytes_per, seq_len, backward=True)
+    residual = 2 * cfg.hidden_size / sp * tokens_local * bytes_per
+    return residual + qkv + attention_transient_bytes(cfg, layout, tokens_local, bytes_per, seq_len,
+                                                      training=False)
 
 
 def head_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
@@ -150,6 +259,27 @@ def head_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_pe
     # Two fp32 [chunk, vocab/TP] buffers, the fp32 output-weight gradient, the hidden gradient.
     transient = 2 * min(chunk, tokens_local) * vocab_local * 4 + vocab_local * h * 4 + tokens_local * h * bytes_per
     return {"saved": saved, "logprob_chunks": transient}
+
+
+def peak_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
+               seq_len: Optional[int] = None, training: bool = True, chunk: int = 1024) -> float:
+    """Peak bytes of one micro-batch of ``tokens_local`` tokens on a rank, above its weights (and
+    gradient buffers): what is kept for backward (``training``) plus the largest phase -- one
+    layer's MLP, one layer's attention, or the log-prob path's chunks.  Forward only (scoring,
+    reference and old-policy passes) keeps nothing, and the hidden states stay for the head."""
+    head = head_bytes(cfg, layout, tokens_local, bytes_per, chunk=chunk)
+    if training:
+        logprob = head["logprob_chunks"]
+    else:  # the chunk buffers beside the final hidden states; no gradients
+        logprob = 2 * min(chunk, tokens_local) * -(-cfg.vocab_size // layout.tp) * 4
+        logprob += tokens_local * cfg.hidden_size * bytes_per
+    phases = (layer_working_bytes(cfg, layout, tokens_local, bytes_per, training),
+              _attention_phase_bytes(cfg, layout, tokens_local, bytes_per, seq_len, training), logprob)
+    if training:
+        kept = activation_bytes(cfg, layout, tokens_local, bytes_per, seq_len=seq_len) + head["saved"]
+    else:
+        kept = 0.0
+    return kept + max(phases)
 
 
 def naive_logits_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int) -> float:
@@ -199,8 +329,9 @@ def estimate(
     optim = p_gpu * ADAM_BYTES_PER_PARAM / shard
     trainable = weights + grads + optim
     seq_len = prompt_len + response_len
-    acts = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
+    kept = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
     head = head_bytes(cfg, layout, tokens_per_microbatch, param_bytes)
+    peak = peak_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
     models = {"actor weights": weights, "actor grads": grads, "actor optimizer": optim}
     if with_critic:
         models.update({"critic weights": weights, "critic grads": grads, "critic optimizer": optim})
@@ -208,8 +339,11 @@ def estimate(
         models["reference weights"] = weights
     # With offload only the running phase's model stays on the GPU; the others wait in host memory.
     resident = trainable if layout.offload else sum(models.values())
-    acts += attention_transient_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
-    train = resident + acts + head["saved"] + head["logprob_chunks"]
+    # Activations: what is kept plus the larger of one layer's MLP and attention working sets.  The
+    # training peak adds the larger of those and the log-prob chunks, which never coexist.
+    acts = kept + max(layer_working_bytes(cfg, layout, tokens_per_microbatch, param_bytes),
+                      _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
+    train = resident + peak
     # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache;
     # the TP-sharded engine holds 1/TP of both.
     gen_split = layout.tp if layout.sharded_rollout else 1

@@ -9,7 +9,7 @@ from typing import Optional
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.data.microbatch import align_to, alignment
 from megatron_rl.models.arch import attention_dims
-from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, estimate
+from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, a2a_heads_ok, estimate
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
@@ -67,6 +67,22 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in PARALLEL_SIZES if d <= limit and n % d == 0]
 
 
+def cp_comm_options(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int) -> list[tuple[str, Optional[tuple]]]:
+    """``(cp_comm_type, hierarchical sizes)`` to try at this TP and CP: the ring; a2a when the
+    heads per TP rank split over all of CP; a2a+p2p (cp >= 4) with the largest a2a group that
+    splits them and stays inside a node, the ring across the groups."""
+    if cp == 1:
+        return [("p2p", None)]
+    out: list[tuple[str, Optional[tuple]]] = [("p2p", None)]
+    if a2a_heads_ok(cfg, tp, cp):
+        out.append(("a2a", None))
+    inner = [a for a in PARALLEL_SIZES if 2 <= a <= cp // 2 and cp % a == 0 and tp * a <= gpus_per_node
+             and a2a_heads_ok(cfg, tp, a)]
+    if inner:
+        out.append(("a2a+p2p", (inner[-1], cp // inner[-1])))
+    return out
+
+
 def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
     heads, groups, _ = attention_dims(cfg)
     for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
@@ -77,20 +93,23 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
                 continue
             for cp in _divisors(gpus // (tp * pp), gpus):
                 dp = gpus // (tp * pp * cp)
-                for recompute, offload, dist_opt, sharded in itertools.product(
-                        (None, "selective", "full"), (False, True), (False, True), (False, True)):
+                for (comm, levels), recompute, offload, dist_opt, sharded in itertools.product(
+                        cp_comm_options(cfg, tp, cp, gpus_per_node), (None, "selective", "full"), (False, True),
+                        (False, True), (False, True)):
                     if (dist_opt and dp * cp == 1) or (sharded and tp == 1):
                         continue
                     yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                 distributed_optimizer=dist_opt, sharded_rollout=sharded)
+                                     distributed_optimizer=dist_opt, sharded_rollout=sharded, cp_comm_type=comm,
+                                     hierarchical_cp=levels)
 
 
 def _cost(c: Candidate) -> tuple:
     """Prefer: no offload, no recompute, small model parallelism (more DP), a TP-sharded rollout
-    (it costs training nothing), then less memory."""
+    (it costs training nothing), the ring over a2a / a2a+p2p (the default), then less memory."""
     lay = c.layout
     return (lay.offload, {None: 0, "selective": 1, "full": 2}[lay.recompute], lay.tp * lay.pp * lay.cp,
-            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.distributed_optimizer, c.breakdown.total)
+            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.distributed_optimizer, lay.cp_comm_type != "p2p",
+            c.breakdown.total)
 
 
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,
