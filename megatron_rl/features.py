@@ -19,9 +19,9 @@ from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
-from megatron_rl.models.arch import RECOMPUTE_MODULES, attention_dims
+from megatron_rl.models.arch import RECOMPUTE_MODULES, attention_dims, expert_ffn_size, is_moe
 from megatron_rl.ops.cp_attention import A2A_COMM_TYPES, kv_replication
-from megatron_rl.trainer.old_logprobs import training_forward_blockers
+from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source, training_forward_blockers
 
 TESTED_CPU = "tested on CPU"
 TESTED_GPU = "tested on GPU"
@@ -134,6 +134,10 @@ def _needs_groups() -> Constraint:
                  "algorithm.advantage={c.algorithm.advantage} takes its baseline from the other samples of a prompt",
                  "set rollout.n >= 2", f"rollout.n >= 2 for group estimators ({names})",
                  when=lambda c: ADVANTAGE_ESTIMATORS[c.algorithm.advantage].needs_groups)
+
+
+def _old_logprob_source(cfg) -> str:
+    return resolve_old_logprob_source(cfg.algorithm)
 
 
 def _registry_names(registry) -> str:
@@ -744,6 +748,125 @@ FEATURES: list[Feature] = [
         config="megatron-rl plan --model ... --response-len ...",
         measured=(Measured("activation and log-prob estimates within 1% of CPU measurement on the benchmark model",
                            "pytest -s tests/test_planner.py -k measurement"),),
+    ),
+    # ------------------------------------------------------------------ mixture of experts
+    Feature(
+        "Mixture-of-experts layers", "models", TESTED_CPU,
+        "megatron-core's MoE layer (top-k router, alltoall or allgather token dispatcher, SequentialMLP experts on the local spec, shared experts with an optional sigmoid gate, dense layers by model.moe.layer_freq / dense_layers) with our router: load-balancing (per micro-batch or per sequence) and z-losses over real tokens, divided once by the pass's token count like the policy loss, reported as actor/moe_aux_loss and actor/moe_z_loss and in the gradient only with a coefficient > 0; no token dropping unless model.moe.capacity_factor is set. Training generates with rollout.engine=megatron (the torch decoders have no MoE layers; `megatron-rl train` and `validate` refuse them for an MoE model).",
+        ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
+         "tests/test_moe.py::test_router_losses_enter_the_gradient_with_their_coefficients",
+         "tests/test_moe.py::test_micro_batch_load_balancing_loss_where_the_batch_is_cut_the_same",
+         "tests/test_moe.py::test_moe_config_maps_to_megatron_fields",
+         "tests/test_moe.py::test_grpo_learns_on_a_tiny_moe"),
+        (
+            _need("model.moe.router_topk", lambda c, w: c.model.moe.router_topk <= c.model.moe.num_experts,
+                  "router_topk={c.model.moe.router_topk} is more than num_experts={c.model.moe.num_experts}",
+                  "route to at most num_experts experts", "router_topk <= num_experts", when=lambda c: is_moe(c.model)),
+            _need("parallel.sequence_parallel", lambda c, w: c.parallel.tp == 1 or c.parallel.sequence_parallel,
+                  "megatron-core's MoE layer refuses tensor parallelism without sequence parallelism in training",
+                  "set parallel.sequence_parallel=true", "tp > 1 needs sequence_parallel=true",
+                  when=lambda c: is_moe(c.model)),
+            _need("model.moe.topk_norm", lambda c, w: c.model.moe.topk_norm or c.model.moe.score_function == "softmax",
+                  "megatron-core always renormalises sigmoid scores over the chosen experts",
+                  "set model.moe.topk_norm=true with score_function=sigmoid", "sigmoid scores need topk_norm=true",
+                  when=lambda c: is_moe(c.model)),
+            _need("model.moe.dense_layers",
+                  lambda c, w: all(0 <= int(i) < c.model.num_layers for i in c.model.moe.dense_layers),
+                  "names a layer the model does not have", "give indices in [0, model.num_layers)",
+                  "dense_layers within the model", when=lambda c: is_moe(c.model)),
+            _need("model.moe.shared_expert_ffn_hidden_size",
+                  lambda c, w: (c.model.moe.shared_expert_ffn_hidden_size or 0) % c.parallel.tp == 0,
+                  "the shared experts' hidden units are not divisible by tp", "choose a tp that divides them",
+                  "shared_expert_ffn_hidden_size % tp == 0", when=lambda c: is_moe(c.model)),
+        ),
+        config="model.moe.num_experts, model.moe.* (docs/moe.md)",
+    ),
+    Feature(
+        "Expert parallelism", "parallelism", TESTED_CPU,
+        "parallel.ep splits the routed experts of every MoE layer over ep ranks drawn from the data- and context-parallel ranks (megatron's expert rank generator: world = etp x ep x expert-DP x pp); their gradients are reduced over the expert data-parallel group by megatron's DDP, the distributed optimizer shards them there; checkpoints, HF import (each rank reads only its experts) and export work from and into any layout.",
+        ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
+         "tests/test_moe.py::test_score_matches_hf_on_expert_parallel_layouts",
+         "tests/test_moe.py::test_distributed_optimizer_with_experts_matches_one_process",
+         "tests/test_moe.py::test_convert_reshards_experts_between_layouts",
+         "tests/test_moe.py::test_moe_layouts_are_refused_before_launch",
+         "tests/test_moe.py::test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b"),
+        (
+            _need("parallel.ep", lambda c, w: is_moe(c.model), "expert parallelism needs an MoE model",
+                  "set model.moe.num_experts (or model.hf_path to an MoE checkpoint), or parallel.ep=1",
+                  "ep > 1 needs model.moe.num_experts", when=lambda c: c.parallel.ep > 1),
+            _need("parallel.ep", lambda c, w: c.model.moe.num_experts % c.parallel.ep == 0,
+                  "model.moe.num_experts={c.model.moe.num_experts} is not divisible by ep",
+                  "choose an ep that divides the number of experts", "num_experts % ep == 0",
+                  when=lambda c: is_moe(c.model)),
+            _need("parallel.ep",
+                  lambda c, w: w is None or w % ((c.parallel.etp or c.parallel.tp) * c.parallel.ep * c.parallel.pp) == 0,
+                  "world size {w} is not divisible by etp*ep*pp (one copy of the experts spans etp x ep x pp ranks)",
+                  "choose etp*ep*pp that divides {w}, e.g. ep = {w} / (etp*pp)", "world size divisible by etp*ep*pp"),
+            _need("parallel.pp", lambda c, w: c.parallel.pp == 1,
+                  "megatron's inference engine keeps idle expert-parallel ranks in step with dummy forwards, "
+                  "which have no pipeline stages", "use parallel.pp=1 with parallel.ep > 1 (more ep or tp instead)",
+                  "rollout.engine=megatron with ep > 1 needs pp=1",
+                  when=lambda c: c.parallel.ep > 1 and c.rollout.engine == "megatron"),
+        ),
+        config="parallel.ep",
+    ),
+    Feature(
+        "Expert tensor parallelism", "parallelism", TESTED_CPU,
+        "parallel.etp splits each routed expert's FFN over etp ranks, independently of the attention's tp (e.g. tp=2 with etp=1: whole experts over more EP ranks).",
+        ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
+         "tests/test_moe.py::test_score_matches_hf_on_expert_parallel_layouts"),
+        (
+            _need("parallel.etp", lambda c, w: is_moe(c.model), "expert tensor parallelism needs an MoE model",
+                  "set model.moe.num_experts, or parallel.etp=null", "etp needs model.moe.num_experts",
+                  when=lambda c: c.parallel.etp is not None and c.parallel.etp != c.parallel.tp),
+            _need("parallel.etp", lambda c, w: expert_ffn_size(c.model) % (c.parallel.etp or c.parallel.tp) == 0,
+                  "an expert's hidden units ({c.model.moe.ffn_hidden_size}) are not divisible by etp (null = tp)",
+                  "choose an etp that divides model.moe.ffn_hidden_size", "moe.ffn_hidden_size % etp == 0",
+                  when=lambda c: is_moe(c.model)),
+            _need("parallel.etp", lambda c, w: not c.model.add_bias_linear or (c.parallel.etp or c.parallel.tp) == 1,
+                  "megatron-core supports MoE linear biases only with etp=1", "set parallel.etp=1",
+                  "linear biases need etp=1", when=lambda c: is_moe(c.model)),
+        ),
+        config="parallel.etp",
+    ),
+    Feature(
+        "Qwen3-MoE", "models", TESTED_CPU,
+        "Qwen3MoeForCausalLM checkpoints (per-expert tensor names, as on the Hub and as transformers saves them): QK norm, top-k routing with or without norm_topk_prob, decoder_sparse_step / mlp_only_layers; score, convert and PPO on any TP/PP/CP/EP/ETP layout.",
+        ("tests/test_moe.py::test_score_matches_hf_on_expert_parallel_layouts",
+         "tests/test_moe.py::test_hf_megatron_hf_round_trip_is_bit_exact_on_ep2_pp2",
+         "tests/test_moe.py::test_convert_reshards_experts_between_layouts"),
+        config="model.hf_path=<dir> (configs/qwen3_30b_a3b_32k.yaml)",
+    ),
+    Feature(
+        "Qwen2-MoE", "models", TESTED_CPU,
+        "Qwen2MoeForCausalLM: QKV bias, softmax routing without renormalisation, a shared expert scaled by its sigmoid gate, dense layers.",
+        ("tests/test_moe.py::test_qwen2_moe_shared_experts_match_hf",
+         "tests/test_moe.py::test_hf_megatron_hf_round_trip_is_bit_exact_on_ep2_pp2"),
+        config="model.hf_path=<dir>",
+    ),
+    Feature(
+        "MoE critic", "models", TESTED_CPU,
+        "The value head on an MoE model: values and gradients independent of the TP/PP/CP/EP layout.",
+        ("tests/test_moe.py::test_loss_and_gradients_match_one_process",),
+        config="critic (PPO with GAE) on an MoE model",
+    ),
+    Feature(
+        "Routing replay", "algorithms", TESTED_CPU,
+        "algorithm.routing_replay=true: the old-log-prob pass records each real token's experts per MoE layer, keyed by (sample, position) so any layout or batch cut can replay them; every training forward of the step routes to them (weights recomputed at those experts), also when full recompute re-runs a layer in backward; actor/routing_replay_mismatch is the share of (token, layer) pairs whose own top-k differs. Recorded in the old-log-prob forward, not during generation (the rollout engines do not report routing). Host memory per rank: tokens x MoE layers of its stage x top-k x 2 bytes.",
+        ("tests/test_moe.py::test_routing_replay_reproduces_the_recorded_routing",
+         "tests/test_moe.py::test_routing_replay_with_full_recompute_gives_the_same_gradients",
+         "tests/test_moe.py::test_grpo_learns_on_a_tiny_moe"),
+        (
+            _need("algorithm.routing_replay", lambda c, w: is_moe(c.model), "routing replay needs an MoE model",
+                  "set algorithm.routing_replay=false", "needs model.moe.num_experts",
+                  when=lambda c: c.algorithm.routing_replay),
+            _need("algorithm.routing_replay", lambda c, w: _old_logprob_source(c) == "recompute",
+                  "routing is recorded in the old-log-prob pass, which algorithm.old_logprobs={c.algorithm.old_logprobs} "
+                  "does not run (one epoch and one mini-batch: the update's forward is the only one, nothing to replay)",
+                  "set algorithm.old_logprobs=recompute, or routing_replay=false", "old_logprobs resolves to recompute",
+                  when=lambda c: c.algorithm.routing_replay),
+        ),
+        config="algorithm.routing_replay=true",
     ),
     Feature(
         "Context parallelism: p2p ring (local path)", "parallelism", TESTED_CPU,

@@ -127,6 +127,44 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+class _CpuStream:
+    """A CUDA stream stand-in: CPU work is ordered already, so waiting and events are no-ops
+    (megatron's alltoall MoE dispatcher copies its split sizes to the host on a side stream)."""
+
+    def wait_stream(self, _other) -> None:
+        return None
+
+    def record_event(self, _event=None) -> "_CpuEvent":
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        return None
+
+    def record(self, _stream=None) -> None:
+        return None
+
+    def wait(self, _stream=None) -> None:
+        return None
+
+
+_DEFAULT_STREAM = _CpuStream()
+
+
+def _current_stream(_device: Any = None) -> _CpuStream:
+    return _DEFAULT_STREAM
+
+
+def _stream_context(_stream: Any = None):
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def _distinct(fn):
     """A fresh function object: torch._dynamo keys its rules on torch.cuda functions by identity,
     so one object installed under two names breaks every later ``torch.compile``."""
@@ -152,9 +190,13 @@ def _patch_torch_cuda() -> None:
         "memory_allocated": lambda *a, **k: 0,
         "max_memory_allocated": lambda *a, **k: 0,
         "reset_peak_memory_stats": _noop,
+        "current_stream": _current_stream,
+        "stream": _stream_context,
     }
     for name, fn in replacements.items():
         setattr(cuda, name, _distinct(fn))
+    cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
     for name in ("get_rng_state", "set_rng_state", "manual_seed"):
         setattr(cuda.random, name, getattr(cuda, name))
     # megatron-core wraps small fusions in torch.compile at import; compiling C++ kernels for
@@ -173,6 +215,59 @@ def _patch_megatron_rng() -> None:
     mrandom._set_cuda_rng_state = _cpu_set_rng_state
 
 
+def _patch_moe_host_copies() -> None:
+    """The alltoall MoE dispatcher moves its split sizes "to the host as numpy" only when they are
+    on CUDA; on the CPU they stay tensors, which ``all_to_all_single`` refuses as split sizes."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+    if getattr(original, "_megatron_rl_cpu", False):
+        return
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu._megatron_rl_cpu = True
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_first_dim_collectives() -> None:
+    """gloo's all_gather and reduce_scatter take equal sizes only; megatron's alltoall MoE
+    dispatcher with expert TP > 1 gathers (and in backward reduce-scatters) uneven token counts.
+    Pad every piece to the largest, run megatron's own equal-size path, cut the padding off."""
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    if getattr(gather, "_megatron_rl_cpu", False):
+        return
+
+    def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))]) if t.shape[0] < rows else t
+
+    def _gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        most = max(sizes)
+        out = gather(_pad(input_.contiguous(), most), group, None, False)
+        return torch.cat([out[r * most:r * most + n] for r, n in enumerate(sizes)])
+
+    def _reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        most = max(sizes)
+        padded = torch.cat([_pad(p, most) for p in torch.split(input_, sizes, dim=0)])
+        return scatter(padded, group, None, False)[:sizes[group.rank()]]
+
+    _gather._megatron_rl_cpu = _reduce_scatter._megatron_rl_cpu = True
+    mappings._gather_along_first_dim = _gather
+    mappings._reduce_scatter_along_first_dim = _reduce_scatter
+
+
 register_patch(
     Patch(
         name="cpu.torch_cuda_functions",
@@ -180,7 +275,9 @@ register_patch(
         torch_versions=TORCH_TESTED,
         reason=(
             "torch.cuda.current_device/synchronize/RNG raise or no-op on CPU builds; "
-            "megatron calls them in buffers, p2p, DDP, dist_checkpointing and the RNG tracker. "
+            "megatron calls them in buffers, p2p, DDP, dist_checkpointing and the RNG tracker; "
+            "torch.cuda.Stream/Event/stream/current_stream are no-op stand-ins (the MoE alltoall "
+            "dispatcher's host copies). "
             "Also sets torch._dynamo.config.disable so megatron's compiled fusions run eagerly: "
             "every torch.compile in the process, the user's included, runs uncompiled on CPU"
         ),
@@ -213,6 +310,37 @@ register_patch(
             "(e.g. checkpoint writers) run without it"
         ),
         apply=lambda: enter_cpu_mode(),
+        cpu_only=True,
+    )
+)
+
+
+register_patch(
+    Patch(
+        name="cpu.moe_dispatcher_host_splits",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
+        reason=(
+            "moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) converts only CUDA tensors; the "
+            "alltoall token dispatcher then hands CPU tensors to all_to_all_single as split sizes"
+        ),
+        apply=_patch_moe_host_copies,
+        cpu_only=True,
+    )
+)
+
+
+register_patch(
+    Patch(
+        name="cpu.uneven_first_dim_collectives",
+        megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED,
+        reason=(
+            "tensor_parallel/mappings.py gathers and reduce-scatters uneven first dimensions with "
+            "torch.distributed.all_gather / reduce_scatter on tensor lists (the alltoall MoE "
+            "dispatcher with expert TP > 1); gloo takes equal sizes only"
+        ),
+        apply=_patch_uneven_first_dim_collectives,
         cpu_only=True,
     )
 )

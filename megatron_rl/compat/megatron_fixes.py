@@ -368,3 +368,24 @@ register_patch(
         apply=_patch_distributed_optimizer_mixed_dtype_order,
     )
 )
+
+
+def _patch_moe_router_gemm_without_te() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+register_patch(
+    Patch(
+        name="moe.router_gating_without_te",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "transformer/moe/moe_utils.py binds te_general_gemm only when TransformerEngine imports, "
+            "but RouterGatingLinearFunction reads it unconditionally: every MoE router raises "
+            "NameError without TE; the patch defines it as None, selecting the torch.mm path"
+        ),
+        apply=_patch_moe_router_gemm_without_te,
+    )
+)

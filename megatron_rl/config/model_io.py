@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.config.schema import ModelConfig, RecomputeConfig
+from megatron_rl.config.schema import ModelConfig, MoEConfig, RecomputeConfig
 
 
 def model_config_to_dict(cfg: ModelConfig) -> dict:
@@ -18,4 +18,5 @@ def model_config_to_dict(cfg: ModelConfig) -> dict:
 def model_config_from_dict(data: dict) -> ModelConfig:
     data = dict(data)
     data["recompute"] = RecomputeConfig(**data.get("recompute", {}))
+    data["moe"] = MoEConfig(**data.get("moe", {}))  # checkpoints of dense models written before MoE have none
     return ModelConfig(**data)

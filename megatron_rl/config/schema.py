@@ -23,6 +23,11 @@ from megatron_rl.capabilities import BACKENDS, DEVICES, TRANSFORMER_IMPLS
 from megatron_rl.engine.lr_schedules import LR_SCHEDULE_NAMES
 from megatron_rl.models.arch import (
     ACTIVATION_NAMES,
+    MOE_DISPATCHERS,
+    MOE_DROP_POLICIES,
+    MOE_LOAD_BALANCING,
+    MOE_ROUTER_DTYPES,
+    MOE_SCORE_FUNCTIONS,
     NORMALIZATIONS,
     PARAMS_DTYPES,
     RECOMPUTE_GRANULARITIES,
@@ -73,6 +78,10 @@ class ParallelConfig:
     hierarchical_context_parallel_sizes: Optional[list] = _f(
         None, "With cp_comm_type=a2a+p2p: CP sizes per level, a2a (inner) first, product = cp, e.g. [2, 4]; null otherwise."
     )
+    ep: int = _f(1, "Expert-parallel size (MoE): the routed experts are split over this many ranks, drawn from the "
+                 "data- and context-parallel ranks (world size divisible by etp*ep*pp).", ge=1)
+    etp: Optional[int] = _f(None, "Expert tensor-parallel size (MoE): each expert's FFN split over this many ranks; "
+                            "null = tp.", ge=1)
 
 
 @dataclass
@@ -89,6 +98,38 @@ class RecomputeConfig:
     method: Literal[RECOMPUTE_METHODS] = _f("uniform", "With full recompute: uniform or block.")
     num_layers: int = _f(1, "With full recompute: layers per recompute unit (uniform) or per stage (block).", ge=1)
     modules: list = _f(["core_attn"], "With selective recompute: core_attn, mlp, layernorm, moe_act.")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: Optional[int] = _f(None, "Routed experts per MoE layer; null = a dense model.", ge=1)
+    router_topk: int = _f(2, "Experts each token is routed to.", ge=1)
+    ffn_hidden_size: Optional[int] = _f(None, "Hidden units of one routed expert; null = model.ffn_hidden_size.", ge=1)
+    shared_expert_ffn_hidden_size: Optional[int] = _f(
+        None, "Hidden units of the shared experts (all of them together), run on every token; null = none.", ge=1)
+    shared_expert_gate: bool = _f(False, "Scale the shared experts' output by sigmoid(x . w) (Qwen2-MoE).")
+    score_function: Literal[MOE_SCORE_FUNCTIONS] = _f("softmax", "Router score function: softmax or sigmoid.")
+    topk_norm: bool = _f(True, "Renormalise the chosen experts' scores to sum to 1 (HF norm_topk_prob); false = "
+                         "softmax over all experts, the top-k kept as they are (softmax only).")
+    topk_scaling_factor: Optional[float] = _f(None, "Multiply the routing weights by this; null = 1.", gt=0)
+    router_dtype: Literal[MOE_ROUTER_DTYPES] = _f(
+        "float32", "Dtype of the router's logits, scores and the weighted sum of expert outputs: float32, float64, "
+        "model (params_dtype).")
+    load_balancing: Literal[MOE_LOAD_BALANCING] = _f(
+        "aux_loss", "Load-balancing loss: aux_loss (per micro-batch), seq_aux_loss (per sequence), none. Reported "
+        "as actor/moe_aux_loss; in the loss only with aux_loss_coeff > 0.")
+    aux_loss_coeff: float = _f(0.0, "Load-balancing loss coefficient per MoE layer; 0 = not in the loss.", ge=0)
+    z_loss_coeff: float = _f(0.0, "Router z-loss coefficient per MoE layer (reported as actor/moe_z_loss); 0 = "
+                             "not in the loss.", ge=0)
+    token_dispatcher: Literal[MOE_DISPATCHERS] = _f(
+        "alltoall", "Token dispatcher: alltoall (tokens travel to their experts' EP ranks), allgather.")
+    capacity_factor: Optional[float] = _f(
+        None, "Expert capacity as a multiple of the even share; tokens over it are dropped. null = no dropping "
+        "(keep for RL: a dropped token changes its log-prob).", gt=0)
+    token_drop_policy: Literal[MOE_DROP_POLICIES] = _f(
+        "probs", "With capacity_factor: drop the lowest-scored tokens (probs) or the last ones (position).")
+    layer_freq: int = _f(1, "Every layer_freq-th layer, from layer 0, has experts; the others a dense MLP.", ge=1)
+    dense_layers: list = _f([], "Layer indices with a dense MLP of model.ffn_hidden_size (HF mlp_only_layers).")
 
 
 @dataclass
@@ -120,6 +161,7 @@ class ModelConfig:
     )
     init_method_std: float = _f(0.02, "Std of the random weight init (when no checkpoint is loaded).", ge=0)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

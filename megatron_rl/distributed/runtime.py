@@ -37,10 +37,21 @@ class ParallelLayout:
     cp_comm_type: str = "p2p"
     batch_p2p_comm: bool = True
     hierarchical_cp: tuple[int, ...] | None = None  # a2a+p2p: CP sizes per level, inner first
+    ep: int = 1  # expert parallel (MoE): experts split over ep ranks of the DP x CP ranks
+    etp: int | None = None  # expert tensor parallel; None = tp
 
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_model_parallel_size(self) -> int:
+        """Ranks one copy of the experts spans: etp x ep x pp (megatron's expert rank generator)."""
+        return self.expert_tp * self.ep * self.pp
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> "ParallelLayout":
@@ -59,6 +70,8 @@ class ParallelLayout:
             cp_comm_type=parallel.cp_comm_type,
             batch_p2p_comm=batch,
             hierarchical_cp=hierarchical,
+            ep=parallel.ep,
+            etp=parallel.etp if parallel.etp and parallel.etp != parallel.tp else None,
         )
 
 
@@ -146,12 +159,16 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int
         raise ValueError(
             f"world size {world} is not divisible by tp*pp*cp={layout.model_parallel_size}"
         )
+    if world % layout.expert_model_parallel_size:
+        raise ValueError(f"world size {world} is not divisible by etp*ep*pp={layout.expert_model_parallel_size}")
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
         hierarchical_context_parallel_sizes=list(layout.hierarchical_cp) if layout.hierarchical_cp else None,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         distributed_timeout_minutes=timeout_s / 60.0,
         create_gloo_process_groups=cuda_available(),
     )

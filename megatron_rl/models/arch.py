@@ -7,6 +7,8 @@ megatron model is built from.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # model.activation -> (megatron gated_linear_unit, activation function)
@@ -82,4 +84,57 @@ def local_norm_name(name: str) -> str:
     for te, local in TE_FUSED_NORM_NAMES.items():
         if name == te or name.endswith("." + te):
             return name[: len(name) - len(te)] + local
+    return name
+
+
+# Mixture of experts (model.moe.*): the choices megatron-core's router and dispatchers take, and
+# which layers hold experts.  Pure Python, so validation and the planner read the same facts.
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_ROUTER_DTYPES = ("float32", "float64", "model")
+
+
+def moe_layer_pattern(model_cfg) -> list[int]:
+    """1 for each layer with experts, 0 for a dense MLP: every ``moe.layer_freq``-th layer counting
+    from layer 0 (megatron-core's rule), less the layers in ``moe.dense_layers`` (HF
+    ``mlp_only_layers``); all 0 for a dense model."""
+    moe = getattr(model_cfg, "moe", None)
+    if moe is None or not moe.num_experts:
+        return [0] * model_cfg.num_layers
+    dense = {int(i) for i in moe.dense_layers}
+    return [int(i % moe.layer_freq == 0 and i not in dense) for i in range(model_cfg.num_layers)]
+
+
+def is_moe(model_cfg) -> bool:
+    return any(moe_layer_pattern(model_cfg))
+
+
+def expert_ffn_size(model_cfg) -> int:
+    """Hidden units of one routed expert (``moe.ffn_hidden_size``, default ``ffn_hidden_size``)."""
+    return model_cfg.moe.ffn_hidden_size or model_cfg.ffn_hidden_size
+
+
+# Routed experts in canonical form are named as an EP=1 local-spec model names them:
+# ``mlp.experts.local_experts.{global expert}.linear_fc{1,2}.weight``.  TransformerEngine's grouped
+# GEMM holds them as ``mlp.experts.linear_fc{1,2}.weight{local expert}``.
+_LOCAL_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT = re.compile(r"^(.*\bmlp\.experts\.)(linear_fc[12])\.(weight|bias)(\d+)$")
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's parameter (sharded over EP and expert TP), by its name."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
+def global_expert_name(name: str, local_expert_indices) -> str:
+    """``name`` with a local expert number replaced by the global one (``local_expert_indices[j]``
+    for local expert ``j``), in the local-spec form; other names unchanged."""
+    m = _LOCAL_EXPERT.match(name)
+    if m:
+        return f"{m.group(1)}local_experts.{local_expert_indices[int(m.group(2))]}.{m.group(3)}"
+    m = _GROUPED_EXPERT.match(name)
+    if m:
+        return f"{m.group(1)}local_experts.{local_expert_indices[int(m.group(4))]}.{m.group(2)}.{m.group(3)}"
     return name

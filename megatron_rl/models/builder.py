@@ -22,6 +22,7 @@ from megatron_rl.distributed.runtime import ParallelLayout
 from megatron_rl.models.arch import ACTIVATIONS, MEGATRON_ROPE_SCALING_FACTOR, resolve_dtype
 from megatron_rl.models.canonical import padded_vocab_size
 from megatron_rl.models.gpt import RLGPTModel
+from megatron_rl.models.moe import attach_moe_state, moe_transformer_kwargs, router_class
 from megatron_rl.models.specs import block_spec
 
 
@@ -115,6 +116,7 @@ def transformer_config_kwargs(
         recompute_modules=list(rec.modules) if rec.granularity == "selective" else None,
         **settings,
     )
+    kwargs.update(moe_transformer_kwargs(model, layout, impl))
     kwargs.update(transformer_config_fixes())
     return kwargs
 
@@ -154,7 +156,7 @@ def build_gpt_chunks(
         stage = vp_stage if layout.vpp else None
         chunk = model_cls(
             config=config,
-            transformer_layer_spec=block_spec(config, impl, stage),
+            transformer_layer_spec=block_spec(config, impl, stage, router_class(model)),
             vocab_size=vocab,
             max_sequence_length=model.max_position_embeddings,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -170,4 +172,5 @@ def build_gpt_chunks(
         )
         chunk.true_vocab_size = model.vocab_size
         chunks.append(chunk.to(device))
+    attach_moe_state(chunks)
     return chunks

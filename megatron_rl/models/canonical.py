@@ -17,7 +17,11 @@ HF bridge's slice-wise import and export, the TP-sharded rollout engine):
 * vocabulary-parallel tensors (embedding, output layer) are padded to :func:`padded_vocab_size`
   rows, the padding on the last TP rank;
 * with tied embeddings and PP>1 the last stage's ``output_layer.weight`` is a copy of the
-  embedding and is left out of the canonical dict.
+  embedding and is left out of the canonical dict;
+* routed experts (MoE) are split over expert parallelism -- rank ``e`` of the EP group holds the
+  consecutive experts ``MoELayer.local_expert_indices`` -- and, inside each expert, over the
+  expert tensor-parallel group with the same rule as above; canonical names carry the global
+  expert number.  Shared experts follow the dense rule.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.distributed import collectives
-from megatron_rl.models.arch import local_norm_name
+from megatron_rl.models.arch import global_expert_name, is_expert_param, local_norm_name
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -41,15 +45,34 @@ def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def global_named_parameters(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``(global_name, param)`` with layer indices counted over the whole model and the local
-    spec's norm names (TE fuses the norms into the next linear layer)."""
+    """``(global_name, param)`` with layer indices counted over the whole model, expert numbers
+    over all EP ranks, and the local spec's norm and expert names (TE fuses the norms into the
+    next linear layer and groups the experts)."""
     model = unwrap(chunk)
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
             _, _, idx, rest = name.split(".", 3)
-            global_idx = model.decoder.layers[int(idx)].layer_number - 1
-            name = f"decoder.layers.{global_idx}.{local_norm_name(rest)}"
+            layer = model.decoder.layers[int(idx)]
+            rest = local_norm_name(rest)
+            if is_expert_param(rest):
+                rest = global_expert_name(rest, layer.mlp.local_expert_indices)
+            name = f"decoder.layers.{layer.layer_number - 1}.{rest}"
         yield name, param
+
+
+def tp_group_of(name: str):
+    """``(group, rank, size)`` of the tensor-parallel split of parameter ``name``: the expert TP
+    group for routed experts, the TP group otherwise."""
+    if is_expert_param(name):
+        return (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_world_size())
+    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size())
+
+
+def _gated_fc1(name: str) -> bool:
+    """The SwiGLU input projection ``[gate; up]``: of the dense MLP, a routed or a shared expert."""
+    return ".linear_fc1." in name
 
 
 # -- the tensor-parallel split rule -------------------------------------------------------------
@@ -113,7 +136,7 @@ def tp_shard(full: torch.Tensor, name: str, *, dim: int | None, local_rows: int,
     if name in VOCAB_PARALLEL:
         full = pad_rows(full, local_rows * tp_size)
         return full.chunk(tp_size, dim=0)[tp_rank]
-    if gated and ".mlp.linear_fc1." in name:
+    if gated and _gated_fc1(name):
         gate, up = split_gate_up(full)
         return fuse_gate_up(gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank])
     return full.chunk(tp_size, dim=dim)[tp_rank]
@@ -124,7 +147,7 @@ def tp_merge(shards: list[torch.Tensor], name: str, *, dim: int | None, true_voc
     """Inverse of :func:`tp_shard` over all TP ranks' ``shards`` (vocabulary padding dropped)."""
     if dim is None:
         return shards[0]
-    if gated and ".mlp.linear_fc1." in name:
+    if gated and _gated_fc1(name):
         halves = [split_gate_up(s) for s in shards]
         return fuse_gate_up(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
     full = torch.cat(shards, dim=dim)
@@ -151,8 +174,6 @@ def _value(param: torch.nn.Parameter, attr: str) -> torch.Tensor | None:
 
 def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> dict[str, torch.Tensor]:
     """Full canonical tensors (params or grads) on every rank.  For tests and small models."""
-    tp_group = ps.get_tensor_model_parallel_group()
-    tp_size = ps.get_tensor_model_parallel_world_size()
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         model = unwrap(chunk)
@@ -165,6 +186,7 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
                 continue
             value = value.detach().float().clone()
             dim = tp_split_dim(param)
+            tp_group, _, tp_size = tp_group_of(name)
             if dim is not None and tp_size > 1:
                 shards = [torch.empty_like(value) for _ in range(tp_size)]
                 dist.all_gather(shards, value, group=tp_group)
@@ -172,6 +194,11 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
                 shards = [value]
             local[name] = tp_merge(shards, name, dim=dim, true_vocab=true_vocab,
                                    gated=model.config.gated_linear_unit).cpu()
+    # Expert-parallel ranks hold different experts: exchange them.
+    if any(is_expert_param(k) for k in local) and ps.get_expert_model_parallel_world_size() > 1:
+        experts = {k: v for k, v in local.items() if is_expert_param(k)}
+        for part in collectives.all_gather_object(experts, group=ps.get_expert_model_parallel_group()):
+            local.update(part)
     # Pipeline stages hold different layers: exchange them.
     if ps.get_pipeline_model_parallel_world_size() > 1:
         merged: dict[str, torch.Tensor] = {}
@@ -183,9 +210,7 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
 
 @torch.no_grad()
 def load_canonical(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Copy canonical tensors into this rank's shards (any TP/PP/VPP layout)."""
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    tp_size = ps.get_tensor_model_parallel_world_size()
+    """Copy canonical tensors into this rank's shards (any TP/PP/VPP/EP layout)."""
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in global_named_parameters(model):
@@ -196,6 +221,7 @@ def load_canonical(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tens
                 if strict:
                     raise KeyError(f"canonical state has no tensor {key!r}")
                 continue
+            _, tp_rank, tp_size = tp_group_of(name)
             piece = tp_shard(full[key], name, dim=tp_split_dim(param), local_rows=param.shape[0],
                              tp_rank=tp_rank, tp_size=tp_size, gated=model.config.gated_linear_unit)
             if tuple(piece.shape) != tuple(param.shape):

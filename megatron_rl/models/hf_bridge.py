@@ -15,6 +15,17 @@ Name mapping (canonical <- HF) for layer ``i``::
     mlp.linear_fc1             <- gate_proj, up_proj        ([gate; up])
     mlp.linear_fc2             <- down_proj
     value_head.linear          <- score                     (critic / reward model, optional)
+
+and for mixtures of experts (Qwen3-MoE, Qwen2-MoE; Hub checkpoints name every expert)::
+
+    mlp.router                             <- mlp.gate
+    mlp.experts.local_experts.j.linear_fc1 <- mlp.experts.j.gate_proj, up_proj   ([gate; up])
+    mlp.experts.local_experts.j.linear_fc2 <- mlp.experts.j.down_proj
+    mlp.shared_experts.linear_fc1          <- mlp.shared_expert.gate_proj, up_proj  (Qwen2-MoE)
+    mlp.shared_experts.linear_fc2          <- mlp.shared_expert.down_proj
+    mlp.shared_experts.gate_weight         <- mlp.shared_expert_gate
+
+Each expert-parallel rank reads only its experts, each expert tensor-parallel rank its slice.
 """
 
 from __future__ import annotations
@@ -27,7 +38,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.arch import DTYPES, attention_dims
@@ -41,6 +51,7 @@ from megatron_rl.models.canonical import (
     split_gate_up,
     split_qkv,
     tp_block,
+    tp_group_of,
     tp_split_dim,
     unwrap,
 )
@@ -52,7 +63,13 @@ _LAYER_DIRECT = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
+    "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
+# fc1 ([gate; up]) -> its HF module: the dense MLP, the shared experts, routed expert j.
+_FC1 = {"mlp.linear_fc1.weight": "mlp", "mlp.shared_experts.linear_fc1.weight": "mlp.shared_expert"}
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TOP_DIRECT = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
     "decoder.final_layernorm.weight": "model.norm.weight",
@@ -61,6 +78,26 @@ _TOP_DIRECT = {
     "value_head.linear.bias": "score.bias",
 }
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _direct_name(rest: str) -> Optional[str]:
+    """The HF name (after ``model.layers.i.``) of a layer tensor copied as it is, or None."""
+    if rest in _LAYER_DIRECT:
+        return _LAYER_DIRECT[rest]
+    m = _EXPERT.match(rest)
+    if m and m.group(2) == "linear_fc2":
+        return f"mlp.experts.{m.group(1)}.down_proj.weight"
+    return None
+
+
+def _fc1_module(rest: str) -> Optional[str]:
+    """The HF module (after ``model.layers.i.``) whose gate_proj/up_proj make fc1 ``rest``, or None."""
+    if rest in _FC1:
+        return _FC1[rest]
+    m = _EXPERT.match(rest)
+    if m and m.group(2) == "linear_fc1":
+        return f"mlp.experts.{m.group(1)}"
+    return None
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                     "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
 
@@ -131,8 +168,8 @@ def _read_shard(reader: HFReader, name: str, model, param, tp_rank: int, tp_size
         return reader.read(hf_name)
     layer, rest = m.group(1), m.group(2)
     prefix = f"model.layers.{layer}."
-    if rest in _LAYER_DIRECT:
-        hf_name = prefix + _LAYER_DIRECT[rest]
+    if _direct_name(rest) is not None:
+        hf_name = prefix + _direct_name(rest)
         if dim is None or tp_size == 1:
             return reader.read(hf_name)
         span = tp_block(reader.shape(hf_name)[dim], tp_rank, tp_size)
@@ -146,10 +183,11 @@ def _read_shard(reader: HFReader, name: str, model, param, tp_rank: int, tp_size
         k = reader.read(f"{prefix}self_attn.k_proj.{kind}", rows=(g0 * head, g1 * head))
         v = reader.read(f"{prefix}self_attn.v_proj.{kind}", rows=(g0 * head, g1 * head))
         return fuse_qkv(q, k, v, g1 - g0)
-    if rest == "mlp.linear_fc1.weight":
-        span = tp_block(reader.shape(f"{prefix}mlp.gate_proj.weight")[0], tp_rank, tp_size)
-        return fuse_gate_up(reader.read(f"{prefix}mlp.gate_proj.weight", rows=span),
-                            reader.read(f"{prefix}mlp.up_proj.weight", rows=span))
+    if _fc1_module(rest) is not None:
+        module = prefix + _fc1_module(rest)
+        span = tp_block(reader.shape(f"{module}.gate_proj.weight")[0], tp_rank, tp_size)
+        return fuse_gate_up(reader.read(f"{module}.gate_proj.weight", rows=span),
+                            reader.read(f"{module}.up_proj.weight", rows=span))
     raise CheckpointError("model.hf_path", reader.dir, f"no HF source for parameter {name!r}",
                           "this architecture variant is not supported by the bridge")
 
@@ -158,8 +196,6 @@ def _read_shard(reader: HFReader, name: str, model, param, tp_rank: int, tp_size
 def load_hf_weights(chunks: list, hf_dir: str) -> int:
     """Fill this rank's shards from ``hf_dir``; returns the bytes this rank read."""
     reader = HFReader(hf_dir)
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    tp_size = ps.get_tensor_model_parallel_world_size()
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in global_named_parameters(model):
@@ -167,6 +203,7 @@ def load_hf_weights(chunks: list, hf_dir: str) -> int:
                 name = "embedding.word_embeddings.weight"
             if name.startswith("value_head.") and not reader.has("score.weight"):
                 continue  # a critic started from a policy checkpoint keeps its zero-initialised head
+            _, tp_rank, tp_size = tp_group_of(name)  # routed experts: the expert TP group
             piece = _read_shard(reader, name, model, param, tp_rank, tp_size)
             if tuple(piece.shape) != tuple(param.shape):
                 raise CheckpointError("model.hf_path", hf_dir,
@@ -186,16 +223,17 @@ def canonical_to_hf(canonical: dict[str, torch.Tensor], cfg) -> dict[str, torch.
             out[_TOP_DIRECT[name]] = tensor
             continue
         prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-        if rest in _LAYER_DIRECT:
-            out[prefix + _LAYER_DIRECT[rest]] = tensor
+        if _direct_name(rest) is not None:
+            out[prefix + _direct_name(rest)] = tensor
         elif rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
             q, k, v = split_qkv(tensor, heads, groups, head)
             out[f"{prefix}self_attn.q_proj.{kind}"] = q
             out[f"{prefix}self_attn.k_proj.{kind}"] = k
             out[f"{prefix}self_attn.v_proj.{kind}"] = v
-        elif rest == "mlp.linear_fc1.weight":
-            out[f"{prefix}mlp.gate_proj.weight"], out[f"{prefix}mlp.up_proj.weight"] = split_gate_up(tensor)
+        elif _fc1_module(rest) is not None:
+            module = prefix + _fc1_module(rest)
+            out[f"{module}.gate_proj.weight"], out[f"{module}.up_proj.weight"] = split_gate_up(tensor)
         else:
             raise ValueError(f"no HF name for {name}")
     return out

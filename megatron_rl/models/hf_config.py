@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` -> our :class:`ModelConfig` (Llama 2/3, Qwen2/2.5, Qwen3, Mistral).
+"""Hugging Face ``config.json`` -> our :class:`ModelConfig` (Llama 2/3, Qwen2/2.5, Qwen3, Mistral,
+and the mixtures of experts Qwen3-MoE and Qwen2-MoE).
 
 Anything the Megatron model cannot reproduce exactly (a RoPE scaling other than Llama-3's with
 megatron-core's fixed factors, biases megatron has no slot for, sliding-window attention) is a
@@ -11,11 +12,12 @@ import dataclasses
 import json
 import os
 
-from megatron_rl.config.schema import ModelConfig
+from megatron_rl.config.schema import ModelConfig, MoEConfig
 from megatron_rl.errors import ConfigError
 from megatron_rl.models.arch import LLAMA3_ROPE_FIXED
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
+MOE_KINDS = ("qwen3_moe", "qwen2_moe")
 
 
 def read_hf_config(hf_dir: str) -> dict:
@@ -44,7 +46,7 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
                           f"use one of {', '.join(SUPPORTED)} (see docs/feature_matrix.md)")
     if hf.get("mlp_bias"):
         raise ConfigError("model.hf_path", kind, "MLP biases are not supported", "use a model without mlp_bias")
-    qkv_bias = kind == "qwen2" or bool(hf.get("attention_bias"))
+    qkv_bias = kind == "qwen2" or bool(hf.get("attention_bias")) or (kind == "qwen2_moe" and hf.get("qkv_bias", True))
     if kind in ("llama", "mistral") and hf.get("attention_bias"):
         raise ConfigError("model.hf_path", kind, "attention_bias adds an o_proj bias megatron cannot hold",
                           "use a checkpoint without attention_bias")
@@ -84,10 +86,29 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
         activation="swiglu" if hf.get("hidden_act", "silu") == "silu" else _bad_act(hf),
         add_bias_linear=False,
         add_qkv_bias=qkv_bias,
-        qk_layernorm=kind == "qwen3",
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rotary_base=theta,
         rope_scaling_factor=factor,
+        moe=_moe(hf, kind, base.moe),
+    )
+
+
+def _moe(hf: dict, kind: str, base: MoEConfig) -> MoEConfig:
+    """The experts of a Qwen3-MoE / Qwen2-MoE config (none for the other families).  Training
+    settings (loss coefficients, dispatcher, capacity) stay ``base``'s."""
+    experts = hf.get("num_experts", hf.get("num_local_experts")) if kind in MOE_KINDS else None
+    if not experts:
+        return dataclasses.replace(base, num_experts=None)
+    layers, step = hf["num_hidden_layers"], int(hf.get("decoder_sparse_step", 1) or 1)
+    dense_only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    dense = [i for i in range(layers) if i in dense_only or (i + 1) % step]
+    shared = hf.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
+    return dataclasses.replace(
+        base, num_experts=int(experts), router_topk=int(hf["num_experts_per_tok"]),
+        ffn_hidden_size=int(hf["moe_intermediate_size"]), shared_expert_ffn_hidden_size=shared or None,
+        shared_expert_gate=bool(shared), score_function="softmax", topk_norm=bool(hf.get("norm_topk_prob", False)),
+        topk_scaling_factor=None, layer_freq=1, dense_layers=dense,
     )
 
 

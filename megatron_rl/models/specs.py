@@ -4,7 +4,9 @@
 The local spec swaps two modules into megatron-core's own local layer spec, through
 ``ModuleSpec`` rather than a fork: :class:`~megatron_rl.models.norms.LocalNorm` (sequence-parallel
 aware) and :class:`~megatron_rl.models.core_attention.LocalCoreAttention` (context parallel,
-packed sequences).
+packed sequences).  MoE layers (``model.moe``) take megatron's MoE spec -- ``SequentialMLP``
+experts on the local spec, grouped-GEMM experts on the TE spec -- with our router
+(:class:`~megatron_rl.models.moe.RLTopKRouter`) in ``MoESubmodules.router``.
 """
 
 from __future__ import annotations
@@ -18,16 +20,20 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from megatron_rl.models.core_attention import LocalCoreAttention
 from megatron_rl.models.norms import LocalNorm
 
 
-def local_layer_spec(config: TransformerConfig) -> ModuleSpec:
+def local_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> ModuleSpec:
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
     spec = copy.deepcopy(spec)
+    if moe and router is not None:
+        spec.submodules.mlp.submodules.router = router
     sub = spec.submodules
     sub.input_layernorm = LocalNorm
     sub.pre_mlp_layernorm = LocalNorm
@@ -39,17 +45,29 @@ def local_layer_spec(config: TransformerConfig) -> ModuleSpec:
     return spec
 
 
-def te_layer_spec(config: TransformerConfig) -> ModuleSpec:  # pragma: no cover - needs TE + CUDA
-    return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+def te_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> ModuleSpec:  # pragma: no cover - needs TE + CUDA
+    spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=moe and config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm)
+    if moe and router is not None:
+        spec = copy.deepcopy(spec)
+        spec.submodules.mlp.submodules.router = router
+    return spec
 
 
-def block_spec(config: TransformerConfig, impl: str, vp_stage: int | None) -> TransformerBlockSubmodules:
-    """The decoder block for this pipeline stage (and virtual stage)."""
+def block_spec(config: TransformerConfig, impl: str, vp_stage: int | None, router=None) -> TransformerBlockSubmodules:
+    """The decoder block for this pipeline stage (and virtual stage): per layer the dense or the
+    MoE spec (``config.moe_layer_freq`` as a 0/1 list over all layers), MoE layers with ``router``."""
+    make = te_layer_spec if impl == "transformer_engine" else local_layer_spec
     if impl == "transformer_engine":  # pragma: no cover - needs TE + CUDA
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer, final_norm = te_layer_spec(config), TENorm
+        final_norm = TENorm
     else:
-        layer, final_norm = local_layer_spec(config), LocalNorm
+        final_norm = LocalNorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+    pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    kinds = {kind: make(config, bool(kind), router) for kind in set(pattern[offset:offset + num_layers])}
+    return TransformerBlockSubmodules(layer_specs=[kinds[k] for k in pattern[offset:offset + num_layers]],
+                                      layer_norm=final_norm)

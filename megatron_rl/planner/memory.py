@@ -29,7 +29,8 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import attention_dims
+from megatron_rl.models.arch import attention_dims, is_moe
+from megatron_rl.planner import moe
 
 GiB = 2**30
 
@@ -56,6 +57,8 @@ class PlanOption:
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
     sharded_rollout: bool = False  # rollout.engine=tp_sharded: generation weights and KV cache / TP
     hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
+    ep: int = 1  # MoE: expert parallel (planner/moe.py)
+    etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
 
     @property
     def world(self) -> int:
@@ -76,6 +79,7 @@ class PlanOption:
             out.append("trainer.offload=true")
         if self.sharded_rollout:
             out.append("rollout.engine=tp_sharded")
+        out += moe.overrides(self)
         return out
 
 
@@ -125,7 +129,8 @@ def layer_params(cfg: ModelConfig) -> int:
 
 def total_params(cfg: ModelConfig) -> int:
     embed = cfg.vocab_size * cfg.hidden_size
-    return cfg.num_layers * layer_params(cfg) + embed * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+    layers = sum(moe.split_params(cfg, layer_params(cfg))) if is_moe(cfg) else cfg.num_layers * layer_params(cfg)
+    return int(layers) + embed * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
 
 
 def params_per_gpu(cfg: ModelConfig, layout: PlanOption) -> float:
@@ -133,6 +138,8 @@ def params_per_gpu(cfg: ModelConfig, layout: PlanOption) -> float:
     per_stage_layers = cfg.num_layers / layout.pp * layer_params(cfg)
     embed = cfg.vocab_size * cfg.hidden_size
     extra = embed if (layout.pp == 1 and not cfg.tie_word_embeddings) else 0
+    if is_moe(cfg):  # experts / (EP x ETP)
+        return moe.params_per_gpu(cfg, layout, layer_params(cfg), embed + extra)
     return (per_stage_layers + embed + extra) / layout.tp
 
 
@@ -145,7 +152,8 @@ def activation_elems_per_token_layer(cfg: ModelConfig, layout: PlanOption) -> fl
     kv = nkv / tp
     if layout.cp > 1 and layout.cp_comm_type in A2A_COMM_TYPES:
         kv = _kv_heads_after_a2a(kv, cp_levels(layout)[0])
-    return 7 * h / sp + ffn_terms / tp + (2 * nq / tp + 2 * kv) * d + nq / tp + 2 / sp + 4 * d
+    elems = 7 * h / sp + ffn_terms / tp + (2 * nq / tp + 2 * kv) * d + nq / tp + 2 / sp + 4 * d
+    return moe.activation_elems_per_token_layer(cfg, layout, elems) if is_moe(cfg) else elems
 
 
 def activation_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
@@ -231,9 +239,11 @@ def layer_working_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int,
     _, _, d = attention_dims(cfg)
     sp = sequence_parallel_divisor(layout)
     if training:
-        return 4 * f / layout.tp * tokens_local * bytes_per
-    ffn = 5 * f if cfg.activation == "swiglu" else 2 * f
-    return (ffn / layout.tp + 4 * h / sp + d) * tokens_local * bytes_per
+        out = 4 * f / layout.tp * tokens_local * bytes_per
+    else:
+        ffn = 5 * f if cfg.activation == "swiglu" else 2 * f
+        out = (ffn / layout.tp + 4 * h / sp + d) * tokens_local * bytes_per
+    return moe.layer_working_bytes(cfg, layout, tokens_local, bytes_per, training, out) if is_moe(cfg) else out
 
 
 def _attention_phase_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int,
@@ -327,6 +337,8 @@ def estimate(
     weights = p_gpu * param_bytes
     grads = p_gpu * GRAD_BYTES_PER_PARAM
     optim = p_gpu * ADAM_BYTES_PER_PARAM / shard
+    if is_moe(cfg):  # the experts' state sharded over the expert data-parallel ranks
+        optim = moe.optimizer_params(cfg, layout, p_gpu, layer_params(cfg)) * ADAM_BYTES_PER_PARAM
     trainable = weights + grads + optim
     seq_len = prompt_len + response_len
     kept = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
@@ -350,6 +362,9 @@ def estimate(
     full_weights = total_params(cfg) * param_bytes / gen_split
     gen_resident = (weights if layout.offload else resident) + full_weights
     per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes) / gen_split
+    if is_moe(cfg):  # megatron's engine on the actor's own shards
+        full_weights, per_seq = moe.rollout_terms(cfg, layout, seq_len, param_bytes)
+        gen_resident = (weights if layout.offload else resident) + full_weights
     room = budget_bytes - gen_resident
     batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
     rollout = full_weights + max(batch, 1) * per_seq

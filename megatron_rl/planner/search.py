@@ -6,9 +6,10 @@ import dataclasses
 import itertools
 from typing import Optional
 
-from megatron_rl.config.schema import ModelConfig
+from megatron_rl.config.schema import ModelConfig, MoEConfig
 from megatron_rl.data.microbatch import align_to, alignment
-from megatron_rl.models.arch import attention_dims
+from megatron_rl.models.arch import attention_dims, is_moe
+from megatron_rl.planner import moe
 from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, a2a_heads_ok, estimate
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
@@ -35,6 +36,9 @@ PRESETS = {
                       num_query_groups=8, vocab_size=128256),
     "llama3-70b": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672, num_attention_heads=64,
                        num_query_groups=8, vocab_size=128256),
+    "qwen3-30b-a3b": dict(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                          num_query_groups=4, kv_channels=128, vocab_size=151936, qk_layernorm=True,
+                          moe=MoEConfig(num_experts=128, router_topk=8, ffn_hidden_size=768)),
 }
 
 
@@ -98,17 +102,22 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
                         (False, True), (False, True)):
                     if (dist_opt and dp * cp == 1) or (sharded and tp == 1):
                         continue
-                    yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                     distributed_optimizer=dist_opt, sharded_rollout=sharded, cp_comm_type=comm,
-                                     hierarchical_cp=levels)
+                    # MoE: each expert-parallel layout; generation on megatron's engine, never tp_sharded.
+                    for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
+                        if sharded and is_moe(cfg):
+                            continue
+                        yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
+                                         distributed_optimizer=dist_opt, sharded_rollout=sharded, cp_comm_type=comm,
+                                         hierarchical_cp=levels, ep=ep, etp=etp)
 
 
 def _cost(c: Candidate) -> tuple:
     """Prefer: no offload, no recompute, small model parallelism (more DP), a TP-sharded rollout
-    (it costs training nothing), the ring over a2a / a2a+p2p (the default), then less memory."""
+    (it costs training nothing), the smallest expert parallelism that fits (fewer all-to-alls), the
+    ring over a2a / a2a+p2p (the default), then less memory."""
     lay = c.layout
     return (lay.offload, {None: 0, "selective": 1, "full": 2}[lay.recompute], lay.tp * lay.pp * lay.cp,
-            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.distributed_optimizer, lay.cp_comm_type != "p2p",
+            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.ep, lay.distributed_optimizer, lay.cp_comm_type != "p2p",
             c.breakdown.total)
 
 

@@ -49,6 +49,8 @@ def _model(spec: str):
 def _row(c: Candidate) -> str:
     lay, parts = c.layout, c.breakdown.gib()
     name = f"tp{lay.tp} pp{lay.pp} cp{lay.cp} dp{lay.dp}"
+    if lay.ep > 1 or (lay.etp or lay.tp) != lay.tp:  # MoE
+        name += f" ep{lay.ep}" + (f" etp{lay.etp}" if (lay.etp or lay.tp) != lay.tp else "")
     flags = ",".join(f for f, on in (("sp", lay.sequence_parallel and lay.tp > 1),
                                      (f"rc-{lay.recompute}", bool(lay.recompute)), ("offload", lay.offload),
                                      ("distopt", lay.distributed_optimizer),

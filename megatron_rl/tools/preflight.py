@@ -13,6 +13,7 @@ from megatron_rl.config.schema import Config
 from megatron_rl.data.sources import check_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
+from megatron_rl.models.arch import is_moe
 from megatron_rl.rewards.registry import get_reward_fn
 
 
@@ -26,6 +27,9 @@ def check_training_inputs(cfg: Config) -> None:
     get_reward_fn(cfg.reward.fn)
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
+    if is_moe(cfg.model) and cfg.rollout.engine in ("torch", "tp_sharded"):
+        raise ConfigError("rollout.engine", cfg.rollout.engine, "this rollout decoder has no MoE layers",
+                          "set rollout.engine=megatron (megatron-core's inference engine runs the MoE model)")
     tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,

@@ -52,6 +52,7 @@ from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
 from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.moe import moe_metrics, moe_pass
 from megatron_rl.planner.memory import kv_cache_bytes, total_params
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
@@ -407,7 +408,8 @@ class PPOTrainer:
             if self.old_logprobs == "recompute":
                 with timed("old_logprob", timings):
                     self._phase("actor")
-                    old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
+                    with moe_pass(self.actor.chunks, seqs, "record" if alg.routing_replay else None):
+                        old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
             if self.reference is not None:
                 with timed("ref_logprob", timings):
                     self._phase("reference")
@@ -477,9 +479,10 @@ class PPOTrainer:
                 with timed("actor_update", timings):
                     self._phase("actor")
                     self.actor.zero_grad()
-                    outs, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
-                                               loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
-                                               forward_only=False)
+                    with moe_pass(self.actor.chunks, sub, "replay" if alg.routing_replay else "train", members):
+                        outs, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
+                                                   loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
+                                                   forward_only=False)
                     results["actor"].append(self.actor.step())
                     actor_logs.append(logs)
                     if measure and first_forward is None:
@@ -488,9 +491,10 @@ class PPOTrainer:
                     with timed("critic_update", timings):
                         self._phase("critic")
                         self.critic.zero_grad()
-                        _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
-                                                loss_fn=critic_loss_fn(alg, den, lengths, horizon),
-                                                forward_only=False)
+                        with moe_pass(self.critic.chunks, sub, "train", members):
+                            _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
+                                                    loss_fn=critic_loss_fn(alg, den, lengths, horizon),
+                                                    forward_only=False)
                         results["critic"].append(self.critic.step())
                         critic_logs.append(logs)
         if first_forward is not None:
@@ -505,11 +509,13 @@ class PPOTrainer:
         out.update(reduce_sum_count(flat, actor_metric_names(alg)))
         out.update(optimizer_step_metrics("actor", results["actor"]))
         out["actor/lr"] = self.actor.lr
+        out.update(moe_metrics(self.actor.chunks))  # MoE: router losses, routing-replay mismatch
         if self.critic is not None:
             flat = [log for logs in critic_logs for log in logs]
             out["critic/vf_loss"] = reduce_sums(flat, ["critic/vf_loss"])["critic/vf_loss"] / updates
             out.update(reduce_sum_count(flat, ["critic/vf_clipfrac", "critic/vpred_mean"]))
             out.update(optimizer_step_metrics("critic", results["critic"]))
+            out.update(moe_metrics(self.critic.chunks, "critic/"))
         return out
 
     def _measure_in_update(self, exp: Experience, members: list[int], outs: list[dict]) -> None:
