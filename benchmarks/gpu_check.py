@@ -448,7 +448,7 @@ def section_mfu(check: Check):
     row = rows[-1]
     model_cfg = _model_config(check)
     samples = check.run["prompts"] * check.run["n"]
-    tokens = float(row["throughput/tokens_per_s"]) * float(row["timing/step_s"])
+    tokens = float(row["throughput/total_tokens_per_s"]) * float(row["timing/step_s"])
     seq = tokens / samples
     cfg = check.facts["cfg"]
     flops = model_flops_per_token(model_cfg, seq) * tokens * cfg.algorithm.ppo_epochs
