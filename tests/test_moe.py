@@ -530,6 +530,108 @@ def test_routing_replay_with_full_recompute_gives_the_same_gradients():
     assert grads <= TOL and logp <= TOL and got["mismatch"] == pytest.approx(ref["mismatch"]) and ref["mismatch"] > 0
 
 
+def rollout_replay_body(layout_kw: dict, weights, perturb) -> dict:
+    """Generate with megatron's engine recording the routing, then: the old-log-prob pass's own
+    recording of the same samples (the engine's must be the same experts), the forward replaying
+    the rollout's routing (its log-probs must be the engine's), and on ``perturbed`` router
+    weights (``perturb(weights)``) the replay of the rollout's routing against the replay of the old-log-prob pass's
+    recording (the same experts, so the same log-probs) and the perturbed model's own routing."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import ModelConfig, MoEConfig, OptimConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.models.canonical import load_canonical
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass, moe_state
+    from megatron_rl.rollout.dp import generate_data_parallel
+    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.sampling import SamplingParams
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.trainer.experience import Samples
+
+    layout = use_layout(**layout_kw)
+    moe_kw = dict(MOE, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
+    chunks, weights = build_moe(layout, weights, moe_kw, value_head=False)
+    trainable = make_trainable(chunks, OptimConfig(), total_steps=1)
+    engine = make_engine("megatron", ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
+                         kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8)
+    engine.record_routing = True
+    engine.load_from_chunks(trainable.chunks)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, MOE_MODEL["vocab_size"], (n,), generator=g).tolist() for n in (5, 11, 2, 17, 8)]
+    rollout = generate_data_parallel(engine, prompts, SamplingParams(temperature=1.0, max_new_tokens=9, n=2), seed=4)
+    engine.release_weights()
+    samples = Samples.from_rollout(rollout, list(range(len(prompts))))
+    seqs, cpu, head = samples.sequences(), torch.device("cpu"), LogProbHead(chunk_size=16)
+
+    def response_logprobs(mode):
+        with moe_pass(trainable.chunks, seqs, mode), torch.no_grad():
+            outs, _ = run_sequences(trainable.chunks, seqs, head, BatchPlan(micro_batch_size=3), cpu)
+        return [o["logprob"][samples.response_slice(i)] for i, o in enumerate(outs)]
+
+    # The engine's recording against the old-log-prob pass's, layer by layer (this stage's layers).
+    response_logprobs("record")
+    routers = moe_state(trainable.chunks).routers
+    compared = same = 0
+    for row, tables in enumerate(samples.routing):
+        for router in routers:
+            mine, theirs = tables[router.layer_number], router.recorded[row]
+            assert mine.shape == theirs.shape and bool((mine[-1] < 0).all()) and bool((mine[:-1] >= 0).all())
+            compared += mine.shape[0] - 1
+            same += int((mine[:-1].sort(-1).values == theirs[:-1].sort(-1).values).all(-1).sum())
+    recorded_by_pass = {r.layer_number: dict(r.recorded) for r in routers}
+    moe_metrics(trainable.chunks, "")
+
+    assert load_routing(trainable.chunks, samples.routing)
+    replayed = response_logprobs("forward_replay")
+    mismatch = moe_metrics(trainable.chunks, "")["routing_replay_mismatch"]
+    engine_gap = max(float((lp - torch.tensor(r)).abs().max()) for lp, r in zip(replayed, samples.rollout_logprob))
+
+    load_canonical(trainable.chunks, perturb(weights))
+    load_routing(trainable.chunks, samples.routing)
+    from_rollout = response_logprobs("forward_replay")
+    perturbed_mismatch = moe_metrics(trainable.chunks, "")["routing_replay_mismatch"]
+    for router in routers:
+        router.recorded = dict(recorded_by_pass[router.layer_number])
+    from_pass = response_logprobs("forward_replay")
+    moe_metrics(trainable.chunks, "")
+    own = response_logprobs(None)
+    out = dict(compared=compared, same=same, mismatch=mismatch, engine_gap=engine_gap,
+               perturbed_mismatch=perturbed_mismatch, rollout_vs_pass=_vec_diff(from_rollout, from_pass),
+               replay_vs_own=_vec_diff(from_rollout, own), samples=len(samples))
+    return out if dist.get_rank() == 0 else None
+
+
+def _perturb_routers(weights: dict) -> dict:
+    out = dict(weights)
+    g = torch.Generator().manual_seed(7)
+    for name in out:
+        if name.endswith("mlp.router.weight"):
+            out[name] = out[name] + 0.5 * torch.randn(out[name].shape, generator=g)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2_sp_ep2"])
+def test_rollout_records_the_routing_the_trainer_replays(layout):
+    """With routing replay, megatron's engine records every generated token's experts: they are
+    the experts the trainer's own forward picks on the same weights (all but the never-fed last
+    token), the forward replaying them gives the engine's log-probs, and on perturbed routers it
+    routes as the replay of the old-log-prob pass's recording does (each generator records its
+    own prompts; EP and TP x SP ranks route slices of each step's tokens)."""
+    world, layout_kw = {"ep1": (1, {}), "ep2": LAYOUTS["ep2"], "tp2_sp_ep2": LAYOUTS["tp2_sp_ep2"]}[layout]
+    got = run_distributed(world, rollout_replay_body, layout_kw, None, _perturb_routers)[0]
+    print(f"{layout}: {got['same']}/{got['compared']} (token, layer) routings the engine recorded equal the "
+          f"trainer's; replay vs engine log-probs {got['engine_gap']:.2e}; perturbed routers: mismatch "
+          f"{got['perturbed_mismatch']:.3f}, rollout replay vs pass replay {got['rollout_vs_pass']:.2e}, "
+          f"vs own routing {got['replay_vs_own']:.2e}")
+    assert got["samples"] == 10 and got["compared"] > 100
+    assert got["same"] == got["compared"] and got["mismatch"] == 0.0
+    assert got["engine_gap"] <= 1e-4
+    assert 0.0 < got["perturbed_mismatch"] < 1.0
+    assert got["rollout_vs_pass"] <= TOL and got["replay_vs_own"] > 1e-3
+
+
 # ----------------------------------------------------------------------------- config and validation
 
 
@@ -579,7 +681,7 @@ def test_moe_config_maps_to_megatron_fields():
     (["model.moe.num_experts=4", "model.moe.router_topk=5"], "model.moe.router_topk"),
     (["model.moe.num_experts=4", "model.moe.score_function=sigmoid", "model.moe.topk_norm=false"],
      "model.moe.topk_norm"),
-    (["model.moe.num_experts=4", "algorithm.routing_replay=true"], "algorithm.routing_replay"),  # training_forward
+    (["model.moe.num_experts=4", "algorithm.routing_replay=true"], "algorithm.routing_replay"),  # torch engine
     (["algorithm.routing_replay=true", "algorithm.old_logprobs=recompute"], "algorithm.routing_replay"),  # dense
 ])
 def test_moe_layouts_are_refused_before_launch(overrides, key):

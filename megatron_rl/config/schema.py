@@ -286,8 +286,9 @@ class AlgorithmConfig:
         "training_forward when allowed, else recompute."
     )
     routing_replay: bool = _f(
-        False, "MoE: record each token's experts in the old-log-prob pass and route the update's forwards the same "
-        "way (actor/routing_replay_mismatch: share of tokens whose own top-k differs); needs old_logprobs=recompute.")
+        False, "MoE: record each token's experts while rollout.engine=megatron generates (else in the old-log-prob "
+        "pass) and route the old-log-prob and update forwards the same way (actor/routing_replay_mismatch: share of "
+        "tokens whose recomputed top-k differs from the recorded one).")
 
 
 @dataclass

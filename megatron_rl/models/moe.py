@@ -13,10 +13,13 @@ RL needs around it, in :class:`RLTopKRouter`, a ``TopKRouter`` swapped in throug
   (padding excluded), weighted by tokens and divided by the tokens of the whole forward pass
   (:func:`moe_pass`).  They are always measured (``actor/moe_aux_loss``, ``actor/moe_z_loss``);
   they reach the gradient only with ``model.moe.aux_loss_coeff`` / ``z_loss_coeff`` > 0.
-* **Routing replay.**  In a recording pass each router stores the experts it picked for every real
-  token, keyed by (sample row, position), so the store does not depend on how the batch was cut
-  or laid out; after the pass the store is exchanged over the TP x DP x CP ranks of each pipeline
-  stage.  A replaying pass routes every real token to its recorded experts (the routing weights
+* **Routing replay.**  While the rollout engine (``rollout.engine=megatron``) generates, each
+  router stores the experts it picked for every token it routes, keyed by (sample, position)
+  (:func:`moe_rollout`); the recordings travel with the samples (:func:`gather_rollout_routing`)
+  and are loaded before the step's forwards (:func:`load_routing`).  A recording pass over the
+  finished samples (the old-log-prob forward) does the same where no engine recorded them.  The
+  keys do not depend on how the batch was cut or laid out; a store is exchanged over the TP x DP x
+  CP ranks of each pipeline stage.  A replaying pass routes every real token to its recorded experts (the routing weights
   are recomputed from the current logits at those experts, as megatron's ``RouterReplay`` does)
   and counts the tokens whose own top-k differs (``actor/routing_replay_mismatch``).  With full
   activation recompute the routers remember what they used in the forward and use it again when
@@ -135,6 +138,16 @@ def _map_of(seq, pos, real, rows, lengths) -> TokenMap:
     return TokenMap(int(seq.numel()), real, seq, rows, lengths, index, [pos[i] for i in index])
 
 
+def _sequence_parallel_slice(full: TokenMap, seq, pos, real, tp_rank: int, tp_size: int) -> TokenMap:
+    """``full``'s tokens that TP rank ``tp_rank`` sees under sequence parallelism (a contiguous
+    slice of the flattened tokens), with ``full`` attached."""
+    per = pos.numel() // tp_size
+    part = slice(tp_rank * per, (tp_rank + 1) * per)
+    sliced = _map_of(seq[part], pos[part], real[part], full.rows, full.lengths)
+    sliced.full = full
+    return sliced
+
+
 def token_map(mb, rows: Optional[Sequence[int]], tp_rank: int, tp_size: int, sequence_parallel: bool) -> TokenMap:
     """Where a router's tokens come from, for micro-batch ``mb`` (a ``data.microbatch.Microbatch``).
 
@@ -155,11 +168,38 @@ def token_map(mb, rows: Optional[Sequence[int]], tp_rank: int, tp_size: int, seq
     full = _map_of(seq, pos, real, picked, lengths)
     if not (sequence_parallel and tp_size > 1):
         return full
-    per = pos.numel() // tp_size
-    part = slice(tp_rank * per, (tp_rank + 1) * per)
-    sliced = _map_of(seq[part], pos[part], real[part], picked, lengths)
-    sliced.full = full
-    return sliced
+    return _sequence_parallel_slice(full, seq, pos, real, tp_rank, tp_size)
+
+
+def inference_token_map(ctx, lengths: dict[int, int]) -> TokenMap:
+    """Where a router's tokens come from in one step of megatron's dynamic inference engine
+    (context ``ctx``): the step's flat tokens belong to request slots, ``lengths[request_id]`` is
+    the longest that request can grow (its recording's size).  Padding to the step's rounded
+    size is not real."""
+    count = int(ctx.padded_active_token_count)
+    active = int(ctx.active_token_count)
+    slots = ctx.token_to_request_idx[:count].to("cpu", torch.long)
+    pos = ctx.token_to_position_in_request[:count].to("cpu", torch.long)
+    real = torch.arange(count) < active
+    slots = torch.where(real, slots, torch.zeros_like(slots))
+    requests = int(ctx.total_request_count)
+    rows = ctx.request_ids[:requests].tolist()
+    return _map_of(slots, pos, real, rows, [lengths[r] for r in rows])
+
+
+def map_for_count(tmap: Optional[TokenMap], count: int) -> Optional[TokenMap]:
+    """``tmap`` as a router of ``count`` tokens sees it: whole, or this TP rank's sequence-parallel
+    slice of it when the router sees ``1/TP`` of the tokens (the inference engine decides per
+    layer type); None when neither fits (e.g. an idle expert-parallel rank's dummy forward)."""
+    if tmap is None or tmap.count == count:
+        return tmap
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1 and tmap.count == count * tp:
+        pos = torch.zeros(tmap.count, dtype=torch.long)  # every token's position, in the router's order
+        for idx, p in zip(tmap.index, tmap.positions):
+            pos[idx] = p
+        return _sequence_parallel_slice(tmap, tmap.seq, pos, tmap.real, ps.get_tensor_model_parallel_rank(), tp)
+    return None
 
 
 # ----------------------------------------------------------------------------- state of one model
@@ -170,8 +210,10 @@ class MoEState:
 
     def __init__(self, routers: list["RLTopKRouter"]):
         self.routers = routers
-        self.mode: Optional[str] = None  # None | "forward" | "train" | "record" | "replay"
+        # None | "train" | "record" | "replay" | "forward_replay" (no grad, no losses) | "rollout"
+        self.mode: Optional[str] = None
         self.rows: Optional[list[int]] = None
+        self.rollout_lengths: Optional[dict[int, int]] = None  # mode "rollout": request id -> longest length
         self.tokens = 0  # real tokens of the active pass (the losses' denominator)
         self.stats = torch.zeros(2 * len(STATS), dtype=torch.float64)
 
@@ -274,13 +316,14 @@ def moe_pass(chunks: list, seqs: Sequence[dict], mode: Optional[str] = "train",
     them to the gradient when their coefficients are > 0, divided by the real tokens of ``seqs``.
     ``record``: a forward (old log-probs) that stores every real token's experts for routing
     replay, exchanged on exit.  ``replay``: a ``train`` that routes every real token to its
-    recorded experts.  ``rows[i]`` names ``seqs[i]``'s sample (default ``i``): the key a recording
+    recorded experts.  ``forward_replay``: a forward without losses that routes the same way (the
+    old-log-prob pass on routing the rollout recorded).  ``rows[i]`` names ``seqs[i]``'s sample (default ``i``): the key a recording
     is replayed by."""
     state = moe_state(chunks)
     if state is None or mode is None:
         yield state
         return
-    if mode not in ("train", "record", "replay"):
+    if mode not in ("train", "record", "replay", "forward_replay"):
         raise ValueError(f"unknown MoE pass mode {mode!r}")
     if mode == "record":
         state.clear_recorded()
@@ -296,6 +339,60 @@ def moe_pass(chunks: list, seqs: Sequence[dict], mode: Optional[str] = "train",
         state.reset_pass()
     if mode == "record":
         state.exchange()
+
+
+@contextlib.contextmanager
+def moe_rollout(model, lengths: dict[int, int]):
+    """Around one generation of megatron's inference engine on ``model`` (this rank's unwrapped
+    chunk): its routers record the experts of every token they route, by (request id,
+    position); ``lengths[request_id]`` bounds each request.  Yields a dict filled on exit with
+    ``{request_id: {layer_number: [length, topk] int16}}`` (-1 where no token was routed: a
+    request's last token is sampled, never fed back).  The engine's wrapper sets each step's
+    tokens (:func:`inference_token_map`).  A no-op (an empty dict) for a dense model."""
+    state = getattr(model, "moe_state", None)
+    out: dict = {}
+    if state is None:
+        yield out
+        return
+    state.clear_recorded()
+    state.mode, state.rollout_lengths = "rollout", lengths
+    try:
+        yield out
+    finally:
+        state.mode, state.rollout_lengths = None, None
+        for router in state.routers:
+            router.tokens = None
+    for router in state.routers:
+        for rid, table in router.recorded.items():
+            out.setdefault(rid, {})[router.layer_number] = table
+    state.clear_recorded()
+
+
+def gather_rollout_routing(local: dict, sample_index: dict[int, int], reports: bool) -> dict[int, dict]:
+    """Every sample's recorded routing for this pipeline stage's MoE layers, on every rank of the
+    stage: ``local`` is this rank's :func:`moe_rollout` result, ``sample_index[request_id]`` the
+    sample's index in the gathered batch; only ``reports`` ranks (one per generator and stage)
+    send theirs.  A collective over the stage's TP x DP x CP ranks."""
+    mine = {sample_index[rid]: tables for rid, tables in local.items()} if reports else {}
+    merged: dict[int, dict] = {}
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    for part in collectives.all_gather_object(mine, group=group):
+        merged.update(part)
+    return merged
+
+
+def load_routing(chunks: list, routing: Sequence[Optional[dict]]) -> bool:
+    """Give the routers of ``chunks`` the recorded routing of a batch's samples (``routing[row]``:
+    ``{layer_number: [length, topk]}`` or None) for the step's replaying passes.  False (nothing
+    loaded) for a dense model or a batch without recordings."""
+    state = moe_state(chunks)
+    if state is None or not routing or any(r is None for r in routing):
+        return False
+    state.clear_recorded()
+    for router in state.routers:
+        for row, tables in enumerate(routing):
+            router.recorded[row] = tables[router.layer_number]
+    return True
 
 
 def moe_metrics(chunks: list, prefix: str = "actor/") -> dict:
@@ -370,6 +467,8 @@ class RLTopKRouter(TopKRouter):
         state = self.state
         if state is None or state.mode is None:
             return "normal", None
+        if state.mode == "rollout":
+            return "normal", map_for_count(self.tokens, count)
         if state.training_pass and torch.is_grad_enabled() and self.recompute:
             return "recompute", self.recompute.pop(0)
         tmap = self._map(count)
@@ -383,17 +482,20 @@ class RLTopKRouter(TopKRouter):
     def topk_for(self, computed: torch.Tensor) -> Optional[torch.Tensor]:
         """The experts to route to instead of ``computed`` (this call's own top-k), or None."""
         mode = self.state.mode if self.state else None
-        if mode not in ("record", "replay"):
+        if mode not in ("record", "replay", "forward_replay", "rollout"):
             return None
         if self._kind == "recompute":
             return self.replayed.pop(0) if mode == "replay" else None
         tmap = self._now
         if tmap is None:
+            if mode == "rollout":
+                return None  # a step without requests (an idle expert-parallel rank's dummy forward)
             raise RuntimeError("routing replay needs the micro-batch hook that engine/forward.py runs")
-        if mode == "record":
+        if mode in ("record", "rollout"):
             self._record(tmap, computed)
             return None
         target = computed.clone()
+        known = tmap.real.clone()
         for j, row in enumerate(tmap.rows):
             idx = tmap.index[j]
             if idx.numel() == 0:
@@ -402,11 +504,17 @@ class RLTopKRouter(TopKRouter):
             if table is None:
                 raise RuntimeError(f"routing replay: sample row {row} was not recorded (layer {self.layer_number})")
             got = table[tmap.positions[j]]
-            if bool((got < 0).any()):
-                raise RuntimeError(f"routing replay: sample row {row} has unrecorded positions "
-                                   f"(layer {self.layer_number})")
+            unknown = (got < 0).any(-1)
+            if bool(unknown.any()):
+                # Only a sequence's last token may lack a recording: the engine samples it and never
+                # feeds it back, and its output predicts nothing.  It routes by its own top-k.
+                if bool((tmap.positions[j][unknown] != tmap.lengths[j] - 1).any()):
+                    raise RuntimeError(f"routing replay: sample row {row} has unrecorded positions "
+                                       f"(layer {self.layer_number})")
+                known[idx[unknown]] = False
+                got = torch.where(unknown[:, None], computed[idx.to(computed.device)].to(got), got)
             target[idx.to(target.device)] = got.to(target)
-        real = tmap.real_on(computed.device)
+        real = known.to(computed.device)
         differs = (computed.sort(-1).values != target.sort(-1).values).any(-1) & real
         self._add("mismatch", differs.sum(), real.sum())
         if self._kind == "checkpointed":

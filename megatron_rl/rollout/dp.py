@@ -57,5 +57,20 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
     return RolloutBatch(
         prompt_index=[r[0] for r in merged], prompt_ids=[list(r[2]) for r in merged],
         response_ids=[list(r[3]) for r in merged], response_logprobs=[list(r[4]) for r in merged],
-        finish_reason=[r[5] for r in merged],
+        finish_reason=[r[5] for r in merged], routing=_gathered_routing(engine, local, share, merged),
     )
+
+
+def _gathered_routing(engine: RolloutEngine, local: RolloutBatch, share: range, merged: list) -> list | None:
+    """The MoE routing the engine recorded, per sample of the gathered batch, for this rank's
+    pipeline stage (each stage's TP x DP x CP ranks exchange theirs); None when not recorded."""
+    recorded = getattr(engine, "last_routing", None)
+    if recorded is None:
+        return None
+    from megatron_rl.models.moe import gather_rollout_routing
+
+    position = {row[:2]: k for k, row in enumerate(merged)}
+    sample_index = {k: position[(share[local.prompt_index[k]], k)] for k in range(len(local))}
+    reports = parallel_state.get_tensor_model_parallel_rank() == 0
+    by_sample = gather_rollout_routing(recorded, sample_index, reports)
+    return [by_sample.get(k) for k in range(len(merged))]

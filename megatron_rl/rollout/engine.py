@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -35,7 +35,9 @@ class RolloutBatch:
     ``response_ids`` includes the stop token / stop sequence that ended a sample.
     ``response_logprobs[k][t]`` is the fp32 log-prob of ``response_ids[k][t]`` under the
     temperature-scaled full distribution (before top-k/top-p), the trainer's definition.
-    ``finish_reason`` is ``"stop"`` or ``"length"``.
+    ``finish_reason`` is ``"stop"`` or ``"length"``.  ``routing`` (MoE routing replay, engines
+    that record it): per sample, ``{layer_number: [tokens, topk] expert ids}`` for the MoE layers
+    of this rank's pipeline stage, so it differs between stages; None when not recorded.
     """
 
     prompt_index: list[int]
@@ -43,10 +45,13 @@ class RolloutBatch:
     response_ids: list[list[int]]
     response_logprobs: list[list[float]]
     finish_reason: list[str]
+    routing: Optional[list[dict]] = None
 
     def __post_init__(self):
         sizes = {len(self.prompt_index), len(self.prompt_ids), len(self.response_ids),
                  len(self.response_logprobs), len(self.finish_reason)}
+        if self.routing is not None:
+            sizes.add(len(self.routing))
         if len(sizes) != 1:
             raise ValueError(f"RolloutBatch fields have different lengths: {sorted(sizes)}")
 

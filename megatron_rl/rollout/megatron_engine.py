@@ -148,8 +148,21 @@ def _make_wrapper_class():
         with ``GPTModel``'s own output step (last tokens only, SP gather, TP gather)."""
 
         def _forward(self, inference_input):
-            out = super()._forward(inference_input)
+            from megatron_rl.models.moe import inference_token_map
+
             model = self.model
+            state = getattr(model, "moe_state", None)
+            recording = state is not None and state.mode == "rollout"
+            if recording:  # MoE routing recorded for replay: which request and position each token is
+                tokens = inference_token_map(self.inference_context, state.rollout_lengths)
+                for router in state.routers:
+                    router.tokens = tokens
+            try:
+                out = super()._forward(inference_input)
+            finally:
+                if recording:
+                    for router in state.routers:
+                        router.tokens = None
             if not isinstance(model, RLGPTModel) or not model.post_process:
                 return out
             return GPTModel._postprocess(
@@ -242,6 +255,10 @@ class MegatronRolloutEngine:
         self._engine = None
         self._kv_bytes = 0
         self._suspended = False
+        # MoE routing replay: the routers record every token's experts while generating, and
+        # ``last_routing`` holds them after each generate ({request: {layer: [length, topk]}}).
+        self.record_routing = False
+        self.last_routing: Optional[dict] = None
 
     # -- weights -------------------------------------------------------------------------------
     def load_from_chunks(self, chunks: list) -> None:
@@ -390,6 +407,8 @@ class MegatronRolloutEngine:
         from megatron.core.inference.inference_request import Status
         from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
 
+        from megatron_rl.models.moe import moe_rollout
+
         if self._model is None:
             raise RuntimeError("MegatronRolloutEngine.generate called before load_from_chunks / load_weights")
         vocab = self.model_cfg.vocab_size
@@ -426,8 +445,11 @@ class MegatronRolloutEngine:
                                    return_log_probs=False)
         model, was_training = self._model, self._model.training
         model.eval()
+        lengths = {rid: len(prompt_ids[i]) + params.max_new_tokens for rid, (i, _) in enumerate(samples)}
+        recording = moe_rollout(model, lengths) if self.record_routing else contextlib.nullcontext({})
         try:
-            with _without_context_parallel(model, self._cp_group), cpu_function_mode_paused():
+            with _without_context_parallel(model, self._cp_group), cpu_function_mode_paused(), \
+                    recording as routing:
                 for rid, (i, _) in enumerate(samples):
                     engine.add_request(rid, list(prompt_ids[i]), request)
                 done = self._run(engine)
@@ -439,6 +461,11 @@ class MegatronRolloutEngine:
             events = failed[0].requests[-1].events
             raise RuntimeError(f"megatron inference failed request {failed[0].request_id}: {events}")
         responses = [controller.responses[rid] for rid in range(len(samples))]
+        self.last_routing = None
+        if self.record_routing:  # cut each recording to the sample's prompt + response
+            self.last_routing = {rid: {layer: table[: len(prompt_ids[samples[rid][0]]) + len(responses[rid])]
+                                       for layer, table in routing.get(rid, {}).items()}
+                                 for rid in range(len(samples))}
         return RolloutBatch(
             prompt_index=[i for i, _ in samples],
             prompt_ids=[list(prompt_ids[i]) for i, _ in samples],

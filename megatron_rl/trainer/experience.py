@@ -32,6 +32,9 @@ class Samples:
     response_ids: list[list[int]]
     rollout_logprob: list[list[float]]
     finish_reason: list[str]
+    # MoE routing the rollout engine recorded (this rank's pipeline stage), one entry per
+    # sample; empty when none was recorded.
+    routing: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch, dataset_index: list[int]) -> "Samples":
@@ -40,6 +43,7 @@ class Samples:
             prompt_index=list(rollout.prompt_index), dataset_index=[dataset_index[i] for i in rollout.prompt_index],
             prompt_ids=rollout.prompt_ids, response_ids=rollout.response_ids,
             rollout_logprob=rollout.response_logprobs, finish_reason=rollout.finish_reason,
+            routing=list(rollout.routing) if rollout.routing is not None else [],
         )
 
     def __len__(self) -> int:
@@ -53,6 +57,7 @@ class Samples:
             dataset_index=[self.dataset_index[i] for i in rows], prompt_ids=[self.prompt_ids[i] for i in rows],
             response_ids=[self.response_ids[i] for i in rows], rollout_logprob=[self.rollout_logprob[i] for i in rows],
             finish_reason=[self.finish_reason[i] for i in rows],
+            routing=[self.routing[i] for i in rows] if self.routing else [],
         )
 
     def groups(self) -> dict[int, list[int]]:

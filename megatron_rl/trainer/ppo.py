@@ -52,7 +52,7 @@ from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
 from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
-from megatron_rl.models.moe import moe_metrics, moe_pass
+from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.planner.memory import kv_cache_bytes, total_params
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
@@ -164,6 +164,8 @@ class PPOTrainer:
         self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
                  f"hidden {cfg.model.hidden_size}); built {built}")
         self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device)
+        if cfg.algorithm.routing_replay and hasattr(self.engine, "record_routing"):
+            self.engine.record_routing = True  # MoE: the experts of every generated token, for replay
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
@@ -404,11 +406,15 @@ class PPOTrainer:
         mask = samples.response_mask()
         head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
         old = ref = values = None
+        # Routing replay: the experts the rollout engine routed to, else the old-log-prob pass's.
+        replay_mode = None
+        if alg.routing_replay:
+            replay_mode = "forward_replay" if load_routing(self.actor.chunks, samples.routing) else "record"
         with torch.no_grad():
             if self.old_logprobs == "recompute":
                 with timed("old_logprob", timings):
                     self._phase("actor")
-                    with moe_pass(self.actor.chunks, seqs, "record" if alg.routing_replay else None):
+                    with moe_pass(self.actor.chunks, seqs, replay_mode):
                         old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
             if self.reference is not None:
                 with timed("ref_logprob", timings):
