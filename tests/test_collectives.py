@@ -77,7 +77,9 @@ def real_groups_body():
     out = {"cuda_only": collectives.group_device_type(cuda_only), "world": collectives.group_device().type,
            "error": error, "sum": summed.tolist(), "max": collectives.agree_max(dist.get_rank() * 5),
            "any": collectives.agree_any(dist.get_rank() == 1), "objects": collectives.all_gather_object(dist.get_rank()),
-           "broadcast": collectives.broadcast_object(f"from {dist.get_rank()}", src=1)}
+           "broadcast": collectives.broadcast_object(f"from {dist.get_rank()}", src=1),
+           # rank 0 sends nothing, rank 1 three values
+           "varlen": [t.tolist() for t in collectives.all_gather_varlen(torch.arange(3 * dist.get_rank()) + 0.5)]}
     dist.destroy_process_group(cuda_only)
     return out
 
@@ -90,6 +92,7 @@ def test_module_puts_host_values_where_the_group_needs_them():
         assert (out["cuda_only"], out["world"]) == ("cuda", "cpu")
         assert out["sum"] == [2.0, 1.0] and out["max"] == 5 and out["any"] is True
         assert out["objects"] == [0, 1] and out["broadcast"] == "from 1"
+        assert out["varlen"] == [[], [0.5, 1.5, 2.5]]
 
 
 class _Recorder:

@@ -94,6 +94,26 @@ def all_gather_object(obj: Any, group=None) -> list:
     return out
 
 
+def all_gather_varlen(values: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """A 1-D tensor of any length from every rank of ``group``, in group-rank order, on the
+    device ``values`` came from: two tensor all-gathers (sizes, then the padded values), where
+    :func:`all_gather_object` would pickle every tensor it carries."""
+    values = values.reshape(-1)
+    if not _active(group):
+        return [values.clone()]
+    device = group_device(group)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([values.numel()], dtype=torch.int64, device=device), group=group)
+    sizes = [int(n) for n in torch.cat(sizes).tolist()]
+    longest = max(sizes)
+    mine = torch.zeros(longest, dtype=values.dtype, device=device)
+    mine[: values.numel()] = values.to(device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    return [part[:n].to(values.device) for part, n in zip(parts, sizes)]
+
+
 def broadcast_object(obj: Any, src: int, group=None) -> Any:
     """``obj`` of global rank ``src`` on every rank of ``group``."""
     if not _active(group):

@@ -144,6 +144,44 @@ def run_sequences(
     return _collect(collected, len(seqs), head.outputs), logs
 
 
+# How an output's dtype travels in :func:`_gather_outputs` (values go as float64: exact for these).
+_OUTPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _gather_outputs(mine: dict[int, dict], names, group) -> dict[int, dict]:
+    """Every rank's per-sequence output vectors on every rank of ``group``, as two flat tensors
+    per rank (a header of sequence index, then dtype and length per output name, and the
+    values), not pickled tensors: once per step on every data-parallel rank, pickling cost more
+    than the update itself on small models."""
+    header, flat = [], []
+    for idx, outs in mine.items():
+        header.append(idx)
+        for name in names:
+            vec = outs.get(name)
+            if vec is None:
+                header += [-1, 0]
+                continue
+            header += [_OUTPUT_DTYPES.index(vec.dtype), vec.numel()]
+            flat.append(vec.detach().reshape(-1).to("cpu", torch.float64))
+    headers = collectives.all_gather_varlen(torch.tensor(header, dtype=torch.int64), group)
+    values = collectives.all_gather_varlen(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.float64), group)
+    out: dict[int, dict] = {}
+    device = next((v.device for outs in mine.values() for v in outs.values()), torch.device("cpu"))
+    per_seq = 1 + 2 * len(names)
+    for head, vals in zip(headers, values):
+        head, at = head.tolist(), 0
+        for start in range(0, len(head), per_seq):
+            idx, entry = head[start], {}
+            for k, name in enumerate(names):
+                code, n = head[start + 1 + 2 * k], head[start + 2 + 2 * k]
+                if code < 0:
+                    continue
+                entry[name] = vals[at : at + n].to(device, _OUTPUT_DTYPES[code])
+                at += n
+            out[idx] = entry
+    return out
+
+
 def _collect(collected, num_seqs: int, names) -> list[dict]:
     """Per-sequence outputs from the last stage's CP/DP shards onto every rank."""
     last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -155,8 +193,7 @@ def _collect(collected, num_seqs: int, names) -> list[dict]:
             for j, idx in enumerate(mb.seq_indices):
                 mine[idx] = {n: vecs[j] for n, vecs in per_name.items()}
         if ps.get_data_parallel_world_size() > 1:
-            for part in collectives.all_gather_object(mine, group=ps.get_data_parallel_group()):
-                mine.update(part)
+            mine = _gather_outputs(mine, names, ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:
         src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(),
                                    ps.get_pipeline_model_parallel_world_size() - 1)
