@@ -376,6 +376,45 @@ def _lse_merge_error(heads: int, kv: int, d: int, dtype, dev) -> str:
     return ", ".join(f"{float(e):.1e}" for e in errs)
 
 
+def _packed_blocks_error(heads: int, kv: int, d: int, dev) -> str:
+    """A packed row's ring-step blocks (all causal; all full) as one varlen flash call against one
+    call per sequence, forward and backward, bf16: the CP path on packed rows on CUDA."""
+    from megatron_rl.ops import cp_attention
+
+    if not cp_attention.attention_kernels.varlen_ready(torch.empty(0, device=dev, dtype=torch.bfloat16)):
+        return "n/a (needs CUDA)"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    cu = (0, 64, 96, 224)  # three sequences of one packed row, CP=2 shards
+    local = cu[-1] // 2
+    q, do = (torch.randn(1, heads, local, d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, kv, local, d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    errors = []
+    for src in (1, 0):  # rank 1 against its own keys (causal), then rank 0's (full)
+        pairs = cp_attention.block_pairs(cu, 2, 1, src)
+        outs = []
+        for packed in (True, False):
+            acc_out, acc_lse = cp_attention._accumulators(q)
+            acc_out.zero_(), acc_lse.fill_(float("-inf"))
+            if packed:
+                cp_attention._packed_block_forward(q, k, v, cp_attention.packed_blocks(pairs, q.device), d**-0.5,
+                                                   acc_out, acc_lse, first=True)
+            else:
+                for (qa, qe), (ka, ke), causal in pairs:
+                    out, lse = cp_attention.attention_forward(q[..., qa:qe, :], k[..., ka:ke, :], v[..., ka:ke, :],
+                                                              causal, d**-0.5)
+                    acc_out[..., qa:qe, :].copy_(out), acc_lse[..., qa:qe].copy_(lse)
+            dq, dkv = torch.zeros_like(acc_out), torch.zeros(1, kv, local, 2 * d, device=dev)
+            blocks = cp_attention.packed_blocks(pairs, q.device) if packed else None
+            if packed:
+                cp_attention._packed_block_backward(do, q, k, v, acc_out, acc_lse, blocks, d**-0.5, dq, dkv, d)
+            else:
+                for pair in pairs:
+                    cp_attention._block_backward(do, q, k, v, acc_out, acc_lse, (pair,), d**-0.5, dq, dkv, d)
+            outs.append((acc_out, dq, dkv))
+        errors += [float((a - b).abs().max()) for a, b in zip(*outs)]
+    return ", ".join(f"{e:.1e}" for e in errors)
+
+
 def section_sdpa(check: Check):
     """The paths on the full model's head shape (2 layers are enough to see the kernels)."""
     from megatron_rl.data.microbatch import build_microbatch
@@ -405,6 +444,8 @@ def section_sdpa(check: Check):
     for dtype in (torch.bfloat16, torch.float32):
         yield (f"(c) fused kernels with LSE, {str(dtype)[6:]}: two key blocks merged vs SDPA (max |d| out, dq, dk)",
                _lse_merge_error(heads, kv, d, dtype, dev))
+    yield ("(c) CP on packed rows: one varlen flash call per ring step vs per sequence (causal out, dq, dkv; "
+           "full out, dq, dkv)", _packed_blocks_error(heads, kv, d, dev))
     world = torch.distributed.group.WORLD
 
     def cp_path(comm: str):  # the real autograd function on a CP group of one rank

@@ -223,6 +223,77 @@ def test_cp_attention_matches_one_process(cp, case, dtype):
     assert {"p2p", "all_gather"} <= ran
 
 
+VARLEN_CALLS: list[int] = []  # blocks per varlen forward call, in this process
+
+
+def _cpu_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """flash-attention's varlen call, one CPU kernel call per block: stands in for the CUDA kernel
+    so the packing around it (row gathers, offsets, merge and scatter) runs here."""
+    from megatron_rl.ops.attention_kernels import attention_forward
+
+    VARLEN_CALLS.append(len(cu_q) - 1)
+    outs, lses = [], []
+    for a, e, ka, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        assert e - a <= max_q and ke - ka <= max_k
+        out, lse = attention_forward(*(x[None].transpose(1, 2) for x in (q[a:e], k[ka:ke], v[ka:ke])), causal, scale)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _cpu_varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    from megatron_rl.ops.attention_kernels import attention_backward
+
+    grads = []
+    for a, e, ka, ke in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        rows = [x[None].transpose(1, 2) for x in (do[a:e], q[a:e], k[ka:ke], v[ka:ke], out[a:e])]
+        grads.append([g[0].transpose(0, 1) for g in attention_backward(*rows, lse[None, :, a:e], causal, scale)])
+    return tuple(torch.cat(parts) for parts in zip(*grads))
+
+
+def packed_varlen_body(case: str):
+    """The attention of :func:`attention_body` with the packed-blocks path switched on."""
+    from megatron_rl.ops import attention_kernels
+
+    names = ("varlen_ready", "varlen_forward", "varlen_backward")
+    saved = {name: getattr(attention_kernels, name) for name in names}
+    stand_ins = (lambda q: True, _cpu_varlen_forward, _cpu_varlen_backward)
+    try:  # workers are reused by later tests: put the real functions back
+        for name, fn in zip(names, stand_ins):
+            setattr(attention_kernels, name, fn)
+        VARLEN_CALLS.clear()
+        return dict(attention_body(case), varlen_calls=list(VARLEN_CALLS))
+    finally:
+        for name, fn in saved.items():
+            setattr(attention_kernels, name, fn)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_packed_rows_as_one_varlen_call_per_ring_step(cp):
+    """On CUDA in half precision a packed row's blocks of one ring step are one variable-length
+    flash call: gathered rows, block offsets, the merge and the scatter back give what the
+    per-sequence calls give (here with a per-block CPU kernel in the varlen call's place; the
+    CUDA kernel itself runs in the GPU check)."""
+    from megatron_rl.ops.cp_attention import block_pairs, packed_blocks
+
+    cu = (0, 16, 24, 56)
+    blocks = packed_blocks(block_pairs(cu, 2, 1, 0), torch.device("cpu"))  # rank 1 against rank 0's keys
+    assert blocks.q_index.tolist() == list(range(28)) and not blocks.causal
+    assert blocks.k_index.tolist() == [0, 1, 2, 3, 8, 9] + list(range(12, 20))
+    assert blocks.cu_q.tolist() == [0, 8, 12, 28] and blocks.cu_k.tolist() == [0, 4, 6, 14]
+    per_sequence = run_distributed(cp, attention_body, "thd_gqa")
+    packed = run_distributed(cp, packed_varlen_body, "thd_gqa")
+    for a, b in zip(per_sequence, packed):
+        # each ring step of each strategy (p2p, all_gather, a2a, ...) is one call over the 4 sequences
+        calls = b.pop("varlen_calls")
+        assert len(calls) >= 2 * cp and set(calls) == {4}, calls
+        for comm in ("p2p", "all_gather"):
+            worst = max(float((x - y).abs().max()) for x, y in zip(a[comm], b[comm]))
+            ref = max(float((x - r).abs().max()) for x, r in zip(b[comm], b["reference"]))
+            print(f"cp={cp} {comm}: packed vs per-sequence {worst:.1e}, vs reference {ref:.1e}")
+            assert worst <= 1e-12 and ref <= 1e-10
+
+
 # ----------------------------------------------------------------------------- host-side sharding
 
 

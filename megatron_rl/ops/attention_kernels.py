@@ -113,6 +113,46 @@ def _cuda_efficient_backward(do, q, k, v, out, lse, causal, scale):
     return tuple(torch.cat(parts, 1) for parts in zip(*grads))
 
 
+# ----------------------------------------------------------------------------- packed blocks (CUDA)
+
+
+def varlen_ready(q) -> bool:
+    """Whether packed sequences' blocks run as one variable-length kernel call: CUDA flash
+    attention, half precision.  Elsewhere (the CPU, fp32) each sequence's block is its own call."""
+    return q.device.type == "cuda" and q.dtype in _HALF
+
+
+def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """``(out, lse)`` of packed blocks: ``q`` ``[total_q, heads, d]``, ``k``/``v`` ``[total_k,
+    kv_heads, d]``, block ``i`` = rows ``cu_q[i]:cu_q[i+1]`` over ``cu_k[i]:cu_k[i+1]`` (int32 on
+    the device); ``lse`` ``[heads, total_q]`` float32 (flash-attention's varlen layout)."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, _repeat_kv_packed(k, q), _repeat_kv_packed(v, q), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        scale=scale,
+    )
+    return out, lse
+
+
+def varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    """``(dq, dk, dv)`` of packed blocks given the *merged* ``out`` and ``lse`` of their rows."""
+    no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        do.contiguous(), q, _repeat_kv_packed(k, q), _repeat_kv_packed(v, q), out.to(q.dtype), lse.contiguous(),
+        cu_q, cu_k, max_q, max_k, 0.0, causal, no_rng, unused, scale=scale,
+    )
+    groups = q.size(1) // k.size(1)
+    if groups > 1:
+        dk = dk.view(dk.size(0), k.size(1), groups, dk.size(-1)).sum(2)
+        dv = dv.view(dv.size(0), k.size(1), groups, dv.size(-1)).sum(2)
+    return dq, dk, dv
+
+
+def _repeat_kv_packed(x, q):
+    groups = q.size(1) // x.size(1)
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
 def merge_into(acc_out, acc_lse, out, lse) -> None:
     """Fold a partial ``(out, lse)`` into running ones, in place (views allowed)."""
     merged = torch.logaddexp(acc_lse, lse.to(acc_lse.dtype))

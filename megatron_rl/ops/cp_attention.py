@@ -14,7 +14,9 @@ invisible, so no mask tensor of any size is built.  Against the keys of rank ``s
 * ``src >  r``: everything, but only from the second query half (half the queries x all keys);
 
 so every rank does the same work per step -- the zigzag balance holds inside the ring.  Each
-call is a fused kernel returning ``(out, lse)`` (:mod:`megatron_rl.ops.attention_kernels`);
+call is a fused kernel returning ``(out, lse)`` (:mod:`megatron_rl.ops.attention_kernels`); on
+CUDA in half precision the blocks of a packed row's sequences are one variable-length flash
+call per step (:class:`PackedBlocks`), elsewhere one call per sequence;
 partial results merge through the log-sum-exp, and backward calls the kernels' backward with
 the merged output and log-sum-exp.
 
@@ -41,6 +43,7 @@ Nothing here reads a value back from the device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.ops import attention_kernels
 from megatron_rl.ops.attention_kernels import attention_backward, attention_forward, merge_into
 from megatron_rl.ops.packed_attention import packed_causal_attention
 from megatron_rl.ops.precision import compute_dtype
@@ -106,9 +110,85 @@ def _rows(x, a, e):
     return x[..., a:e, :]
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedBlocks:
+    """One ring step's blocks of packed sequences as one variable-length kernel call: the rows
+    of ``q`` and of ``k``/``v`` the blocks use, in block order, and their offsets."""
+
+    q_index: torch.Tensor  # long [total_q]: local query rows
+    k_index: torch.Tensor  # long [total_k]: local key rows
+    cu_q: torch.Tensor  # int32 [blocks + 1]
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+
+@functools.lru_cache(maxsize=32)  # device index tensors: a few steps' layouts, not every batch's
+def packed_blocks(pairs: tuple, device: torch.device) -> PackedBlocks:
+    """The :class:`PackedBlocks` of ``pairs`` (one ring step: all causal or all full), built on
+    the host once per batch layout and step and moved to ``device``."""
+    causal = {c for _, _, c in pairs}
+    if len(causal) != 1:
+        raise ValueError("a ring step's blocks are all causal or all full")
+
+    def index_and_offsets(spans):
+        index = torch.cat([torch.arange(a, e) for a, e in spans])
+        sizes = torch.tensor([e - a for a, e in spans])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int32), sizes.cumsum(0).to(torch.int32)])
+        return index.to(device), offsets.to(device), int(sizes.max())
+
+    q_index, cu_q, max_q = index_and_offsets([q for q, _, _ in pairs])
+    k_index, cu_k, max_k = index_and_offsets([k for _, k, _ in pairs])
+    return PackedBlocks(q_index, k_index, cu_q, cu_k, max_q, max_k, causal.pop())
+
+
+def _packed(q, blocks_or_pairs) -> Optional[PackedBlocks]:
+    """The step's blocks as one varlen call where a kernel exists for ``q`` and there are
+    several packed sequences; None to call the kernel per sequence."""
+    if len(blocks_or_pairs) < 2 or q.size(0) != 1 or not attention_kernels.varlen_ready(q):
+        return None
+    return packed_blocks(blocks_or_pairs, q.device)
+
+
+def _take(x, index) -> torch.Tensor:
+    """Rows ``index`` of ``x`` ``[1, heads, s, d]`` as ``[len(index), heads, d]``."""
+    return x[0].index_select(1, index).transpose(0, 1).contiguous()
+
+
+def _packed_block_forward(q, k, v, blocks: PackedBlocks, scale, acc_out, acc_lse, first: bool) -> None:
+    out, lse = attention_kernels.varlen_forward(_take(q, blocks.q_index), _take(k, blocks.k_index),
+                                                _take(v, blocks.k_index), blocks.cu_q, blocks.cu_k, blocks.max_q,
+                                                blocks.max_k, blocks.causal, scale)
+    out = out.transpose(0, 1)  # [heads, total_q, d]
+    if first:
+        acc_out[0].index_copy_(1, blocks.q_index, out.to(acc_out.dtype))
+        acc_lse[0].index_copy_(1, blocks.q_index, lse.to(acc_lse.dtype))
+        return
+    rows_out = acc_out[0].index_select(1, blocks.q_index)
+    rows_lse = acc_lse[0].index_select(1, blocks.q_index)
+    merge_into(rows_out, rows_lse, out, lse)
+    acc_out[0].index_copy_(1, blocks.q_index, rows_out)
+    acc_lse[0].index_copy_(1, blocks.q_index, rows_lse)
+
+
+def _packed_block_backward(do, q, k, v, out, lse, blocks: PackedBlocks, scale, dq, dkv, d: int) -> None:
+    gq, gk, gv = attention_kernels.varlen_backward(
+        _take(do, blocks.q_index), _take(q, blocks.q_index), _take(k, blocks.k_index), _take(v, blocks.k_index),
+        _take(out, blocks.q_index), lse[0].index_select(1, blocks.q_index), blocks.cu_q, blocks.cu_k,
+        blocks.max_q, blocks.max_k, blocks.causal, scale)
+    dq[0].index_add_(1, blocks.q_index, gq.transpose(0, 1).to(dq.dtype))
+    dkv[0][..., :d].index_add_(1, blocks.k_index, gk.transpose(0, 1).to(dkv.dtype))
+    dkv[0][..., d:].index_add_(1, blocks.k_index, gv.transpose(0, 1).to(dkv.dtype))
+
+
 def _block_forward(q, k, v, pairs, scale, acc_out, acc_lse, first: bool) -> None:
     """Attend ``q`` to one rank's ``k``/``v`` and fold the results into the accumulators; the
     first block (a rank's own keys) covers every query, so it initialises them."""
+    blocks = _packed(q, pairs)
+    if blocks is not None:
+        _packed_block_forward(q, k, v, blocks, scale, acc_out, acc_lse, first)
+        return
     for (qa, qe), (ka, ke), causal in pairs:
         out, lse = attention_forward(_rows(q, qa, qe), _rows(k, ka, ke), _rows(v, ka, ke), causal, scale)
         if first:
@@ -120,6 +200,10 @@ def _block_forward(q, k, v, pairs, scale, acc_out, acc_lse, first: bool) -> None
 
 def _block_backward(do, q, k, v, out, lse, pairs, scale, dq, dkv, d: int) -> None:
     """Add one key block's share of the gradients to ``dq`` and to the block's ``dkv`` (in place)."""
+    blocks = _packed(q, pairs)
+    if blocks is not None:
+        _packed_block_backward(do, q, k, v, out, lse, blocks, scale, dq, dkv, d)
+        return
     for (qa, qe), (ka, ke), causal in pairs:
         gq, gk, gv = attention_backward(_rows(do, qa, qe), _rows(q, qa, qe), _rows(k, ka, ke), _rows(v, ka, ke),
                                         _rows(out, qa, qe), lse[..., qa:qe], causal, scale)
