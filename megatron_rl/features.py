@@ -873,9 +873,10 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Context parallelism: p2p ring (local path)", "parallelism", TESTED_CPU,
-        "K/V travel around the CP ring in the model dtype, the next hop overlapping the current block; each block is a fused attention kernel (CPU flash / CUDA flash or memory-efficient) returning its log-sum-exp, merged exactly; no mask tensor (zigzag pairs are full, causal-diagonal or skipped), so every rank does the same work per step; backward uses the kernels' backward. Saved activations O(S/CP).",
+        "K/V travel around the CP ring in the model dtype, the next hop overlapping the current block; each block is a fused attention kernel (CPU flash / CUDA flash or memory-efficient) returning its log-sum-exp, merged exactly; no mask tensor (zigzag pairs are full, causal-diagonal or skipped), so every rank does the same work per step; backward uses the kernels' backward. Saved activations O(S/CP). Packed rows: one kernel call per sequence on the CPU; on CUDA in half precision one variable-length flash call per ring step (the packing is tested on CPU, the CUDA call not yet run on a GPU).",
         ("tests/test_context_parallel.py::test_cp_attention_matches_one_process",
-         "tests/test_context_parallel.py::test_packed_matches_one_process"),
+         "tests/test_context_parallel.py::test_packed_matches_one_process",
+         "tests/test_context_parallel.py::test_packed_rows_as_one_varlen_call_per_ring_step"),
         config="parallel.cp>1, parallel.cp_comm_type=p2p",
         measured=(Measured("32k tokens, per-rank peak RSS: scoring 0.507x CP=1 at CP=2, 0.361x at CP=4; training 0.337x "
                            "at CP=4; ring blocks 1.14x SDPA's CPU time per useful FLOP (forward+backward, CP=2)",
