@@ -3,6 +3,7 @@
     python benchmarks/vs_trl.py                  # every row, 2 runs of 20 steps each (about 5 min on 2 cores)
     python benchmarks/vs_trl.py --steps 8 --rounds 1     # shorter
     python benchmarks/vs_trl.py --rows default,trl --json out.json
+    python benchmarks/vs_trl.py --omp-passive    # a busy shared machine: sleeping, not spinning, OpenMP waits
 
 The workload (:mod:`trl_workload`, built into a temporary directory): a tiny random-init Qwen2
 (``save_pretrained``) with a character-level ``PreTrainedTokenizerFast`` beside it, 512 addition
@@ -197,8 +198,13 @@ def run_measured(cmd: list[str], log_path: str, env: dict, cwd: str, timeout_s: 
             "load_after": os.getloadavg()[0]}
 
 
+OMP_PASSIVE = False  # --omp-passive: OMP_WAIT_POLICY=PASSIVE in every row's environment
+
+
 def _env() -> dict:
     env = dict(os.environ)
+    if OMP_PASSIVE:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, REPO, env.get("PYTHONPATH")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
@@ -373,25 +379,26 @@ def format_table(results: list[dict], warmup: int, steps: int, load_start, load_
     lines = [
         f"GRPO per-step time, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x {MAX_NEW_TOKENS} new "
         f"tokens; each row {rounds} run(s) of {steps} steps (rows interleaved), median over steps {warmup + 1}..{steps} "
-        f"of every run; {os.cpu_count()} CPUs, load "
+        f"of every run; {os.cpu_count()} CPUs{', OMP_WAIT_POLICY=PASSIVE' if OMP_PASSIVE else ''}, load "
         f"average (1/5/15 min) {'/'.join(f'{x:.2f}' for x in load_start)} at start, "
         f"{'/'.join(f'{x:.2f}' for x in load_end)} at end",
         "",
-        "| trainer | s/step (median) | per-run medians | generated tok/s | peak RSS (MiB) | peak PSS (MiB) | "
-        "s/step vs TRL | reward first -> last | process wall s | load after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trainer | s/step (median) | per-run medians | fastest step | generated tok/s | peak RSS (MiB) | "
+        "peak PSS (MiB) | s/step vs TRL | reward first -> last | process wall s | load after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: exit code {r['rc']} | | | | | | | {r['wall_s']:.0f} | |")
+            lines.append(f"| {r['label']} | failed: exit code {r['rc']} | | | | | | | | {r['wall_s']:.0f} | |")
             continue
         ratio = f"{r['median_step_s'] / trl['median_step_s']:.2f}x" if trl else "n/a"
         lines.append(
             f"| {r['label']} | {r['median_step_s']:.3f} | {' '.join(f'{m:.3f}' for m in r['round_medians'])} | "
-            f"{r['median_gen_tok_s']:.0f} | "
+            f"{min(r['step_s']):.3f} | {r['median_gen_tok_s']:.0f} | "
             f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['peak_pss_bytes'] / 2**20:.0f} | {ratio} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
             f"{r['wall_s']:.0f} | {' '.join(f'{x:.1f}' for x in r['load_after'])} |")
-    lines += ["", "s/step: megatron_rl's timing/step_s, TRL's on_step_begin -> on_step_end; generated tok/s: response "
+    lines += ["", "s/step: megatron_rl's timing/step_s, TRL's on_step_begin -> on_step_end; fastest step: the least "
+              "disturbed by other load (same steps); generated tok/s: response "
               "tokens (EOS included) per second of step; peak RSS / PSS: summed over the process tree (launcher, "
               "ranks, helpers), sampled every 50 ms / 0.5 s, the largest of the runs; process wall s: the whole "
               "subprocess, start-up and final checkpoint included (median of the runs); reward: first step -> mean "
@@ -506,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-load", type=float, help="on a shared machine: before each run, wait until the "
                         "1-minute load average is at most this (default: do not wait)")
     parser.add_argument("--max-wait", type=float, default=600, help="longest wait for --max-load per run (default 600 s)")
+    parser.add_argument("--omp-passive", action="store_true", help="on a busy machine: OMP_WAIT_POLICY=PASSIVE for "
+                        "every row, so that an OpenMP thread waiting for a descheduled sibling sleeps instead of "
+                        "spinning on the core the sibling needs")
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
@@ -520,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     if "trl" in rows and not have_trl():
         print("trl is not installed (pip install -e .[bench]): running the megatron_rl rows only")
         rows = [r for r in rows if r != "trl"]
+    global OMP_PASSIVE
+    OMP_PASSIVE = args.omp_passive
     print_settings(args.lr)
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="vs_trl_"))

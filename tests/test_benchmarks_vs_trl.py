@@ -57,8 +57,8 @@ def test_table_ratio_against_trl():
     trl = bench.summarise([trl_run, dict(trl_run, step_s=[9.0, 1.0, 3.0], peak_rss_bytes=2**31)], warmup=1)
     assert trl["step_s"] == [1.0, 1.0, 1.0, 3.0] and trl["round_medians"] == [1.0, 2.0]
     table = bench.format_table([mega, trl], 1, 3, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), rounds=2)
-    assert "| megatron_rl defaults, nproc 1 | 2.000 | 2.000 | 200 | 1024 | 512 | 2.00x |" in table
-    assert "| TRL GRPOTrainer | 1.000 | 1.000 2.000 | 200 | 2048 |" in table and "1.00/1.00/1.00 at start" in table
+    assert "| megatron_rl defaults, nproc 1 | 2.000 | 2.000 | 2.000 | 200 | 1024 | 512 | 2.00x |" in table
+    assert "| TRL GRPOTrainer | 1.000 | 1.000 2.000 | 1.000 | 200 | 2048 |" in table and "1.00/1.00/1.00 at start" in table
     breakdown = bench.format_breakdown([mega, trl])
     assert "rollout 0.500 (25%)" in breakdown and "old_logprob 0.400 (20%)" in breakdown
     assert "other 0.200 (10%)" in breakdown and "loss+backward+optimizer 0.700 (70%)" in breakdown
