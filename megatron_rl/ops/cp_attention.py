@@ -224,8 +224,13 @@ def _restore(ctx):
 
 
 def _accumulators(q):
+    """The output accumulator ``[b, heads, s, d]`` laid out sequence-major (``[s, b, heads, d]`` in
+    memory), the layout the output projection reads: the output the attention keeps for backward
+    and the projection's input are then one tensor, as with one process's SDPA, not two."""
     dtype = compute_dtype(q)
-    return torch.empty(q.shape, dtype=dtype, device=q.device), torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
+    b, n, s, d = q.shape
+    out = torch.empty(s, b, n, d, dtype=dtype, device=q.device).permute(1, 2, 0, 3)
+    return out, torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
 
 
 # ----------------------------------------------------------------------------- ring (p2p)

@@ -153,6 +153,10 @@ def activation_elems_per_token_layer(cfg: ModelConfig, layout: PlanOption) -> fl
     if layout.cp > 1 and layout.cp_comm_type in A2A_COMM_TYPES:
         kv = _kv_heads_after_a2a(kv, cp_levels(layout)[0])
     elems = 7 * h / sp + ffn_terms / tp + (2 * nq / tp + 2 * kv) * d + nq / tp + 2 / sp + 4 * d
+    if (layout.cp == 1 or layout.cp_comm_type not in A2A_COMM_TYPES) and layout.recompute != "selective":
+        # The attention returns its output in the layout the output projection reads, so the
+        # tensor it keeps and the projection's input are one (a2a's all-to-all back makes a copy).
+        elems -= nq / tp * d
     return moe.activation_elems_per_token_layer(cfg, layout, elems) if is_moe(cfg) else elems
 
 

@@ -67,6 +67,33 @@ def track_peak_memory():
         yield tracker
 
 
+def held_bytes(t: torch.Tensor) -> int:
+    """Bytes of storage ``t`` spans: its shape's for a dense tensor, far less for an expanded view
+    (stride 0 repeats the same elements: an index expanded to the hidden size holds one column)."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 1)
+    return min(span, t.numel()) * t.element_size()
+
+
+def _add_interval(intervals: list, start: int, end: int) -> int:
+    """Add ``[start, end)`` to ``intervals`` (disjoint, unsorted); return the bytes not yet in them."""
+    new = end - start
+    for a, b in intervals:
+        new -= max(0, min(b, end) - max(a, start))
+    intervals.append((start, end))
+    # Overlaps among earlier intervals were subtracted once each: merge to keep them disjoint.
+    intervals.sort()
+    merged = [intervals[0]]
+    for a, b in intervals[1:]:
+        if a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    intervals[:] = merged
+    return max(new, 0)
+
+
 @contextlib.contextmanager
 def saved_for_backward():
     """``with saved_for_backward() as saved: loss = f(x)`` -- ``saved.bytes`` kept for backward.
@@ -78,6 +105,7 @@ def saved_for_backward():
     class Saved:
         bytes = 0
         _seen: set = set()
+        _held: dict = {}  # storage -> byte intervals already counted (views of one tensor count once)
 
     in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
@@ -87,7 +115,8 @@ def saved_for_backward():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
         if key not in Saved._seen:
             Saved._seen.add(key)
-            Saved.bytes += t.numel() * t.element_size()
+            start = t.storage_offset() * t.element_size()
+            Saved.bytes += _add_interval(Saved._held.setdefault(key[0], []), start, start + held_bytes(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
