@@ -1,14 +1,16 @@
 """rollout.engine=megatron: megatron-core's dynamic inference engine on the actor's own shards, and
 rollout with no redundant generators.
 
-The engine's greedy tokens are the argmax of a full-sequence forward of the same model, and its
-log-probs are the trainer's (the chunked vocab-parallel op at the sampling temperature), on every
-layout the engine runs on.  Sampling follows the project's sampler (top-k and top-p together,
-keyed noise), so a seed gives the same samples whatever the KV budget and scheduling.
+The engine's greedy tokens are Hugging Face ``generate``'s and the argmax of a full-sequence
+forward of the same model, and its log-probs are HF's teacher-forced ones and the trainer's (the
+chunked vocab-parallel op at the sampling temperature), on every layout the engine runs on.  Sampling
+follows the project's sampler (top-k and top-p together, keyed noise), so a seed gives the same
+samples whatever the KV budget and scheduling.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -100,8 +102,22 @@ def _trainer_view(chunks, batch, temperature: float) -> list[tuple[list[int], li
     return out
 
 
-def parity_body(layout_kw: dict, cfg: ModelConfig, seed: int) -> dict:
-    chunks = _actor(layout_kw, cfg, seed)
+def _actor_from_hf(layout_kw: dict, hf_dir: str):
+    """``(config, chunks)``: the HF checkpoint imported onto this rank's shards of the layout."""
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.hf_bridge import load_hf_weights
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    cfg = model_config_from_hf(read_hf_config(hf_dir), ModelConfig(params_dtype="float32", transformer_impl="local"))
+    chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
+    load_hf_weights(chunks, hf_dir)
+    return cfg, chunks
+
+
+def parity_body(layout_kw: dict, hf_dir: str) -> dict:
+    cfg, chunks = _actor_from_hf(layout_kw, hf_dir)
     engine = _engine(cfg, chunks)
     greedy = engine.generate(PROMPTS, GREEDY, seed=0)
     # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
@@ -113,29 +129,71 @@ def parity_body(layout_kw: dict, cfg: ModelConfig, seed: int) -> dict:
     engine.release_weights()  # the trainer's call after a rollout: the KV cache is freed
     freed = engine.kv_cache_bytes() == 0 and not engine._engine.context.is_tensor_state_allocated
     resumed = engine.generate(PROMPTS, SAMPLED, seed=5)
-    other_seed = engine.generate(PROMPTS, SAMPLED, seed=6)
-    return dict(
+    other_seed = engine.generate(PROMPTS[:2], SAMPLED, seed=6)  # two prompts suffice to tell seeds apart
+    out = dict(
+        vocab=cfg.vocab_size,
         greedy=dataclasses.asdict(greedy), greedy_again=dataclasses.asdict(greedy_again),
         greedy_view=_trainer_view(chunks, greedy, 0.0),
         sampled=dataclasses.asdict(sampled), sampled_view=_trainer_view(chunks, sampled, SAMPLED.temperature),
         resumed=dataclasses.asdict(resumed), other_seed=other_seed.response_ids,
         kv_bytes=kv_bytes, freed=freed, training=chunks[0].training,
     )
+    return out
 
 
+def _hf_generate_greedy(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    """HF ``generate``'s greedy responses, one prompt at a time (no padding), EOS disabled so each
+    runs to ``max_new_tokens``, as the engine does without stop ids."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, do_sample=False, max_new_tokens=max_new_tokens,
+                  min_new_tokens=max_new_tokens, pad_token_id=0)
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            row = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            out.append(row[0, len(prompt):].tolist())
+    return out
+
+
+def _hf_teacher_forced(model, prompts, responses, temperature: float) -> list[list[float]]:
+    """HF's log-prob of each response token given the prompt and the tokens before it, at ``temperature``."""
+    out = []
+    with torch.no_grad():
+        for prompt, response in zip(prompts, responses):
+            logits = model(torch.tensor([prompt + response])).logits[0].float() / temperature
+            logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+            out.append(logp.gather(-1, torch.tensor(response)[:, None])[:, 0].tolist())
+    return out
+
+
+# TP1, PP2 and CP2 run a Llama checkpoint; TP2 and TP2xPP2 (sequence parallel) a Qwen2 one (QKV
+# biases, tied embeddings -- across pipeline stages at TP2xPP2).
 LAYOUTS = {
-    "world1": (1, {}),
-    "tp2": (2, dict(tp=2)),
-    "pp2": (2, dict(pp=2)),
-    "tp2_pp2_sp": (4, dict(tp=2, pp=2, sp=True)),
-    "cp2": (2, dict(cp=2)),
+    "world1": (1, {}, "llama"),
+    "tp2": (2, dict(tp=2), "qwen2"),
+    "pp2": (2, dict(pp=2), "llama"),
+    "tp2_pp2_sp": (4, dict(tp=2, pp=2, sp=True), "qwen2"),
+    "cp2": (2, dict(cp=2), "llama"),
 }
 
 
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """The tiny random HF checkpoints of ``tests/_helpers.py``: ``{kind: (directory, model)}``."""
+    from tests._helpers import make_hf_model
+
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in ("llama", "qwen2")}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout):
-    world, layout_kw = LAYOUTS[layout]
-    results = run_distributed(world, parity_body, layout_kw, _cfg(), 4)
+def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_models):
+    """Against HF transformers (generate, teacher-forced log-probs) and the trainer's own forward.
+    The actor is an HF checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2."""
+    world, layout_kw, kind = LAYOUTS[layout]
+    hf_dir, hf_model = hf_models[kind]
+    results = run_distributed(world, parity_body, layout_kw, hf_dir)
     first = results[0]
     worst = 0.0
     for got in results:  # every rank of the replica has the same samples
@@ -147,11 +205,20 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout):
                 assert response == argmax
             assert len(logprobs) == len(response) > 0
             worst = max([worst] + [abs(a - b) for a, b in zip(logprobs, trainer)])
-    print(f"{layout}: max |engine logprob - trainer logprob| = {worst:.2e} (fp32)")
-    assert worst <= 1e-5
+    hf_greedy = _hf_generate_greedy(hf_model, PROMPTS, GREEDY.max_new_tokens)
+    assert first["greedy"]["response_ids"] == hf_greedy
+    worst_hf = 0.0
+    for name, temperature in (("greedy", 1.0), ("sampled", SAMPLED.temperature)):
+        batch = first[name]
+        reference = _hf_teacher_forced(hf_model, batch["prompt_ids"], batch["response_ids"], temperature)
+        for logprobs, ref in zip(batch["response_logprobs"], reference):
+            worst_hf = max([worst_hf] + [abs(a - b) for a, b in zip(logprobs, ref)])
+    print(f"{layout} ({kind}): max |engine logprob - trainer logprob| = {worst:.2e}, "
+          f"- HF teacher-forced = {worst_hf:.2e} (fp32); greedy tokens = HF generate's")
+    assert worst <= 1e-5 and worst_hf <= 1e-4
     assert first["greedy_again"] == first["greedy"]
     assert first["resumed"] == first["sampled"], "same seed after suspend/resume, same samples"
-    assert first["other_seed"] != first["sampled"]["response_ids"]
+    assert first["other_seed"] != first["sampled"]["response_ids"][: 2 * SAMPLED.n]
     assert first["freed"] and first["kv_bytes"] > 0 and first["training"]
     sampled = first["sampled"]
     assert sampled["prompt_index"] == [i for i in range(len(PROMPTS)) for _ in range(SAMPLED.n)]
@@ -160,7 +227,7 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout):
         stops = [t in SAMPLED.stop_token_ids for t in response]
         assert not any(stops[:-1]) and (reason == "stop") == stops[-1]
         assert reason == "stop" or len(response) == SAMPLED.max_new_tokens
-        assert max(response) < CFG["vocab_size"]
+        assert max(response) < first["vocab"]
 
 
 def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict]) -> list:
