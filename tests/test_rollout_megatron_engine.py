@@ -3,9 +3,10 @@ rollout with no redundant generators.
 
 The engine's greedy tokens are Hugging Face ``generate``'s and the argmax of a full-sequence
 forward of the same model, and its log-probs are HF's teacher-forced ones and the trainer's (the
-chunked vocab-parallel op at the sampling temperature), on every layout the engine runs on.  Sampling
-follows the project's sampler (top-k and top-p together, keyed noise), so a seed gives the same
-samples whatever the KV budget and scheduling.
+chunked vocab-parallel op at the sampling temperature), on every layout the engine runs on; after
+an optimizer step it generates with the new weights.  Sampling follows the project's sampler
+(top-k and top-p together, keyed noise), so a seed gives the same samples whatever the KV budget
+and scheduling.
 """
 
 from __future__ import annotations
@@ -116,6 +117,26 @@ def _actor_from_hf(layout_kw: dict, hf_dir: str):
     return cfg, chunks
 
 
+def _optimizer_step(chunks, batch):
+    """One Adam step that lowers the log-probs of ``batch``'s responses; returns the DDP chunks."""
+    from megatron_rl.config.schema import OptimConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.models.heads import LogProbHead
+    from tests._helpers import response_mask
+
+    trainable = make_trainable(chunks, OptimConfig(lr=1e-2), total_steps=1)
+    seqs = [{"tokens": torch.tensor(p + r), "mask": response_mask(len(p), len(r))}
+            for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    trainable.zero_grad()
+    run_sequences(trainable.chunks, seqs, LogProbHead(), BatchPlan(micro_batch_size=4), torch.device("cpu"),
+                  loss_fn=lambda outs, tensors, mb: ((outs["logprob"] * tensors["mask"]).sum(), {}),
+                  forward_only=False)
+    update = trainable.step()
+    assert update.ok, update.reason
+    return trainable.chunks
+
+
 def parity_body(layout_kw: dict, hf_dir: str) -> dict:
     cfg, chunks = _actor_from_hf(layout_kw, hf_dir)
     engine = _engine(cfg, chunks)
@@ -138,6 +159,11 @@ def parity_body(layout_kw: dict, hf_dir: str) -> dict:
         resumed=dataclasses.asdict(resumed), other_seed=other_seed.response_ids,
         kv_bytes=kv_bytes, freed=freed, training=chunks[0].training,
     )
+    # Suspended, the actor takes an optimizer step; the resumed engine must generate with the new weights.
+    engine.release_weights()
+    trained = _optimizer_step(chunks, greedy)
+    stepped = engine.generate(PROMPTS, GREEDY, seed=0)
+    out.update(stepped=dataclasses.asdict(stepped), stepped_view=_trainer_view(trained, stepped, 0.0))
     return out
 
 
@@ -189,8 +215,9 @@ def hf_models(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_models):
-    """Against HF transformers (generate, teacher-forced log-probs) and the trainer's own forward.
-    The actor is an HF checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2."""
+    """Against HF transformers (generate, teacher-forced log-probs) and the trainer's own forward,
+    before and after an optimizer step taken while the engine was suspended.  The actor is an HF
+    checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2."""
     world, layout_kw, kind = LAYOUTS[layout]
     hf_dir, hf_model = hf_models[kind]
     results = run_distributed(world, parity_body, layout_kw, hf_dir)
@@ -198,10 +225,11 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_mo
     worst = 0.0
     for got in results:  # every rank of the replica has the same samples
         assert got["greedy"] == first["greedy"] and got["sampled"] == first["sampled"]
-    for name in ("greedy", "sampled"):
+        assert got["stepped"] == first["stepped"]
+    for name in ("greedy", "sampled", "stepped"):
         batch, view = first[name], first[f"{name}_view"]
         for response, logprobs, (argmax, trainer) in zip(batch["response_ids"], batch["response_logprobs"], view):
-            if name == "greedy":
+            if name != "sampled":
                 assert response == argmax
             assert len(logprobs) == len(response) > 0
             worst = max([worst] + [abs(a - b) for a, b in zip(logprobs, trainer)])
@@ -213,9 +241,12 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_mo
         reference = _hf_teacher_forced(hf_model, batch["prompt_ids"], batch["response_ids"], temperature)
         for logprobs, ref in zip(batch["response_logprobs"], reference):
             worst_hf = max([worst_hf] + [abs(a - b) for a, b in zip(logprobs, ref)])
+    changed = sum(a != b for a, b in zip(first["stepped"]["response_ids"], first["greedy"]["response_ids"]))
     print(f"{layout} ({kind}): max |engine logprob - trainer logprob| = {worst:.2e}, "
-          f"- HF teacher-forced = {worst_hf:.2e} (fp32); greedy tokens = HF generate's")
+          f"- HF teacher-forced = {worst_hf:.2e} (fp32); greedy tokens = HF generate's; "
+          f"{changed}/{len(PROMPTS)} greedy responses changed by the optimizer step")
     assert worst <= 1e-5 and worst_hf <= 1e-4
+    assert changed > 0, "after the step the engine must generate with the new weights"
     assert first["greedy_again"] == first["greedy"]
     assert first["resumed"] == first["sampled"], "same seed after suspend/resume, same samples"
     assert first["other_seed"] != first["sampled"]["response_ids"][: 2 * SAMPLED.n]
