@@ -181,3 +181,25 @@ def test_plan_command_prints_a_fitting_layout():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "recommended:" in proc.stdout and "overrides:   parallel.tp=" in proc.stdout
+
+
+def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
+    """rollout.engine=megatron generates on the actor's shards (no weight copy) from a paged cache
+    of this stage's layers and TP share of the KV heads; the planned rollout.kv_cache_memory is
+    whole pages per sequence plus the page the engine reserves.  (The engine's page count for such
+    a budget is checked in tests/test_rollout_megatron_engine.py.)"""
+    cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128
+    lay = memory.PlanOption(tp=2, pp=2, megatron_rollout=True)
+    per_token = 2 * (28 // 2) * (4 // 2) * 128 * 2
+    assert memory.engine_kv_bytes_per_token(cfg, lay, 2) == per_token
+    kw = dict(prompt_len=1000, response_len=3000, tokens_per_microbatch=4096, budget_bytes=48 * memory.GiB,
+              with_critic=False, with_reference=False)
+    est = memory.estimate(cfg, lay, **kw)
+    pages = -(-4000 // memory.KV_BLOCK_TOKENS)  # 16 pages of 256 tokens per sequence
+    assert est.rollout_batch >= 1
+    assert est.kv_cache_memory == per_token * memory.KV_BLOCK_TOKENS * (est.rollout_batch * pages + 1)
+    assert est.components["rollout (weights + KV cache)"] == est.kv_cache_memory
+    # The full-copy decoder on the same layout: all weights and every layer's K/V, so fewer sequences.
+    full = memory.estimate(cfg, memory.PlanOption(tp=2, pp=2), **kw)
+    assert full.kv_cache_memory == 0 and full.rollout_batch < est.rollout_batch
+    assert "rollout.engine=megatron" in lay.overrides()

@@ -267,21 +267,27 @@ def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict
     for options in engines:
         engine = _engine(cfg, chunks, **options)
         batch = engine.generate(PROMPTS, params, seed=9)
-        out.append((dataclasses.asdict(batch), engine._engine.evicted_request_count, engine._engine.step_count))
+        out.append((dataclasses.asdict(batch), engine._engine.evicted_request_count, engine._engine.step_count,
+                    engine._engine.context.block_allocator.active_count))
     return out
 
 
 def test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling():
     """A KV cache of a few pages, 3 requests in flight and 8-token prefill chunks: requests pause,
-    are evicted and re-prefilled -- and every sample is the one a roomy engine draws."""
+    are evicted and re-prefilled -- and every sample is the one a roomy engine draws.  The tight
+    budget is the planner's for 3 sequences of 20 tokens: the engine must make it 3 x 5 pages."""
+    from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
+
     cfg = _cfg()
     params = SamplingParams(temperature=0.9, max_new_tokens=20, n=2)
-    page = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, fp32, 4-token pages
+    budget = engine_kv_cache_bytes(cfg, PlanOption(), 3, 20, bytes_per=4, block_tokens=4)  # fp32, 4-token pages
     roomy, tight = run_distributed(1, scheduling_body, cfg, params, [
         dict(kv_block_tokens=4),
-        dict(kv_block_tokens=4, kv_cache_memory=16 * page, max_batch_size=3, prefill_chunk_tokens=8),
+        dict(kv_block_tokens=4, kv_cache_memory=float(budget), max_batch_size=3, prefill_chunk_tokens=8),
     ])[0]
-    print(f"roomy: {roomy[2]} steps, {roomy[1]} evictions; tight: {tight[2]} steps, {tight[1]} evictions")
+    print(f"roomy: {roomy[2]} steps, {roomy[1]} evictions; tight: {tight[2]} steps, {tight[1]} evictions, "
+          f"{tight[3]} pages")
+    assert tight[3] == 3 * 5
     assert tight[1] > 0 and tight[2] > 2 * roomy[2]
     assert tight[0]["response_ids"] == roomy[0]["response_ids"]
     worst = max(abs(a - b) for x, y in zip(tight[0]["response_logprobs"], roomy[0]["response_logprobs"])

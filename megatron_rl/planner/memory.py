@@ -56,6 +56,7 @@ class PlanOption:
     distributed_optimizer: bool = False
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
     sharded_rollout: bool = False  # rollout.engine=tp_sharded: generation weights and KV cache / TP
+    megatron_rollout: bool = False  # rollout.engine=megatron: the actor's own shards, a paged KV cache
     hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
     ep: int = 1  # MoE: expert parallel (planner/moe.py)
     etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
@@ -79,6 +80,8 @@ class PlanOption:
             out.append("trainer.offload=true")
         if self.sharded_rollout:
             out.append("rollout.engine=tp_sharded")
+        if self.megatron_rollout:
+            out.append("rollout.engine=megatron")
         out += moe.overrides(self)
         return out
 
@@ -309,11 +312,32 @@ def kv_cache_bytes(cfg: ModelConfig, sequences: int, length: int, bytes_per: int
     return 2 * cfg.num_layers * nkv * d * sequences * length * bytes_per
 
 
+# rollout.kv_block_tokens' default: megatron's engine allocates its KV cache in pages of this many tokens.
+KV_BLOCK_TOKENS = 256
+
+
+def engine_kv_bytes_per_token(cfg: ModelConfig, layout: PlanOption, bytes_per: int = 2) -> float:
+    """K and V of one token in megatron's inference engine on one rank: the layers of its pipeline
+    stage, its TP share of the KV heads (2 x layers/PP x kv_heads/TP x head_dim x bytes)."""
+    _, nkv, d = attention_dims(cfg)
+    return 2 * cfg.num_layers / layout.pp * nkv / layout.tp * d * bytes_per
+
+
+def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, seq_len: int, bytes_per: int = 2,
+                          block_tokens: int = KV_BLOCK_TOKENS) -> float:
+    """The ``rollout.kv_cache_memory`` (bytes per rank) that holds ``sequences`` sequences of
+    ``seq_len`` tokens at once in megatron's engine: whole pages of ``block_tokens`` per sequence
+    plus the one page the engine reserves."""
+    pages = sequences * -(-seq_len // block_tokens) + 1
+    return engine_kv_bytes_per_token(cfg, layout, bytes_per) * block_tokens * pages
+
+
 @dataclasses.dataclass
 class Breakdown:
     components: dict
     total: float
     rollout_batch: int = 0  # sequences the rollout can generate together within the budget
+    kv_cache_memory: float = 0.0  # megatron's engine: the rollout.kv_cache_memory (bytes) of that batch
 
     def gib(self) -> dict:
         return {k: v / GiB for k, v in self.components.items()}
@@ -361,21 +385,26 @@ def estimate(
                       _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
     train = resident + peak
     # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache;
-    # the TP-sharded engine holds 1/TP of both.
+    # the TP-sharded engine holds 1/TP of both; megatron's engine (MoE models: the only engine)
+    # runs on the actor's own shards with a paged cache of this stage's layers.
     gen_split = layout.tp if layout.sharded_rollout else 1
     full_weights = total_params(cfg) * param_bytes / gen_split
-    gen_resident = (weights if layout.offload else resident) + full_weights
     per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes) / gen_split
-    if is_moe(cfg):  # megatron's engine on the actor's own shards
-        full_weights, per_seq = moe.rollout_terms(cfg, layout, seq_len, param_bytes)
-        gen_resident = (weights if layout.offload else resident) + full_weights
-    room = budget_bytes - gen_resident
+    reserved = 0.0
+    paged = is_moe(cfg) or layout.megatron_rollout
+    if paged:
+        full_weights = 0.0
+        reserved = engine_kv_cache_bytes(cfg, layout, 0, seq_len, param_bytes)
+        per_seq = engine_kv_cache_bytes(cfg, layout, 1, seq_len, param_bytes) - reserved
+    gen_resident = (weights if layout.offload else resident) + full_weights
+    room = budget_bytes - gen_resident - reserved
     batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
-    rollout = full_weights + max(batch, 1) * per_seq
+    kv = reserved + max(batch, 1) * per_seq
+    rollout = full_weights + kv
     components = dict(models)
     components.update({
         "activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
         "rollout (weights + KV cache)": rollout,
     })
-    total = max(train, gen_resident + max(batch, 1) * per_seq)
-    return Breakdown(components, total, batch)
+    total = max(train, gen_resident + kv)
+    return Breakdown(components, total, batch, kv if paged else 0.0)

@@ -15,12 +15,13 @@ runs, the token dispatcher holds the permuted tokens and the all-to-all's receiv
 etp h`` per token (:func:`layer_working_bytes`).  Not yet checked against a measurement.
 
 Generation runs on megatron's inference engine (``rollout.engine=megatron``, the only engine with
-MoE layers): no weight copy, the KV cache of this stage's layers split over TP.
+MoE layers): no weight copy, a paged KV cache of this stage's layers split over TP
+(:func:`megatron_rl.planner.memory.engine_kv_cache_bytes`).
 """
 
 from __future__ import annotations
 
-from megatron_rl.models.arch import attention_dims, expert_ffn_size, moe_layer_pattern
+from megatron_rl.models.arch import expert_ffn_size, moe_layer_pattern
 
 
 def _ffn_params(h: int, f: int, gated: bool) -> int:
@@ -107,13 +108,6 @@ def layer_working_bytes(cfg, layout, tokens_local: int, bytes_per: int, training
     ffn = (4 if training else 5 if cfg.activation == "swiglu" else 2) * i
     routed = k * (2 * etp * h + ffn) * tokens_local * bytes_per
     return max(routed, dense) if 0 in moe_layer_pattern(cfg) else routed
-
-
-def rollout_terms(cfg, layout, seq_len: int, bytes_per: int) -> tuple[float, float]:
-    """``(extra weights, KV cache per sequence)`` on a rank while megatron's engine generates: it
-    runs on the actor's own shards (no copy), each rank caching its stage's layers' K/V / TP."""
-    _, nkv, d = attention_dims(cfg)
-    return 0.0, 2 * cfg.num_layers / layout.pp * nkv * d * seq_len * bytes_per / layout.tp
 
 
 def layout_options(cfg, gpus: int, tp: int, pp: int) -> list[tuple[int, int]]:
