@@ -789,7 +789,8 @@ FEATURES: list[Feature] = [
          "tests/test_moe.py::test_distributed_optimizer_with_experts_matches_one_process",
          "tests/test_moe.py::test_convert_reshards_experts_between_layouts",
          "tests/test_moe.py::test_moe_layouts_are_refused_before_launch",
-         "tests/test_moe.py::test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b"),
+         "tests/test_moe.py::test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b",
+         "tests/test_moe.py::test_planner_moe_activations_match_a_measurement"),
         (
             _need("parallel.ep", lambda c, w: is_moe(c.model), "expert parallelism needs an MoE model",
                   "set model.moe.num_experts (or model.hf_path to an MoE checkpoint), or parallel.ep=1",

@@ -725,7 +725,8 @@ def test_preset_for_qwen3_30b_a3b_at_32k_validates_on_8_gpus():
 
 def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b():
     """Experts are split over EP x ETP, their Adam state over the expert data-parallel ranks; the
-    planner finds a one-node layout for Qwen3-30B-A3B at 32k (the preset's) and none at 64k."""
+    planner finds a one-node layout for Qwen3-30B-A3B at 32k (the preset's) and at 64k (with CP),
+    and none at 128k."""
     from megatron_rl.planner.memory import PlanOption, params_per_gpu, total_params
     from megatron_rl.planner.search import plan, preset
 
@@ -742,14 +743,69 @@ def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b():
 
     preset_cfg = load_config(os.path.join(ROOT, "configs", "qwen3_30b_a3b_32k.yaml"))
     lay = best.layout
-    assert (lay.tp, lay.cp, lay.ep, lay.etp or lay.tp) == (preset_cfg.parallel.tp, preset_cfg.parallel.cp,
-                                                           preset_cfg.parallel.ep, preset_cfg.parallel.etp or 2)
+    assert (lay.tp, lay.cp, lay.ep, lay.etp or lay.tp) == (
+        preset_cfg.parallel.tp, preset_cfg.parallel.cp, preset_cfg.parallel.ep,
+        preset_cfg.parallel.etp or preset_cfg.parallel.tp)
     assert best.tokens_per_rank == preset_cfg.batch.max_tokens_per_rank
-    long = plan(cfg, response_len=65536, **kw)
-    assert long.recommended is None and long.min_nodes == 2
+    longer = plan(cfg, response_len=65536, **kw).recommended
+    assert longer is not None and longer.layout.cp > 1 and longer.layout.ep > 1
+    longest = plan(cfg, response_len=131072, **kw)
+    assert longest.recommended is None and longest.min_nodes == 2
 
 
 @pytest.mark.gpu
+def moe_saved_body(layout_kw: dict, moe_kw: dict, length: int) -> dict:
+    """Bytes autograd keeps for backward (parameters excluded) in one training forward of one
+    ``length``-token sequence per data-parallel rank through the tiny MoE actor, on this rank."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.utils.memory import saved_for_backward
+
+    layout = use_layout(**layout_kw)
+    chunks, _ = build_moe(layout, None, moe_kw, value_head=False)
+    params = {p.untyped_storage().data_ptr(): p.element_size() for c in chunks for p in c.parameters()}
+    g = torch.Generator().manual_seed(2)
+    seqs = [{"tokens": torch.randint(0, MOE_MODEL["vocab_size"], (length,), generator=g)}
+            for _ in range(ps.get_data_parallel_world_size())]  # one per data-parallel rank
+    stats: dict = {}
+    with saved_for_backward() as saved:
+        run_sequences(chunks, seqs, LogProbHead(chunk_size=64), BatchPlan(micro_batch_size=1), torch.device("cpu"),
+                      loss_fn=lambda outs, tensors, mb: (-outs["logprob"].sum(), {}), forward_only=False, stats=stats)
+    weights = sum(torch.Size(shape).numel() * params[ptr] for ptr, _, shape in saved._seen if ptr in params)
+    return dict(saved=saved.bytes - weights, local_tokens=stats["local_tokens"][0])
+
+
+# The planner's MoE activation terms against saved_for_backward on the tiny MoE (4 experts, top-2,
+# expert FFN 16, hidden 32): within this of the measurement.
+MOE_PLANNER_TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("layout,shared", [("ep1", False), ("ep2", False), ("ep1", True), ("tp2_sp_ep2", False)])
+def test_planner_moe_activations_match_a_measurement(layout, shared):
+    """What the planner says an MoE layer keeps for backward -- router logits, scores and map, each
+    route's permuted input, fc1 and activation outputs and expert output, the shared experts --
+    against what autograd keeps in a training forward, per rank."""
+    from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.planner import memory
+
+    world, layout_kw = {"ep1": (1, {}), "ep2": LAYOUTS["ep2"], "tp2_sp_ep2": LAYOUTS["tp2_sp_ep2"]}[layout]
+    moe_kw = dict(MOE, shared_expert_ffn_hidden_size=32 if shared else None, shared_expert_gate=shared)
+    length = 512
+    got = max(run_distributed(world, moe_saved_body, layout_kw, moe_kw, length), key=lambda r: r["saved"])
+    cfg = ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw))
+    option = memory.PlanOption(tp=layout_kw.get("tp", 1), dp=world // layout_kw.get("tp", 1),
+                               sequence_parallel=layout_kw.get("sp", False), ep=layout_kw.get("ep", 1))
+    planned = (memory.activation_bytes(cfg, option, got["local_tokens"], 4, seq_len=length)
+               + memory.head_bytes(cfg, option, got["local_tokens"], 4, chunk=64)["saved"])
+    error = planned / got["saved"] - 1
+    print(f"{layout}{' shared' if shared else ''}: measured {got['saved'] / 2**10:.1f} KiB, "
+          f"planned {planned / 2**10:.1f} KiB ({error:+.1%})")
+    assert abs(error) <= MOE_PLANNER_TOLERANCE
+
+
 def test_te_grouped_gemm_spec_matches_local_spec():
     """TransformerEngine's grouped-GEMM experts give the local spec's numbers (GPU only)."""
     pytest.importorskip("transformer_engine", reason="TransformerEngine not installed (GPU-only path)")

@@ -6,13 +6,15 @@ and split over TP as in a dense layer.  So a rank holds its stage's dense parame
 its stage's experts / (EP x ETP), and the distributed optimizer shards the experts' state over
 the expert data-parallel ranks (``world / (etp x ep x pp)``) instead of DP x CP.
 
-Activations kept for backward, per local token and MoE layer, in elements (the dense MLP's
-``4F/tp`` replaced): the router's fp32 logits and scores (``4 E``) and its routing map (``E/2``);
-for each of the token's ``k`` routes, its permuted input (``h``, gathered over the expert TP
-group: ``etp h``), the fc1 output (``2 I``), the activation output (``I``) and the expert output
-before the combine (``h``); the shared experts like a dense MLP of their size.  While a layer
-runs, the token dispatcher holds the permuted tokens and the all-to-all's receive buffer, ``2 k
-etp h`` per token (:func:`layer_working_bytes`).  Not yet checked against a measurement.
+Activations kept for backward, per local token and MoE layer, in 4-byte elements (the dense
+MLP's ``4F/tp`` replaced): the router's top-k indices and weights, the permutation's index, the
+probabilities by expert and the routing map (``5 k + 1.25 E``); for each of the token's ``k``
+routes, its permuted input (``h``, gathered over the expert TP group: ``etp h``), fc1's output,
+the activation's output and fc2's input (SwiGLU ``4 I``); the shared experts like a dense MLP of
+their size, plus their output and the gate's sigmoid when gated.  ``tests/test_moe.py`` checks
+this against ``saved_for_backward`` on EP1, EP2 and TP2 x SP x EP2.  While a layer runs, the
+token dispatcher holds the permuted tokens and the all-to-all's receive buffer, ``2 k etp h``
+per token (:func:`layer_working_bytes`).
 
 Generation runs on megatron's inference engine (``rollout.engine=megatron``, the only engine with
 MoE layers): no weight copy, a paged KV cache of this stage's layers split over TP
@@ -85,15 +87,26 @@ def activation_elems_per_token_layer(cfg, layout, dense_elems: float) -> float:
     pattern = moe_layer_pattern(cfg)
     moe_share = sum(pattern) / len(pattern)
     f, tp = cfg.ffn_hidden_size, layout.tp
+    sp = tp if layout.sequence_parallel and tp > 1 else 1
     dense_mlp = (4 * f if cfg.activation == "swiglu" else 2 * f) / tp
     moe, h, k = cfg.moe, cfg.hidden_size, cfg.moe.router_topk
     etp = getattr(layout, "etp", None) or tp
     i = expert_ffn_size(cfg)
-    routed = k * (etp * h + (3 * i if cfg.activation == "swiglu" else 2 * i) + h)
+    gated = cfg.activation == "swiglu"
+    # Per route of a token the router sees: the permuted input (gathered over expert TP), fc1's
+    # output, the activation's output and fc2's input (SwiGLU: 2I + I + I, split over expert TP,
+    # for etp times the tokens).
+    routed = k * (etp * h + (4 * i if gated else 2 * i))
     shared = moe.shared_expert_ffn_hidden_size or 0
-    shared_mlp = (4 * shared if cfg.activation == "swiglu" else 2 * shared) / tp
-    router = 4.5 * moe.num_experts
-    moe_layer = dense_elems - dense_mlp + router + routed + shared_mlp
+    shared_mlp = (4 * shared if gated else 2 * shared) / tp
+    if shared and moe.shared_expert_gate:
+        shared_mlp += h / tp + 1  # the shared output kept for the gate's product, the gate's sigmoid
+    # The router's top-k indices (int64) and weights, the permutation's token index (int64), the
+    # probabilities by expert and the routing map (bool), in 4-byte units.
+    router = 5 * k + 1.25 * moe.num_experts
+    combine = h + 2  # what the weighted sum of the routes keeps (measured, tests/test_moe.py)
+    # The router and the experts see this TP rank's sequence-parallel slice of the tokens.
+    moe_layer = dense_elems - dense_mlp + (router + routed + combine) / sp + shared_mlp
     return (1 - moe_share) * dense_elems + moe_share * moe_layer
 
 
@@ -106,7 +119,8 @@ def layer_working_bytes(cfg, layout, tokens_local: int, bytes_per: int, training
     k, h, i = cfg.moe.router_topk, cfg.hidden_size, expert_ffn_size(cfg)
     etp = getattr(layout, "etp", None) or layout.tp
     ffn = (4 if training else 5 if cfg.activation == "swiglu" else 2) * i
-    routed = k * (2 * etp * h + ffn) * tokens_local * bytes_per
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1  # the router's share of the tokens
+    routed = k * (2 * etp * h + ffn) * tokens_local / sp * bytes_per
     return max(routed, dense) if 0 in moe_layer_pattern(cfg) else routed
 
 
