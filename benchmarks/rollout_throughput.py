@@ -1,25 +1,47 @@
-"""Rollout engines on a long-tail response-length workload: tokens/s and peak memory.
+"""Rollout throughput and KV-cache sizing: megatron's dynamic engine, the torch decoder, HF ``generate``.
 
-Compares, on the CPU, one process each:
+The same random model and prompts, on the CPU, one fresh process per engine and workload:
 
-* ``torch``    -- the project's KV-cache decoder (static batches of ``--batch`` rows, a row that
-                  stops stays until half the batch has stopped);
-* ``megatron`` -- megatron-core's dynamic inference engine on the actor's megatron model
-                  (paged KV cache, continuous batching of ``--batch`` requests, chunked prefill),
-                  through the CPU shims of ``megatron_rl/compat/inference_cpu.py``;
-* ``hf``       -- Hugging Face ``generate`` on the same weights (a ``LlamaForCausalLM``), batches of
-                  ``--batch`` rows, stopping per row on the same stop ids.
+* ``torch``    -- the project's KV-cache decoder: static batches of ``--batch`` rows, each batch's
+                  cache preallocated for its longest prompt + ``max_new_tokens``; once half of a
+                  batch has stopped, the finished rows are dropped;
+* ``megatron`` -- megatron-core's dynamic inference engine on the actor's megatron model (paged KV
+                  cache, continuous batching of ``--batch`` requests, chunked prefill), through
+                  the CPU shims of ``megatron_rl/compat/inference_cpu.py``;
+* ``hf``       -- Hugging Face ``generate`` on the same weights (a ``LlamaForCausalLM``): batches of
+                  ``--batch`` left-padded rows, a cache that grows by one token per step for every
+                  row until the batch's last row stops.
 
-The model is random with near-uniform next-token distributions, and ``--stop-ids`` token ids end
-a response: response lengths are then geometric (mean about vocab / stop ids) and capped at
-``--max-new``, so a few samples run many times longer than the median -- the tail a static batch
-waits for.  Prompts are 16..96 tokens.  Each engine runs in a fresh process on one thread; the rate
-per CPU-second (process time) is the figure to compare on a shared machine, the wall-clock rate is
-printed beside it.  "Peak memory" is the rise of the process's resident memory during generation
-(sampled every 2 ms), next to the KV cache each engine allocates.
+Two workloads:
 
-    python benchmarks/rollout_engines.py                       # 64 samples, up to 512 new tokens
-    python benchmarks/rollout_engines.py --engines torch megatron --samples 32 --max-new 256
+* ``uniform``  -- no stop ids: every sample runs to ``--uniform-max-new`` tokens;
+* ``longtail`` -- ``--stop-ids`` of the vocabulary's ids end a response: with near-uniform
+                  next-token distributions the lengths are geometric (mean about vocab / stop
+                  ids), capped at ``--max-new``, so a few samples run many times longer than the
+                  median -- the tail a static batch waits for.
+
+megatron's cache is ``--uniform-kv-fraction`` / ``--kv-fraction`` of the planner's budget for
+``--batch`` whole sequences of the longest prompt + ``max_new_tokens`` in pages of
+``--kv-block-tokens`` (:func:`megatron_rl.planner.memory.engine_kv_cache_bytes`): all of it for
+the uniform workload, 0.3 of it for the long tail, whose requests mostly end early.
+
+Prompts are 16..96 tokens.  Throughput is tokens per CPU-second of the generating process (one
+thread; the figure to compare on a shared machine), the wall-clock rate beside it.
+
+KV cache, per engine: *allocated* is the most cache memory it holds at once (megatron: its whole
+paged buffer, ``rollout.kv_cache_memory``; torch: the largest static batch's preallocation; HF:
+the largest batch's grown cache, batch x (longest prompt + longest response)).  *Needed* is the
+KV of the tokens actually live at the busiest step of that engine's own run: the sum, over the
+sequences in flight that have not finished, of (prompt + tokens so far), times the per-token KV
+bytes (2 x layers x KV heads x head dim x dtype bytes).  ``allocated / needed`` is then the
+overhead of the engine's allocation policy (1.0: nothing held for finished or not-yet-written
+tokens).
+
+Targets (PASS/FAIL printed for each): long tail, megatron >= 2x the torch decoder's tokens per
+CPU-second; uniform, megatron >= 1x HF ``generate``'s; every engine's KV allocated <= 1.25x needed.
+
+    python benchmarks/rollout_throughput.py        # 32 prompts x 2, about 2 minutes on 2 idle cores
+    python benchmarks/rollout_throughput.py --samples 32 --max-new 256 --engines torch megatron
 
 On a 2-core CPU the megatron engine's per-step host work (scheduling, bookkeeping, the SDPA
 stand-in for flash-attn's paged kernels) dominates; the figures say nothing about a GPU.
@@ -28,11 +50,11 @@ stand-in for flash-attn's paged kernels) dominates; the figures say nothing abou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
 import sys
-import threading
 import time
 
 import torch
@@ -42,36 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_rl.config.schema import ModelConfig  # noqa: E402
 
 MiB = 2**20
-
-
-class PeakRSS:
-    """Highest resident set size of this process while active, sampled on a thread."""
-
-    def __init__(self, period_s: float = 0.002):
-        import psutil
-
-        self.process, self.period_s = psutil.Process(), period_s
-        self.base = self.peak = self.process.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.period_s)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-    @property
-    def rise(self) -> int:
-        return self.peak - self.base
+TARGETS = {"longtail_vs_torch": 2.0, "uniform_vs_hf": 1.0, "kv_allocated_over_needed": 1.25}
 
 
 def workload(vocab: int, samples: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -81,6 +74,24 @@ def workload(vocab: int, samples: int, n: int, seed: int = 0) -> list[list[int]]
         length = int(torch.randint(16, 97, (1,), generator=gen))
         prompts.append(torch.randint(0, vocab, (length,), generator=gen).tolist())
     return prompts
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    """Keys and values of every layer for one token."""
+    head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_layers * (cfg.num_query_groups or cfg.num_attention_heads) * head_dim * dtype_bytes
+
+
+def static_batches(prompt_lens: list[int], response_lens: list[int], batch: int):
+    """The rows of each static batch: ``[(prompt length, response length), ...]``."""
+    rows = list(zip(prompt_lens, response_lens))
+    return [rows[k : k + batch] for k in range(0, len(rows), batch)]
+
+
+def live_tokens_peak(batches) -> int:
+    """Most tokens live at once in static batches: at decode step t the rows still generating
+    (response length >= t) hold prompt + t tokens each."""
+    return max(sum(p + t for p, r in rows if r >= t) for rows in batches for t in range(1, max(r for _, r in rows) + 1))
 
 
 def _hf_model(cfg: ModelConfig, canonical: dict):
@@ -93,10 +104,11 @@ def _hf_model(cfg: ModelConfig, canonical: dict):
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_query_groups, max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.norm_epsilon, rope_theta=float(cfg.rotary_base), tie_word_embeddings=False,
-        attention_bias=False, mlp_bias=False,
+        attention_bias=False, mlp_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )
     model = transformers.LlamaForCausalLM(config).eval()
     model.load_state_dict(canonical_to_hf(canonical, cfg), strict=True)
+    model.generation_config.eos_token_id = None  # only the workload's stop ids end a row
     return model
 
 
@@ -106,6 +118,7 @@ def _hf_generate(model, prompts, params, batch: int, pad_id: int):
 
     rows = [p for p in prompts for _ in range(params.n)]
     responses = []
+    stop_ids = list(params.stop_token_ids) or None
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
         ids, mask, _ = left_pad(chunk)
@@ -113,19 +126,34 @@ def _hf_generate(model, prompts, params, batch: int, pad_id: int):
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, max_new_tokens=params.max_new_tokens,
-                                 eos_token_id=list(params.stop_token_ids), pad_token_id=pad_id)
+                                 eos_token_id=stop_ids, pad_token_id=pad_id)
         for row in out[:, ids.size(1):].tolist():
             ends = [k + 1 for k, t in enumerate(row) if t in params.stop_token_ids]
             responses.append(row[: ends[0]] if ends else row)
     return responses
 
 
+def _watch_live_tokens(engine) -> list[int]:
+    """Record, at every step of megatron's engine, the tokens its KV pages hold for the requests in
+    its context (running and paused): KV offset + this step's query tokens."""
+    controller, ctx = engine._engine.controller, engine._engine.context
+    sample_logits, peak = controller._dynamic_step_sample_logits, [0]
+
+    def watched(logits):
+        held = (ctx.request_kv_length_offsets + ctx.request_query_lengths)[: ctx.total_request_count]
+        peak[0] = max(peak[0], int(held.sum()))
+        return sample_logits(logits)
+
+    controller._dynamic_step_sample_logits = watched
+    return peak
+
+
 def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, batch: int, threads: int,
-               kv_fraction: float) -> dict:
-    """In a fresh one-rank worker: build the model, generate once, report speed and memory."""
+               kv_fraction: float, block_tokens: int = 16) -> dict:
+    """In a fresh one-rank worker: build the model, generate once, report speed and KV sizes."""
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
-    from megatron_rl.planner.memory import kv_cache_bytes
+    from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
     from megatron_rl.rollout.decoder import random_canonical
     from megatron_rl.rollout.engine import make_engine
     from megatron_rl.testing.layouts import use_layout
@@ -133,9 +161,10 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     canonical = random_canonical(cfg, seed=0, std=0.02)
+    per_token = kv_bytes_per_token(cfg)
     longest = max(map(len, prompts)) + params.max_new_tokens
-    static_kv = kv_cache_bytes(cfg, batch, longest, 4)  # what one full static batch preallocates
-    kv = static_kv
+    # The planner's budget for `batch` whole sequences of the longest length, in the engine's pages.
+    full_kv = engine_kv_cache_bytes(cfg, PlanOption(), batch, longest, 4, block_tokens)
     if name == "hf":
         model = _hf_model(cfg, canonical)
     else:
@@ -143,30 +172,43 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
         load_canonical(chunks, canonical)
         options = {}
         if name == "megatron":
-            kv = max(int(kv_fraction * static_kv), 1)
-            options = dict(kv_cache_memory=float(kv), prefill_chunk_tokens=512, kv_block_tokens=64)
+            options = dict(kv_cache_memory=float(max(int(kv_fraction * full_kv), 2)), prefill_chunk_tokens=512,
+                           kv_block_tokens=block_tokens)
         engine = make_engine(name, cfg, "cpu", max_batch_size=batch, **options)
         engine.load_from_chunks(chunks)
-    with PeakRSS() as rss:
-        t0, c0 = time.perf_counter(), time.process_time()
-        if name == "hf":
-            responses = _hf_generate(model, prompts, params, batch, pad_id=0)
-        else:
-            responses = engine.generate(prompts, params, seed=1).response_ids
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    in_order = [len(r) for r in responses]
-    lengths = sorted(in_order)
-    out = dict(engine=name, seconds=seconds, tokens=sum(lengths), tokens_per_s=sum(lengths) / seconds,
-               cpu_seconds=cpu_seconds, tokens_per_cpu_s=sum(lengths) / cpu_seconds,
-               peak_rss_rise_mib=rss.rise / MiB, kv_cache_mib=kv / MiB,
-               median_len=lengths[len(lengths) // 2], max_len=lengths[-1])
-    # A static batch (torch, hf) decodes until its longest sample ends.
-    out["steps"] = sum(max(in_order[k : k + batch]) for k in range(0, len(in_order), batch))
-    out["evictions"] = 0
-    if name == "megatron":
+        if name == "megatron":
+            engine._build()  # now, so the step hook is in place before the first step
+            live_peak = _watch_live_tokens(engine)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if name == "hf":
+        responses = _hf_generate(model, prompts, params, batch, pad_id=0)
+    else:
+        responses = engine.generate(prompts, params, seed=1).response_ids
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    prompt_lens = [len(p) for p in prompts for _ in range(params.n)]
+    response_lens = [len(r) for r in responses]
+    batches = static_batches(prompt_lens, response_lens, batch)
+    lengths = sorted(response_lens)
+    tokens = sum(lengths)
+    out = dict(engine=name, seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, cpu_seconds=cpu_seconds,
+               tokens_per_cpu_s=tokens / cpu_seconds, median_len=lengths[len(lengths) // 2], max_len=lengths[-1],
+               evictions=0)
+    # A static batch decodes until its longest sample ends.
+    out["steps"] = sum(max(r for _, r in rows) for rows in batches)
+    if name == "torch":
+        out["kv_allocated"] = max(len(rows) * (max(p for p, _ in rows) + params.max_new_tokens)
+                                  for rows in batches) * per_token
+        out["kv_needed"] = live_tokens_peak(batches) * per_token
+    elif name == "hf":
+        out["kv_allocated"] = max(len(rows) * (max(p for p, _ in rows) + max(r for _, r in rows))
+                                  for rows in batches) * per_token
+        out["kv_needed"] = live_tokens_peak(batches) * per_token
+    else:
         out["steps"] = engine._engine.step_count
         out["evictions"] = engine._engine.evicted_request_count
-        out["kv_cache_mib"] = engine._kv_bytes / MiB
+        out["kv_allocated"] = engine._kv_bytes
+        out["kv_needed"] = live_peak[0] * per_token
+    out["ms_per_step_cpu"] = 1e3 * cpu_seconds / out["steps"]
     return out
 
 
@@ -180,16 +222,48 @@ def _this_module():
     return importlib.import_module(os.path.splitext(os.path.basename(__file__))[0])
 
 
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def verdicts(results: dict) -> list[str]:
+    """One line per target that the measured engines allow checking."""
+    lines = []
+
+    def rate(workload, engine):
+        return results.get(workload, {}).get(engine, {}).get("tokens_per_cpu_s")
+
+    for workload, other, key in (("longtail", "torch", "longtail_vs_torch"), ("uniform", "hf", "uniform_vs_hf")):
+        mine, theirs = rate(workload, "megatron"), rate(workload, other)
+        if mine and theirs:
+            ratio, target = mine / theirs, TARGETS[key]
+            lines.append(f"{workload}: megatron / {other} tokens per CPU-s = {ratio:.2f}x (target >= {target:g}x) "
+                         f"{_verdict(ratio >= target)}")
+    target = TARGETS["kv_allocated_over_needed"]
+    for workload, rows in results.items():
+        for name, r in rows.items():
+            ratio = r["kv_allocated"] / r["kv_needed"]
+            lines.append(f"{workload}: {name} KV allocated / needed = {ratio:.2f}x (target <= {target:g}x) "
+                         f"{_verdict(ratio <= target)}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", nargs="+", default=["torch", "megatron", "hf"])
+    parser.add_argument("--workloads", nargs="+", default=["uniform", "longtail"], choices=["uniform", "longtail"])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--n", type=int, default=2, help="samples per prompt")
     parser.add_argument("--batch", type=int, default=16, help="rows (torch, hf) or requests in flight (megatron)")
-    parser.add_argument("--max-new", type=int, default=512)
-    parser.add_argument("--stop-ids", type=int, default=12)
-    parser.add_argument("--kv-fraction", type=float, default=0.5,
-                        help="megatron's KV cache as a fraction of one full static batch's")
+    parser.add_argument("--max-new", type=int, default=512, help="long tail: the length cap")
+    parser.add_argument("--uniform-max-new", type=int, default=128, help="uniform: every response's length")
+    parser.add_argument("--stop-ids", type=int, default=12, help="long tail: how many token ids stop a response")
+    parser.add_argument("--kv-fraction", type=float, default=0.3,
+                        help="long tail: megatron's KV cache as a fraction of what --batch whole sequences need")
+    parser.add_argument("--uniform-kv-fraction", type=float, default=1.0,
+                        help="uniform: megatron's KV cache as a fraction of what --batch whole sequences need")
+    parser.add_argument("--kv-block-tokens", type=int, default=16,
+                        help="megatron's page size (tokens): small pages waste less of each sequence's last page")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
@@ -201,23 +275,43 @@ def main() -> None:
                       vocab_size=2048, make_vocab_size_divisible_by=128, max_position_embeddings=1024,
                       params_dtype="float32", transformer_impl="local")
     prompts = workload(cfg.vocab_size, args.samples, args.n)
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.n,
-                            stop_token_ids=tuple(range(4, 4 + args.stop_ids)))
-    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, fp32; "
-          f"{len(prompts)} prompts x n={args.n}, prompts 16-96 tokens, up to {args.max_new} new tokens, "
-          f"{args.stop_ids} stop ids; batch {args.batch}; {args.threads} thread(s)")
-    results = []
-    for name in args.engines:
-        pool = get_pool(1)
-        results.append(pool.run(_this_module().run_engine, name, cfg, prompts, params, args.batch, args.threads,
-                                args.kv_fraction)[0])
-        pool.close()  # a fresh process for the next engine: its memory figures start clean
-        r = results[-1]
-        extra = f", {r['steps']} steps" + (f", {r['evictions']} evictions" if r["engine"] == "megatron" else "")
-        print(f"{r['engine']:9s} {r['tokens_per_cpu_s']:7.1f} tokens/CPU-s, {r['tokens_per_s']:7.1f} tokens/s  "
-              f"({r['tokens']} tokens in {r['cpu_seconds']:.1f} CPU-s, {r['seconds']:.1f} s; "
-              f"lengths median {r['median_len']}, max {r['max_len']})  peak RSS +{r['peak_rss_rise_mib']:.1f} MiB, "
-              f"KV cache {r['kv_cache_mib']:.1f} MiB{extra}", flush=True)
+    longtail = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.n,
+                              stop_token_ids=tuple(range(4, 4 + args.stop_ids)))
+    settings = {"uniform": (dataclasses.replace(longtail, max_new_tokens=args.uniform_max_new, stop_token_ids=()),
+                            args.uniform_kv_fraction),
+                "longtail": (longtail, args.kv_fraction)}
+    print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_query_groups} KV heads, vocab "
+          f"{cfg.vocab_size}, fp32 ({kv_bytes_per_token(cfg)} KV bytes per token); {len(prompts)} prompts x "
+          f"n={args.n}, prompts 16-96 tokens; batch {args.batch}; {args.threads} thread(s)")
+    print(f"uniform: {args.uniform_max_new} new tokens each, megatron KV = {args.uniform_kv_fraction:g} x what "
+          f"{args.batch} whole sequences need; longtail: up to {args.max_new} new tokens, {args.stop_ids} stop ids, "
+          f"megatron KV = {args.kv_fraction:g} x that")
+    results: dict = {}
+    for workload_name in args.workloads:
+        params, kv_fraction = settings[workload_name]
+        for name in args.engines:
+            pool = get_pool(1)
+            r = pool.run(_this_module().run_engine, name, cfg, prompts, params, args.batch, args.threads,
+                         kv_fraction, args.kv_block_tokens)[0]
+            pool.close()  # a fresh process for the next engine
+            results.setdefault(workload_name, {})[name] = r
+            extra = f", {r['evictions']} evictions" if name == "megatron" else ""
+            print(f"{workload_name:8s} {name:9s} {r['tokens_per_cpu_s']:7.1f} tokens/CPU-s {r['tokens_per_s']:7.1f} "
+                  f"tokens/s ({r['tokens']} tokens, {r['cpu_seconds']:.1f} CPU-s, {r['seconds']:.1f} s; lengths "
+                  f"median {r['median_len']}, max {r['max_len']}); {r['steps']} steps, "
+                  f"{r['ms_per_step_cpu']:.1f} CPU-ms/step{extra}; KV allocated {r['kv_allocated'] / MiB:.2f} MiB, "
+                  f"needed {r['kv_needed'] / MiB:.2f} MiB", flush=True)
+    print("\n| workload | engine | tokens / CPU-s | tokens / s (wall) | decode steps | CPU-ms / step "
+          "| KV allocated | KV needed | allocated / needed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for workload_name, rows in results.items():
+        for name, r in rows.items():
+            print(f"| {workload_name} | `{name}` | {r['tokens_per_cpu_s']:.0f} | {r['tokens_per_s']:.0f} | {r['steps']} "
+                  f"| {r['ms_per_step_cpu']:.1f} | {r['kv_allocated'] / MiB:.2f} MiB | {r['kv_needed'] / MiB:.2f} MiB "
+                  f"| {r['kv_allocated'] / r['kv_needed']:.2f}x |")
+    print()
+    for line in verdicts(results):
+        print(line)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
