@@ -39,11 +39,9 @@ number of visible devices are skipped.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import os
 import statistics
-import sys
 import threading
 import time
 
@@ -347,12 +345,9 @@ def useful_flops(length: int, cp: int, heads: int, head_dim: int, train: bool) -
 
 def _this_module():
     """This file as an importable module, so harness workers can unpickle its functions."""
-    if __spec__ is not None and __spec__.name != "__main__":
-        return importlib.import_module(__spec__.name)
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module(os.path.splitext(os.path.basename(__file__))[0])
+    from megatron_rl.testing.harness import importable_script
+
+    return importable_script(__file__, __spec__)
 
 
 MAX_LOAD: list = [None, 0.0]  # (load average to wait for, longest wait in seconds): --max-load, --max-wait

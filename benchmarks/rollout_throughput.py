@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import sys
@@ -214,12 +213,9 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
 
 def _this_module():
     """This file as an importable module, so harness workers can unpickle its functions."""
-    if __spec__ is not None and __spec__.name != "__main__":
-        return importlib.import_module(__spec__.name)
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    return importlib.import_module(os.path.splitext(os.path.basename(__file__))[0])
+    from megatron_rl.testing.harness import importable_script
+
+    return importable_script(__file__, __spec__)
 
 
 def _verdict(ok: bool) -> str:

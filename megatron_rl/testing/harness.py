@@ -220,6 +220,22 @@ def get_pool(world_size: int) -> WorkerPool:
     return pool
 
 
+def importable_script(file: str, spec=None):
+    """The module of a script run as ``python path/to/script.py`` (``__file__``, ``__spec__``),
+    imported under its own name with its folder on ``sys.path``, so that workers can unpickle
+    the functions it hands to a pool (those of ``__main__`` they cannot)."""
+    import importlib
+    import os
+    import sys
+
+    if spec is not None and spec.name != "__main__":
+        return importlib.import_module(spec.name)
+    here = os.path.dirname(os.path.abspath(file))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(os.path.splitext(os.path.basename(file))[0])
+
+
 def run_distributed(world_size: int, fn: Callable, *args, **kwargs) -> list[Any]:
     """Shorthand for ``get_pool(world_size).run(fn, ...)``."""
     return get_pool(world_size).run(fn, *args, **kwargs)
