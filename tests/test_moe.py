@@ -723,7 +723,7 @@ def test_preset_for_qwen3_30b_a3b_at_32k_validates_on_8_gpus():
     assert cfg.rollout.engine == "megatron" and cfg.algorithm.routing_replay
 
 
-def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b():
+def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b(capsys):
     """Experts are split over EP x ETP, their Adam state over the expert data-parallel ranks; the
     planner finds a one-node layout for Qwen3-30B-A3B at 32k (the preset's) and at 64k (with CP),
     and none at 128k."""
@@ -747,6 +747,14 @@ def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b():
         preset_cfg.parallel.tp, preset_cfg.parallel.cp, preset_cfg.parallel.ep,
         preset_cfg.parallel.etp or preset_cfg.parallel.tp)
     assert best.tokens_per_rank == preset_cfg.batch.max_tokens_per_rank
+    # megatron's engine gets the paged KV budget of the planned rollout batch, printed as an override
+    assert (preset_cfg.rollout.max_batch_size, preset_cfg.rollout.kv_cache_memory) == (
+        best.breakdown.rollout_batch, int(best.breakdown.kv_cache_memory))
+    from megatron_rl.tools.cli import main
+
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--prompt-len", "1024", "--response-len", "32768",
+                 "--gpu-memory", "80", "--no-critic", "--no-reference"]) == 0
+    assert f"rollout.kv_cache_memory={int(best.breakdown.kv_cache_memory)}" in capsys.readouterr().out
     longer = plan(cfg, response_len=65536, **kw).recommended
     assert longer is not None and longer.layout.cp > 1 and longer.layout.ep > 1
     longest = plan(cfg, response_len=131072, **kw)

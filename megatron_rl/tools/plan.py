@@ -94,6 +94,8 @@ def run_plan(args) -> int:
     best = result.recommended
     overrides = best.layout.overrides() + [f"batch.max_tokens_per_rank={best.tokens_per_rank}",
                                            f"rollout.max_batch_size={best.breakdown.rollout_batch}"]
+    if best.breakdown.kv_cache_memory > 0:  # megatron's engine: its paged KV budget for that batch, in bytes
+        overrides.append(f"rollout.kv_cache_memory={int(best.breakdown.kv_cache_memory)}")
     print(f"\nrecommended: {_row(best).strip()}")
     print("overrides:   " + " ".join(overrides))
     return 0
