@@ -391,20 +391,19 @@ def _packed_blocks_error(heads: int, kv: int, d: int, dev) -> str:
     errors = []
     for src in (1, 0):  # rank 1 against its own keys (causal), then rank 0's (full)
         pairs = cp_attention.block_pairs(cu, 2, 1, src)
+        blocks = cp_attention.packed_blocks(pairs, q.device)
         outs = []
         for packed in (True, False):
             acc_out, acc_lse = cp_attention._accumulators(q)
             acc_out.zero_(), acc_lse.fill_(float("-inf"))
             if packed:
-                cp_attention._packed_block_forward(q, k, v, cp_attention.packed_blocks(pairs, q.device), d**-0.5,
-                                                   acc_out, acc_lse, first=True)
+                cp_attention._packed_block_forward(q, k, v, blocks, d**-0.5, acc_out, acc_lse, first=True)
             else:
                 for (qa, qe), (ka, ke), causal in pairs:
                     out, lse = cp_attention.attention_forward(q[..., qa:qe, :], k[..., ka:ke, :], v[..., ka:ke, :],
                                                               causal, d**-0.5)
                     acc_out[..., qa:qe, :].copy_(out), acc_lse[..., qa:qe].copy_(lse)
             dq, dkv = torch.zeros_like(acc_out), torch.zeros(1, kv, local, 2 * d, device=dev)
-            blocks = cp_attention.packed_blocks(pairs, q.device) if packed else None
             if packed:
                 cp_attention._packed_block_backward(do, q, k, v, acc_out, acc_lse, blocks, d**-0.5, dq, dkv, d)
             else:

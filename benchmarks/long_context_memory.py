@@ -161,7 +161,6 @@ def measure_rank(args_kw: dict, cp: int, comm: str, mode: str = "train", track: 
             # Gradients exist before measuring: backward accumulates into them, so the peak below
             # is activations and temporaries, not the (sequence-independent) gradient buffers.
             p.grad = torch.zeros_like(p)
-    param_storages = {p.untyped_storage().data_ptr(): p.element_size() for p in params}
     head = LogProbHead(chunk_size=args_kw["logprob_chunk"], with_entropy=True)
 
     def run(length: int) -> dict:
@@ -178,7 +177,7 @@ def measure_rank(args_kw: dict, cp: int, comm: str, mode: str = "train", track: 
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         stats: dict = {}
-        saving = saved_for_backward() if train else contextlib.nullcontext()
+        saving = saved_for_backward(exclude=params) if train else contextlib.nullcontext()
         tracking = track_peak_memory() if track else contextlib.nullcontext()
         start, cpu_start = time.perf_counter(), time.process_time()
         with PeakRss() as rss, saving as saved, tracking as tensors, \
@@ -192,10 +191,7 @@ def measure_rank(args_kw: dict, cp: int, comm: str, mode: str = "train", track: 
         if track:
             row["tensor_peak"] = tensors.peak
         if train:
-            # saved_for_backward counts weights that layers keep for their backward too; drop them.
-            param_bytes = sum(_numel(shape) * param_storages[ptr] for ptr, _, shape in saved._seen
-                              if ptr in param_storages)
-            row["saved"] = saved.bytes - param_bytes
+            row["saved"] = saved.bytes
         if device.type == "cuda":
             row["cuda_peak"] = torch.cuda.max_memory_allocated() - base
         return row
@@ -209,13 +205,6 @@ def measure_rank(args_kw: dict, cp: int, comm: str, mode: str = "train", track: 
                     if k in base})
         results.append(row)
     return results
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def measure_logprob_path(tokens: int, hidden: int, vocab: int, chunk: int, device: torch.device) -> dict:

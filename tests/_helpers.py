@@ -148,6 +148,27 @@ def score_body(hf_dir: str, overrides: list[str], output: str):
     run_score(cfg, hf_dir, os.path.join(hf_dir, "in.jsonl"), output)
 
 
+def roundtrip_body(hf_dir: str, out_dir: str, layout_kw: dict):
+    """Harness body: HF -> megatron on ``layout_kw`` -> HF into ``out_dir``; the bytes each rank read."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.hf_bridge import export_hf, load_hf_weights
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    hf = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf, ModelConfig())
+    chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
+    read = load_hf_weights(chunks, hf_dir)
+    export_hf(chunks, out_dir, hf, cfg, source_dir=hf_dir)
+    dist.barrier()
+    return read
+
+
 def read_scores(path: str) -> list[dict]:
     with open(path) as fh:
         return [json.loads(line) for line in fh]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import ARCHS, COMMON, check_scores, hf_logprobs, make_hf_model, score_body
+from tests._helpers import ARCHS, COMMON, check_scores, hf_logprobs, make_hf_model, roundtrip_body, score_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {
@@ -100,25 +100,6 @@ def test_score_rejects_bad_input_line(hf_models, tmp_path):
 
 
 # ----------------------------------------------------------------------------- bridge round trip
-
-
-def roundtrip_body(hf_dir: str, out_dir: str, layout_kw: dict):
-    import torch.distributed as dist
-
-    from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.hf_bridge import export_hf, load_hf_weights
-    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
-    from megatron_rl.testing.layouts import use_layout
-
-    layout = use_layout(**layout_kw)
-    hf = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf, ModelConfig())
-    chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
-    read = load_hf_weights(chunks, hf_dir)
-    export_hf(chunks, out_dir, hf, cfg, source_dir=hf_dir)
-    dist.barrier()
-    return read
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

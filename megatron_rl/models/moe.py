@@ -121,6 +121,7 @@ class TokenMap:
     lengths: list[int]
     index: list[torch.Tensor]
     positions: list[torch.Tensor]
+    pos: torch.Tensor  # long [count]: every token's position in its sequence, in the router's order
     full: Optional["TokenMap"] = None
     _on_device: dict = dataclasses.field(default_factory=dict)
 
@@ -135,7 +136,7 @@ class TokenMap:
 def _map_of(seq, pos, real, rows, lengths) -> TokenMap:
     seq = torch.where(real, seq, torch.full_like(seq, -1))
     index = [torch.nonzero(seq == j).reshape(-1) for j in range(len(lengths))]
-    return TokenMap(int(seq.numel()), real, seq, rows, lengths, index, [pos[i] for i in index])
+    return TokenMap(int(seq.numel()), real, seq, rows, lengths, index, [pos[i] for i in index], pos)
 
 
 def _sequence_parallel_slice(full: TokenMap, seq, pos, real, tp_rank: int, tp_size: int) -> TokenMap:
@@ -195,10 +196,7 @@ def map_for_count(tmap: Optional[TokenMap], count: int) -> Optional[TokenMap]:
         return tmap
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1 and tmap.count == count * tp:
-        pos = torch.zeros(tmap.count, dtype=torch.long)  # every token's position, in the router's order
-        for idx, p in zip(tmap.index, tmap.positions):
-            pos[idx] = p
-        return _sequence_parallel_slice(tmap, tmap.seq, pos, tmap.real, ps.get_tensor_model_parallel_rank(), tp)
+        return _sequence_parallel_slice(tmap, tmap.seq, tmap.pos, tmap.real, ps.get_tensor_model_parallel_rank(), tp)
     return None
 
 

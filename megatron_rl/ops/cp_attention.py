@@ -143,12 +143,12 @@ def packed_blocks(pairs: tuple, device: torch.device) -> PackedBlocks:
     return PackedBlocks(q_index, k_index, cu_q, cu_k, max_q, max_k, causal.pop())
 
 
-def _packed(q, blocks_or_pairs) -> Optional[PackedBlocks]:
+def _packed(q, pairs) -> Optional[PackedBlocks]:
     """The step's blocks as one varlen call where a kernel exists for ``q`` and there are
     several packed sequences; None to call the kernel per sequence."""
-    if len(blocks_or_pairs) < 2 or q.size(0) != 1 or not attention_kernels.varlen_ready(q):
+    if len(pairs) < 2 or q.size(0) != 1 or not attention_kernels.varlen_ready(q):
         return None
-    return packed_blocks(blocks_or_pairs, q.device)
+    return packed_blocks(pairs, q.device)
 
 
 def _take(x, index) -> torch.Tensor:

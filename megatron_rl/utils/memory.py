@@ -95,28 +95,28 @@ def _add_interval(intervals: list, start: int, end: int) -> int:
 
 
 @contextlib.contextmanager
-def saved_for_backward():
-    """``with saved_for_backward() as saved: loss = f(x)`` -- ``saved.bytes`` kept for backward.
+def saved_for_backward(exclude=()):
+    """``with saved_for_backward() as saved: loss = f(x)`` -- ``saved.bytes`` kept for backward:
+    the storage each saved tensor spans, counted once, leaving out the storages of the tensors
+    in ``exclude`` (a model's parameters, which layers also keep for their backward).
 
     Only the forward's saves count: a function that recomputes in its backward (checkpointing,
     all_gather CP attention) saves tensors there that live for that one step; they show in the
     peak, not here."""
+    skipped = {t.untyped_storage().data_ptr() for t in exclude}
 
     class Saved:
         bytes = 0
-        _seen: set = set()
         _held: dict = {}  # storage -> byte intervals already counted (views of one tensor count once)
 
     in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
     def pack(t: torch.Tensor):
-        if in_backward() != -1:
+        ptr = t.untyped_storage().data_ptr()
+        if in_backward() != -1 or ptr in skipped:
             return t
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in Saved._seen:
-            Saved._seen.add(key)
-            start = t.storage_offset() * t.element_size()
-            Saved.bytes += _add_interval(Saved._held.setdefault(key[0], []), start, start + held_bytes(t))
+        start = t.storage_offset() * t.element_size()
+        Saved.bytes += _add_interval(Saved._held.setdefault(ptr, []), start, start + held_bytes(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
