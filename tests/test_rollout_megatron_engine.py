@@ -561,6 +561,8 @@ def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen)
     table = torch.tensor([[4, 1, 0], [2, 3, -1], [-1, -1, -1]], dtype=torch.int32)
+    for cache in (k, v):  # slots no request has written yet: past each length, and an unused page
+        cache[0, 2:], cache[3, 3:], cache[5] = float("nan"), float("nan"), float("nan")
     keys = [k[[4, 1, 0]].flatten(0, 1)[:10], k[[2, 3]].flatten(0, 1)[:7]]
     values = [v[[4, 1, 0]].flatten(0, 1)[:10], v[[2, 3]].flatten(0, 1)[:7]]
     q = torch.randn(3 + 2, 4, 8, generator=gen)  # 3 new tokens of request 0, 2 of request 1 (+0 padding)
@@ -575,8 +577,10 @@ def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():
             assert torch.allclose(out[rows][j], torch.einsum("hk,khd->hd", att, vv), atol=1e-5)
     dec = sdpa_decode_paged(q[:3, None], k, v, torch.tensor([10, 7, 0]), table)
     assert dec[2].abs().max() == 0  # a padding request
-    att = torch.softmax(torch.einsum("hd,khd->hk", q[1], keys[1].repeat_interleave(2, 1)) / 8**0.5, -1)
-    assert torch.allclose(dec[1, 0], torch.einsum("hk,khd->hd", att, values[1].repeat_interleave(2, 1)), atol=1e-5)
+    for r in (0, 1):
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[r], keys[r].repeat_interleave(2, 1)) / 8**0.5, -1)
+        want = torch.einsum("hk,khd->hd", att, values[r].repeat_interleave(2, 1))
+        assert torch.allclose(dec[r, 0], want, atol=1e-5)
 
 
 def test_megatron_engine_is_registered():

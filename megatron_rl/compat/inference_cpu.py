@@ -152,31 +152,61 @@ def sdpa_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, ma
     return out
 
 
+# A batch of decode requests is padded to its longest; requests are grouped (longest first) while
+# the padded slots stay within this factor of the real ones, so one long request does not make
+# every short one attend over its length.
+DECODE_PADDING_SLACK = 1.5
+
+
+def decode_groups(lengths: list[int], slack: float = DECODE_PADDING_SLACK) -> list[list[int]]:
+    """Indices into ``lengths`` in groups, longest first, each padded to its first (longest)
+    member with at most ``slack`` x the group's real length."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group and (len(group) + 1) * lengths[group[0]] <= slack * (sum(lengths[j] for j in group) + lengths[i]):
+            group.append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def sdpa_decode_paged(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
                       **_unused):
     """flash-attn's ``flash_attn_with_kvcache`` with a ``block_table`` (decode: one query per
-    request), batched over the requests: ``q [b, 1, heads, d]`` -> ``[b, 1, heads, d]``."""
+    request), batched over requests of similar length (:func:`decode_groups`):
+    ``q [b, 1, heads, d]`` -> ``[b, 1, heads, d]``.
+
+    Each request's pages are copied whole (``index_select`` of pages: about 3x faster on the CPU
+    than gathering token slots), padded to its group's longest page count.  The slots past a
+    request's length may hold anything -- uninitialised memory, NaN included, which would survive
+    the mask as 0 * NaN -- so those rows of the copy are zeroed before SDPA masks them."""
     scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
     out = torch.zeros_like(q)
     live = (cache_seqlens > 0).nonzero().squeeze(1)  # padding requests have no keys: zeros
     if live.numel() == 0:
         return out
-    lengths = cache_seqlens[live].long()
-    longest = int(lengths.max())
     block = k_cache.size(1)
-    positions = torch.arange(longest, device=q.device)[None, :]
-    valid = positions < lengths[:, None]  # [live, longest]
-    # Slots past a request's length may hold anything (uninitialised memory, NaN included, would
-    # survive the mask as 0 * NaN): they read the request's first key instead, which the mask hides.
-    safe = torch.where(valid, positions, 0)
-    slots = block_table[live].long().gather(1, safe // block).clamp_min(0) * block + safe % block
-    keys = k_cache.flatten(0, 1)[slots]  # [live, longest, kvh, d]
-    values = v_cache.flatten(0, 1)[slots]
-    attn = F.scaled_dot_product_attention(
-        q[live].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=q.size(2) != k_cache.size(2),
-    )
-    out[live] = attn.transpose(1, 2)
+    all_lengths = cache_seqlens[live].long()
+    for group in decode_groups(all_lengths.tolist()):
+        members = torch.tensor(group, dtype=torch.long, device=live.device)
+        rows, lengths = live[members], all_lengths[members]
+        pages = (int(lengths[0]) + block - 1) // block
+        table = block_table[rows, :pages].long().clamp_min(0).flatten()
+        valid = torch.arange(pages * block, device=q.device)[None, :] < lengths[:, None]  # [rows, slots]
+        shape = (rows.numel(), pages * block) + tuple(k_cache.shape[2:])
+        keys = k_cache.index_select(0, table).view(shape)
+        values = v_cache.index_select(0, table).view(shape)
+        hidden = (~valid).flatten().nonzero().squeeze(1)
+        if hidden.numel():
+            for copy in (keys, values):
+                copy.view(-1, copy.size(2) * copy.size(3)).index_fill_(0, hidden, 0.0)
+        attn = F.scaled_dot_product_attention(
+            q[rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=q.size(2) != k_cache.size(2),
+        )
+        out[rows] = attn.transpose(1, 2)
     return out
 
 
