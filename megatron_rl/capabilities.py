@@ -1,5 +1,5 @@
-"""What this machine can do: CUDA present, TransformerEngine importable, the layer implementation
-``auto`` resolves to.
+"""What this machine can do: CUDA present, TransformerEngine importable, flash-attn's paged
+kernels importable, the layer implementation ``auto`` resolves to.
 
 It sits below both ``config/`` (validation checks resolved values, not ``auto``) and ``models/``
 (the builder picks the spec), and imports neither megatron-core nor the model code.
@@ -29,6 +29,30 @@ def te_version() -> str | None:
         return str(version)
     except Exception:  # noqa: BLE001 - an installed but broken TE (no CUDA libraries) raises anything
         return None
+
+
+# megatron-core's dynamic-batching attention calls flash-attn's paged kernels from this version on
+# (or FlashAttention-3, under either of the module names megatron-core imports it by).
+PAGED_FLASH_ATTN_MIN = "2.7.3"
+_FA3_MODULES = ("flash_attn_3", "flashattn_hopper")
+
+
+@functools.lru_cache(maxsize=1)
+def paged_flash_attention_installed() -> bool:
+    """Whether megatron's inference engine finds its paged attention kernels, read from the
+    installed packages (without importing megatron-core or flash-attn)."""
+    if any(importlib.util.find_spec(name) is not None for name in _FA3_MODULES):
+        return True
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("flash-attn")) >= Version(PAGED_FLASH_ATTN_MIN)
+    except PackageNotFoundError:
+        return False
 
 
 def te_usable() -> bool:

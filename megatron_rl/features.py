@@ -21,6 +21,7 @@ from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.models.arch import RECOMPUTE_MODULES, attention_dims, expert_ffn_size, is_moe
 from megatron_rl.ops.cp_attention import A2A_COMM_TYPES, kv_replication
+from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source, training_forward_blockers
 
 TESTED_CPU = "tested on CPU"
@@ -616,7 +617,7 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Megatron-core dynamic inference engine", "rollout", TESTED_CPU,
-        "rollout.engine=megatron: megatron-core's DynamicInferenceEngine on the actor's own TP/PP(/SP) shards, no weight copy: paged KV cache (rollout.kv_cache_memory, kv_block_tokens), continuous batching of rollout.max_batch_size requests, chunked prefill (rollout.prefill_chunk_tokens); suspended (KV freed) while the actor trains; greedy tokens equal HF generate's and log-probs HF's teacher-forced ones on TP, PP, TPxPP and CP. The project's sampler on the true vocabulary (temperature-scaled log-probs, top-k with top-p, n, every stop id and sequence) with keyed noise: a seed gives the same samples whatever the KV budget or scheduling. CPU via compat/inference_cpu.py (SDPA over the KV pages); GPU needs flash-attn >= 2.7.3, runs without CUDA graphs, untested there. Not the default: slower than the torch decoder on CPU (docs/rollout.md).",
+        "rollout.engine=megatron: megatron-core's DynamicInferenceEngine on the actor's own TP/PP(/SP) shards, no weight copy: paged KV cache (rollout.kv_cache_memory, kv_block_tokens), continuous batching of rollout.max_batch_size requests, chunked prefill (rollout.prefill_chunk_tokens); suspended (KV freed) while the actor trains; greedy tokens equal HF generate's and log-probs HF's teacher-forced ones on TP, PP, TPxPP and CP. The project's sampler on the true vocabulary (temperature-scaled log-probs, top-k with top-p, n, every stop id and sequence) with keyed noise: a seed gives the same samples whatever the KV budget or scheduling. CPU via compat/inference_cpu.py (SDPA over the KV pages); GPU needs flash-attn >= 2.7.3, runs without CUDA graphs, untested there. What rollout.engine=auto (the default) runs for MoE models and on CUDA with flash-attn (see the next row).",
         ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
          "tests/test_rollout_megatron_engine.py::test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling",
          "tests/test_rollout_megatron_engine.py::test_stop_on_every_eos_id_and_stop_sequences_and_padded_vocab_never_drawn",
@@ -627,7 +628,7 @@ FEATURES: list[Feature] = [
             _need("rollout.engine", lambda c, w: not c.parallel.vpp or c.parallel.vpp <= 1,
                   "megatron-core's inference refuses virtual pipeline stages (interleaved chunks)",
                   "use rollout.engine=tp_sharded or torch with parallel.vpp, or set parallel.vpp=null",
-                  "no VPP", when=lambda c: c.rollout.engine == "megatron"),
+                  "no VPP", when=lambda c: rollout_engine(c) == MEGATRON),
         ),
         config="rollout.engine=megatron",
         measured=(Measured("CPU, tokens per CPU-second: long tail 0.73x the torch decoder's (target 2x) in 0.59x its "
@@ -635,6 +636,15 @@ FEATURES: list[Feature] = [
                            "per-step host cost; KV allocated 1.03-1.13x what the live tokens need (target <= 1.25x; "
                            "static batches 4.4-5.1x on the long tail) (docs/rollout.md)",
                            "python benchmarks/rollout_throughput.py"),),
+    ),
+    Feature(
+        "Rollout engine chosen by the layout (auto)", "rollout", TESTED_CPU,
+        "rollout.engine=auto (the default): megatron's dynamic engine for MoE models, and for dense models on CUDA with flash-attn >= 2.7.3 (or FA3) and no VPP; the torch decoder for VPP layouts, on CUDA without flash-attn and on the CPU (faster there: docs/rollout.md). One rule (rollout/choice.py) read by validation before launch and by the trainer and `megatron-rl generate` when they build the engine; the first log lines name the engine and the reason. The CUDA branch has not run on a GPU.",
+        ("tests/test_rollout_choice.py::test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere",
+         "tests/test_rollout_choice.py::test_config_and_engine_builder_agree_on_this_machine",
+         "tests/test_rollout_choice.py::test_vpp_runs_the_decoder_under_auto_and_is_refused_for_megatron",
+         "tests/test_moe.py::test_train_refuses_an_moe_model_with_a_decoder_without_experts"),
+        config="rollout.engine=auto",
     ),
     Feature(
         "Rollout without redundant generators", "rollout", TESTED_CPU,
@@ -811,7 +821,7 @@ FEATURES: list[Feature] = [
                   "megatron's inference engine keeps idle expert-parallel ranks in step with dummy forwards, "
                   "which have no pipeline stages", "use parallel.pp=1 with parallel.ep > 1 (more ep or tp instead)",
                   "rollout.engine=megatron with ep > 1 needs pp=1",
-                  when=lambda c: c.parallel.ep > 1 and c.rollout.engine == "megatron"),
+                  when=lambda c: c.parallel.ep > 1 and rollout_engine(c) == MEGATRON),
         ),
         config="parallel.ep",
     ),
@@ -857,7 +867,7 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Routing replay", "algorithms", TESTED_CPU,
-        "algorithm.routing_replay=true: with rollout.engine=megatron the routers record each token's experts per MoE layer while the engine generates (prefill and decode, across evictions), keyed by (sample, position), and the recordings travel with the samples (exchanged over each pipeline stage's TP x DP x CP ranks); the old-log-prob forward and every training forward of the step route to them (weights recomputed at those experts), also when full recompute re-runs a layer in backward, so routing adds nothing to the rollout/train mismatch; actor/routing_replay_mismatch is the share of (token, layer) pairs whose recomputed top-k differs from the rollout's. With another engine the old-log-prob pass records instead. Host memory per rank: tokens x MoE layers of its stage x top-k x 2 bytes.",
+        "algorithm.routing_replay=true: with rollout.engine=megatron the routers record each token's experts per MoE layer while the engine generates (prefill and decode, across evictions), keyed by (sample, position; copied to the host without a wait per layer and step, written once the rollout ends), and the recordings travel with the samples (exchanged over each pipeline stage's TP x DP x CP ranks); the old-log-prob forward and every training forward of the step route to them (weights recomputed at those experts), also when full recompute re-runs a layer in backward, so routing adds nothing to the rollout/train mismatch; actor/routing_replay_mismatch is the share of (token, layer) pairs whose recomputed top-k differs from the rollout's. With another engine the old-log-prob pass records instead. Host memory per rank: tokens x MoE layers of its stage x top-k x 2 bytes.",
         ("tests/test_moe.py::test_routing_replay_reproduces_the_recorded_routing",
          "tests/test_moe.py::test_routing_replay_with_full_recompute_gives_the_same_gradients",
          "tests/test_moe.py::test_rollout_records_the_routing_the_trainer_replays",
@@ -867,7 +877,7 @@ FEATURES: list[Feature] = [
                   "set algorithm.routing_replay=false", "needs model.moe.num_experts",
                   when=lambda c: c.algorithm.routing_replay),
             _need("algorithm.routing_replay",
-                  lambda c, w: c.rollout.engine == "megatron" or _old_logprob_source(c) == "recompute",
+                  lambda c, w: rollout_engine(c) == MEGATRON or _old_logprob_source(c) == "recompute",
                   "rollout.engine={c.rollout.engine} does not record routing, so the old-log-prob pass would, and "
                   "algorithm.old_logprobs={c.algorithm.old_logprobs} does not run it",
                   "set rollout.engine=megatron (records routing while it generates), or algorithm.old_logprobs=recompute",

@@ -209,7 +209,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("torch", choices="megatron_rl.rollout.engine:ENGINES", help="Generation engine: torch (KV-cache decoder on a full copy of the actor's weights on every rank), tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP) or megatron (megatron-core's dynamic inference engine on the actor's own TP/PP shards: paged KV cache, continuous batching, chunked prefill; no VPP; docs/rollout.md).")
+    engine: str = _f("auto", choices="megatron_rl.rollout.choice:ENGINE_CHOICES", help="Generation engine: auto (megatron for MoE models and on CUDA with flash-attn >= 2.7.3 without VPP, else torch), torch (KV-cache decoder on a full copy of the actor's weights on every rank), tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP) or megatron (megatron-core's dynamic inference engine on the actor's own TP/PP shards: paged KV cache, continuous batching, chunked prefill; no VPP; docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
     temperature: float = _f(

@@ -240,7 +240,7 @@ class MoEState:
 
     def clear_recorded(self) -> None:
         for router in self.routers:
-            router.recorded = {}
+            router.recorded, router.pending = {}, []
 
 
 class _ChunkHook:
@@ -361,6 +361,7 @@ def moe_rollout(model, lengths: dict[int, int]):
         for router in state.routers:
             router.tokens = None
     for router in state.routers:
+        router.flush_recorded()
         for rid, table in router.recorded.items():
             out.setdefault(rid, {})[router.layer_number] = table
     state.clear_recorded()
@@ -444,6 +445,9 @@ class RLTopKRouter(TopKRouter):
         self.state: Optional[MoEState] = None
         self.tokens: Optional[TokenMap] = None  # set by the micro-batch hook before each forward
         self.recorded: dict[int, torch.Tensor] = {}  # sample row -> [length, topk] expert ids, -1 unknown
+        # Rollout: each step's top-k, copied to the host without waiting; written into ``recorded``
+        # once the rollout ends (flush_recorded), so a decode step does not sync per MoE layer.
+        self.pending: list[tuple[TokenMap, torch.Tensor]] = []
         # Full recompute: what each checkpointed forward saw and routed to, for backward's re-run.
         self.recompute: list[Optional[TokenMap]] = []
         self.replayed: list[torch.Tensor] = []
@@ -523,7 +527,21 @@ class RLTopKRouter(TopKRouter):
         if tmap.full is not None:  # sequence parallel: record the whole CP shard on every TP rank
             computed = gather_from_sequence_parallel_region(computed, group=self.tp_group)
             tmap = tmap.full
-        picked = computed.to("cpu", torch.int16)
+        if self.state is not None and self.state.mode == "rollout":
+            self.pending.append((tmap, computed.to(torch.int16).to("cpu", non_blocking=True)))
+            return
+        self._write(tmap, computed.to("cpu", torch.int16))
+
+    def flush_recorded(self) -> None:
+        """Write the rollout's pending top-k into ``recorded``, in step order (a request evicted and
+        prefilled again keeps its last routing), after one wait for their copies."""
+        if any(picked.is_pinned() for _, picked in self.pending):  # copies from a GPU still in flight
+            torch.cuda.synchronize()
+        for tmap, picked in self.pending:
+            self._write(tmap, picked)
+        self.pending = []
+
+    def _write(self, tmap: TokenMap, picked: torch.Tensor) -> None:
         for j, row in enumerate(tmap.rows):
             idx = tmap.index[j]
             if idx.numel() == 0:

@@ -226,11 +226,19 @@ def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
     return engine_class(name)(*args, **kwargs)
 
 
-def make_rollout_engine(rollout, model_cfg: ModelConfig, device) -> RolloutEngine:
-    """The engine ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`) names, with
-    the options that engine takes."""
+def make_rollout_engine(rollout, model_cfg: ModelConfig, device, vpp: Optional[int] = None) -> RolloutEngine:
+    """The engine ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`) names -- ``auto``
+    resolved for this model, ``vpp`` and ``device`` (:mod:`megatron_rl.rollout.choice`) -- with the
+    options that engine takes."""
+    from megatron_rl.capabilities import paged_flash_attention_installed
+    from megatron_rl.models.arch import is_moe
+    from megatron_rl.rollout.choice import MEGATRON, pick_engine
+
+    cuda = torch.device(device).type == "cuda"
+    name = pick_engine(rollout.engine, moe=is_moe(model_cfg), vpp=vpp, cuda=cuda,
+                       paged_flash=cuda and paged_flash_attention_installed())
     options = {}
-    if rollout.engine == "megatron":
+    if name == MEGATRON:
         options = dict(kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
                        kv_block_tokens=rollout.kv_block_tokens)
-    return make_engine(rollout.engine, model_cfg, device=device, max_batch_size=rollout.max_batch_size, **options)
+    return make_engine(name, model_cfg, device=device, max_batch_size=rollout.max_batch_size, **options)

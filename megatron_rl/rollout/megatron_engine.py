@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN
 from megatron_rl.compat.inference_cpu import cpu_function_mode_paused
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.rollout.engine import RolloutBatch, stopped
@@ -80,7 +81,7 @@ def flash_attention_ready() -> bool:
     if attention.HAVE_FA3:
         return True
     # flash_attn_varlen_func is None when flash-attn is not installed (then no version is read)
-    return attention.flash_attn_varlen_func is not None and is_fa_min_version("2.7.3")
+    return attention.flash_attn_varlen_func is not None and is_fa_min_version(PAGED_FLASH_ATTN_MIN)
 
 
 class _IdsOnly:
@@ -325,8 +326,8 @@ class MegatronRolloutEngine:
         config = model.config
         if self.device.type == "cuda" and not flash_attention_ready():
             raise RuntimeError(
-                "rollout.engine=megatron on GPU needs flash-attn >= 2.7.3 or FA3 for megatron's paged "
-                "attention (pip install flash-attn), or use rollout.engine=tp_sharded"
+                f"rollout.engine=megatron on GPU needs flash-attn >= {PAGED_FLASH_ATTN_MIN} or FA3 for megatron's "
+                "paged attention (pip install flash-attn), or use rollout.engine=tp_sharded"
             )
         if config.virtual_pipeline_model_parallel_size is not None:
             raise ValueError("rollout.engine=megatron does not support virtual pipeline stages; use tp_sharded")

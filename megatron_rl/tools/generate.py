@@ -103,7 +103,7 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
     rollout = cfg.rollout
     if rollout.max_batch_size is None:
         rollout = dataclasses.replace(rollout, max_batch_size=DEFAULT_MAX_BATCH_SIZE)
-    engine = make_rollout_engine(rollout, model_cfg, device)
+    engine = make_rollout_engine(rollout, model_cfg, device, vpp=cfg.parallel.vpp)
     engine.load_from_chunks(chunks)
     params = SamplingParams(
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,

@@ -56,6 +56,7 @@ from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.planner.memory import kv_cache_bytes, total_params
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
+from megatron_rl.rollout.choice import describe_rollout_engine
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import make_rollout_engine
 from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
@@ -140,7 +141,7 @@ class PPOTrainer:
             origin = "derived"
             rollout = dataclasses.replace(cfg.rollout, max_batch_size=self._rollout_batch(dtype_bytes))
             self.cfg = cfg = dataclasses.replace(cfg, rollout=rollout)
-        self.log(f"rollout: {cfg.rollout.engine} engine, up to {cfg.rollout.max_batch_size} sequences per "
+        self.log(f"rollout: {describe_rollout_engine(cfg)}, up to {cfg.rollout.max_batch_size} sequences per "
                  f"generation pass per rank ({origin})")
         self.old_logprobs = resolve_old_logprob_source(alg)
         self.log(f"old log-probs: {self.old_logprobs}" + (" (auto)" if alg.old_logprobs == "auto" else ""))
@@ -163,7 +164,7 @@ class PPOTrainer:
                                                  ("critic", self.use_critic)) if on)
         self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
                  f"hidden {cfg.model.hidden_size}); built {built}")
-        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device)
+        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device, vpp=cfg.parallel.vpp)
         if cfg.algorithm.routing_replay and hasattr(self.engine, "record_routing"):
             self.engine.record_routing = True  # MoE: the experts of every generated token, for replay
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,

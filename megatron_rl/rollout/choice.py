@@ -1,0 +1,67 @@
+"""Which rollout engine ``rollout.engine=auto`` (the default) runs.
+
+megatron-core's dynamic inference engine (``megatron``) wherever it can run well: on CUDA with
+flash-attn's paged kernels, on any layout but virtual pipeline stages; it is also the only engine
+with MoE layers.  Elsewhere the project's KV-cache decoder (``torch``): on the CPU it is faster
+than megatron's engine over the SDPA stand-in for those kernels (``docs/rollout.md``,
+``benchmarks/rollout_throughput.py``), and it is the only engine for VPP layouts.
+
+One rule, read by config validation (before any process starts) and by the trainer and
+``megatron-rl generate`` when they build the engine, so both see the same engine.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN, paged_flash_attention_installed
+from megatron_rl.compat import cuda_available
+from megatron_rl.models.arch import is_moe
+
+AUTO = "auto"
+TORCH, TP_SHARDED, MEGATRON = "torch", "tp_sharded", "megatron"
+# What ``rollout.engine`` accepts; the engines themselves are registered in rollout/engine.py:ENGINES.
+ENGINE_CHOICES = (AUTO, TORCH, TP_SHARDED, MEGATRON)
+
+
+def pick_engine(requested: str, *, moe: bool, vpp: int | None, cuda: bool, paged_flash: bool) -> str:
+    """``requested`` with ``auto`` resolved (any other name is returned as it is)."""
+    if requested != AUTO:
+        return requested
+    if moe:
+        return MEGATRON
+    if vpp is not None and vpp > 1:
+        return TORCH
+    return MEGATRON if cuda and paged_flash else TORCH
+
+
+def auto_reason(engine: str, *, moe: bool, vpp: int | None, cuda: bool, paged_flash: bool) -> str:
+    """Why ``auto`` picked ``engine``, for the trainer's log."""
+    if moe:
+        return "the only engine with MoE layers"
+    if vpp is not None and vpp > 1:
+        return "megatron's engine has no virtual pipeline stages"
+    if engine == MEGATRON:
+        return "CUDA with flash-attn's paged kernels"
+    if cuda:
+        return f"flash-attn >= {PAGED_FLASH_ATTN_MIN} is not installed for megatron's paged attention"
+    return "on the CPU the KV-cache decoder is faster than megatron's engine"
+
+
+def _machine(cfg) -> dict:
+    cuda = cfg.distributed.device == "cuda" or (cfg.distributed.device == AUTO and cuda_available())
+    return dict(moe=is_moe(cfg.model), vpp=cfg.parallel.vpp, cuda=cuda,
+                paged_flash=cuda and paged_flash_attention_installed())
+
+
+def rollout_engine(cfg) -> str:
+    """The engine ``cfg`` (a full :class:`~megatron_rl.config.schema.Config`) generates with on
+    this machine."""
+    return pick_engine(cfg.rollout.engine, **_machine(cfg))
+
+
+def describe_rollout_engine(cfg) -> str:
+    """``"megatron engine (auto: CUDA with flash-attn's paged kernels)"``, or ``"tp_sharded engine"``
+    when it is set explicitly."""
+    engine = rollout_engine(cfg)
+    if cfg.rollout.engine != AUTO:
+        return f"{engine} engine"
+    return f"{engine} engine (auto: {auto_reason(engine, **_machine(cfg))})"

@@ -1,0 +1,76 @@
+"""``rollout.engine=auto``: which engine generates, decided the same way by validation and by the
+code that builds the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_rl.config.loader import load_config
+from megatron_rl.config.validate import validate
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.choice import (
+    AUTO,
+    ENGINE_CHOICES,
+    MEGATRON,
+    TORCH,
+    describe_rollout_engine,
+    pick_engine,
+    rollout_engine,
+)
+from megatron_rl.rollout.engine import ENGINES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = os.path.join(ROOT, "configs", "grpo_cpu.yaml")
+
+# (moe, vpp, cuda, paged_flash) -> what auto runs
+AUTO_CASES = [
+    ((False, None, True, True), MEGATRON),   # a GPU with flash-attn's paged kernels
+    ((False, 1, True, True), MEGATRON),
+    ((False, 2, True, True), TORCH),         # megatron's engine has no virtual pipeline stages
+    ((False, None, True, False), TORCH),     # a GPU without flash-attn >= 2.7.3
+    ((False, None, False, False), TORCH),    # the CPU: the decoder is faster (docs/rollout.md)
+    ((True, None, False, False), MEGATRON),  # MoE: the only engine with expert layers
+    ((True, None, True, True), MEGATRON),
+]
+
+
+@pytest.mark.parametrize("machine,want", AUTO_CASES)
+def test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere(machine, want):
+    moe, vpp, cuda, paged_flash = machine
+    assert pick_engine(AUTO, moe=moe, vpp=vpp, cuda=cuda, paged_flash=paged_flash) == want
+    for name in ENGINES:  # a name set explicitly is kept
+        assert pick_engine(name, moe=moe, vpp=vpp, cuda=cuda, paged_flash=paged_flash) == name
+
+
+def test_auto_is_the_default_and_every_other_choice_is_a_registered_engine():
+    cfg = load_config(GRPO)
+    assert cfg.rollout.engine == AUTO
+    assert set(ENGINE_CHOICES) == {AUTO, *ENGINES}
+
+
+def test_config_and_engine_builder_agree_on_this_machine():
+    """What validation reads (``rollout_engine(cfg)``) is the class ``make_rollout_engine`` builds,
+    here on the CPU: the decoder for a dense model, megatron's engine for MoE."""
+    from megatron_rl.rollout.engine import engine_class, make_rollout_engine
+
+    dense = load_config(GRPO, ["distributed.device=cpu"])
+    assert rollout_engine(dense) == TORCH
+    assert "auto: on the CPU" in describe_rollout_engine(dense)
+    rollout = dataclasses.replace(dense.rollout, max_batch_size=4)  # the trainer derives it when null
+    built = make_rollout_engine(rollout, dense.model, "cpu", vpp=dense.parallel.vpp)
+    assert type(built) is engine_class(TORCH)
+    moe = load_config(GRPO, ["distributed.device=cpu", "model.moe.num_experts=4"])
+    assert rollout_engine(moe) == MEGATRON
+    assert describe_rollout_engine(moe) == "megatron engine (auto: the only engine with MoE layers)"
+    assert describe_rollout_engine(load_config(GRPO, ["rollout.engine=tp_sharded"])) == "tp_sharded engine"
+
+
+def test_vpp_runs_the_decoder_under_auto_and_is_refused_for_megatron():
+    layout = ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"]
+    validate(load_config(GRPO, layout), 2)
+    with pytest.raises(ConfigError) as err:
+        validate(load_config(GRPO, layout + ["rollout.engine=megatron"]), 2)
+    assert err.value.key == "rollout.engine" and "virtual pipeline" in str(err.value)
