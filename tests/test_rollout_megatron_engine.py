@@ -583,6 +583,33 @@ def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():
         assert torch.allclose(dec[r, 0], want, atol=1e-5)
 
 
+def test_cpu_decode_stand_in_groups_requests_by_length():
+    """One long request among short ones: the short ones are batched apart from it (padding
+    <= 1.5x their real length), and every request's attention equals attention over its own keys,
+    with NaN in the slots no request has written."""
+    from megatron_rl.compat.inference_cpu import decode_groups, sdpa_decode_paged
+
+    lengths = [40, 5, 6, 7]
+    assert decode_groups(lengths) == [[0], [3, 2, 1]]
+    assert decode_groups([128] * 16) == [list(range(16))]
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(20, 4, 2, 8, generator=gen), torch.randn(20, 4, 2, 8, generator=gen)
+    table = torch.full((4, 10), -1, dtype=torch.int32)
+    table[0] = torch.arange(10)
+    for r, first in ((1, 10), (2, 12), (3, 14)):
+        table[r, :2] = torch.tensor([first, first + 1])
+    for cache in (k, v):
+        cache[11, 1:], cache[13, 2:], cache[15, 3:], cache[16:] = (float("nan"),) * 4
+    q = torch.randn(4, 1, 4, 8, generator=gen)
+    out = sdpa_decode_paged(q, k, v, torch.tensor(lengths, dtype=torch.int32), table)
+    for r, n in enumerate(lengths):
+        pages = table[r, : -(-n // 4)].long()
+        keys = k[pages].flatten(0, 1)[:n].repeat_interleave(2, 1)
+        values = v[pages].flatten(0, 1)[:n].repeat_interleave(2, 1)
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[r, 0], keys) / 8**0.5, -1)
+        assert torch.allclose(out[r, 0], torch.einsum("hk,khd->hd", att, values), atol=1e-5)
+
+
 def test_megatron_engine_is_registered():
     from megatron_rl.rollout.engine import ENGINES, engine_class
     from megatron_rl.rollout.megatron_engine import MegatronRolloutEngine
