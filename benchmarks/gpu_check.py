@@ -578,11 +578,10 @@ def section_generation(check: Check):
     samples = check.run["prompts"] * check.run["n"]
     generated = float(row["response_length/mean"]) * samples
     seconds = float(row["timing/rollout_s"])
-    from megatron_rl.capabilities import paged_flash_attention_installed
-    from megatron_rl.rollout.choice import AUTO, pick_engine
+    from megatron_rl.rollout.choice import AUTO, engine_facts, pick_engine
 
-    cuda = check.device.type == "cuda"  # the PPO runs leave rollout.engine at its default, auto
-    engine = pick_engine(AUTO, moe=False, vpp=None, cuda=cuda, paged_flash=cuda and paged_flash_attention_installed())
+    # The PPO runs leave rollout.engine at its default, auto.
+    engine = pick_engine(AUTO, **engine_facts(_model_config(check), None, check.device.type == "cuda"))
     yield (f"(f) generation, {engine} engine (auto), {samples} samples x <= {check.run['new_tokens']} tokens",
            f"{generated / seconds:.0f} tokens/s ({generated:.0f} tokens in {seconds:.2f} s, prefill included)")
 

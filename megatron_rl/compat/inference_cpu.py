@@ -161,14 +161,15 @@ DECODE_PADDING_SLACK = 1.5
 def decode_groups(lengths: list[int], slack: float = DECODE_PADDING_SLACK) -> list[list[int]]:
     """Indices into ``lengths`` in groups, longest first, each padded to its first (longest)
     member with at most ``slack`` x the group's real length."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
-    for i in order:
-        group = groups[-1] if groups else None
-        if group and (len(group) + 1) * lengths[group[0]] <= slack * (sum(lengths[j] for j in group) + lengths[i]):
-            group.append(i)
+    real = 0  # the last group's real length
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
+            groups[-1].append(i)
+            real += lengths[i]
         else:
             groups.append([i])
+            real = lengths[i]
     return groups
 
 

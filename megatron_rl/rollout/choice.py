@@ -13,7 +13,6 @@ One rule, read by config validation (before any process starts) and by the train
 from __future__ import annotations
 
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN, paged_flash_attention_installed
-from megatron_rl.compat import cuda_available
 from megatron_rl.models.arch import is_moe
 
 AUTO = "auto"
@@ -46,22 +45,29 @@ def auto_reason(engine: str, *, moe: bool, vpp: int | None, cuda: bool, paged_fl
     return "on the CPU the KV-cache decoder is faster than megatron's engine"
 
 
-def _machine(cfg) -> dict:
-    cuda = cfg.distributed.device == "cuda" or (cfg.distributed.device == AUTO and cuda_available())
-    return dict(moe=is_moe(cfg.model), vpp=cfg.parallel.vpp, cuda=cuda,
-                paged_flash=cuda and paged_flash_attention_installed())
+def engine_facts(model_cfg, vpp: int | None, cuda: bool) -> dict:
+    """What :func:`pick_engine` reads for this model, layout and device, flash-attn's paged
+    kernels looked up where there is CUDA."""
+    return dict(moe=is_moe(model_cfg), vpp=vpp, cuda=cuda, paged_flash=cuda and paged_flash_attention_installed())
+
+
+def _config_facts(cfg) -> dict:
+    from megatron_rl.distributed.runtime import resolve_device  # the device the run will use
+
+    return engine_facts(cfg.model, cfg.parallel.vpp, resolve_device(cfg.distributed).type == "cuda")
 
 
 def rollout_engine(cfg) -> str:
     """The engine ``cfg`` (a full :class:`~megatron_rl.config.schema.Config`) generates with on
     this machine."""
-    return pick_engine(cfg.rollout.engine, **_machine(cfg))
+    return pick_engine(cfg.rollout.engine, **_config_facts(cfg))
 
 
 def describe_rollout_engine(cfg) -> str:
     """``"megatron engine (auto: CUDA with flash-attn's paged kernels)"``, or ``"tp_sharded engine"``
     when it is set explicitly."""
-    engine = rollout_engine(cfg)
+    facts = _config_facts(cfg)
+    engine = pick_engine(cfg.rollout.engine, **facts)
     if cfg.rollout.engine != AUTO:
         return f"{engine} engine"
-    return f"{engine} engine (auto: {auto_reason(engine, **_machine(cfg))})"
+    return f"{engine} engine (auto: {auto_reason(engine, **facts)})"

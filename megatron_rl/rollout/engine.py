@@ -230,13 +230,9 @@ def make_rollout_engine(rollout, model_cfg: ModelConfig, device, vpp: Optional[i
     """The engine ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`) names -- ``auto``
     resolved for this model, ``vpp`` and ``device`` (:mod:`megatron_rl.rollout.choice`) -- with the
     options that engine takes."""
-    from megatron_rl.capabilities import paged_flash_attention_installed
-    from megatron_rl.models.arch import is_moe
-    from megatron_rl.rollout.choice import MEGATRON, pick_engine
+    from megatron_rl.rollout.choice import MEGATRON, engine_facts, pick_engine
 
-    cuda = torch.device(device).type == "cuda"
-    name = pick_engine(rollout.engine, moe=is_moe(model_cfg), vpp=vpp, cuda=cuda,
-                       paged_flash=cuda and paged_flash_attention_installed())
+    name = pick_engine(rollout.engine, **engine_facts(model_cfg, vpp, torch.device(device).type == "cuda"))
     options = {}
     if name == MEGATRON:
         options = dict(kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,

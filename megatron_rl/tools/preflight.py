@@ -15,6 +15,7 @@ from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
 from megatron_rl.models.arch import is_moe
 from megatron_rl.rewards.registry import get_reward_fn
+from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 
 def _check_dir(key: str, path: str | None, what: str) -> None:
@@ -27,7 +28,7 @@ def check_training_inputs(cfg: Config) -> None:
     get_reward_fn(cfg.reward.fn)
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
-    if is_moe(cfg.model) and cfg.rollout.engine in ("torch", "tp_sharded"):
+    if is_moe(cfg.model) and rollout_engine(cfg) != MEGATRON:
         raise ConfigError("rollout.engine", cfg.rollout.engine, "this rollout decoder has no MoE layers",
                           "set rollout.engine=megatron (megatron-core's inference engine runs the MoE model)")
     tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
