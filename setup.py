@@ -8,7 +8,7 @@ setup(
     description="PPO/GRPO trainer on Megatron-Core with tensor, pipeline and context parallelism",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     # Only the trainer ships: tests/ (test-only helpers such as the local Slurm cluster, which
     # installs system packages) is never part of the wheel.
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
@@ -18,7 +18,7 @@ setup(
         "torch>=2.6",
         # Tested: 0.16.1 (CPU stack, Python 3.11).  Newer releases need Python >= 3.12 and
         # are accepted for GPU users; the compat layer warns about untested versions.
-        "megatron-core>=0.16.1,<0.18",
+        "megatron-core>=0.19.2,<0.20",
         "omegaconf>=2.3",
         "psutil>=5.9",
         "numpy>=1.24",

@@ -19,8 +19,9 @@ layer spec.  Rows:
 
 Everything is built here: random weights, the built-in ``task:digit_sum`` prompts, the character
 tokenizer; nothing is downloaded.  Each section fails soft: an error becomes its row, and the next
-section runs.  Needs torch with CUDA, megatron-core 0.16.1 and megatron_rl's other requirements
-(``omegaconf``, ``psutil``, ``pyyaml``, ``packaging``, ``numpy``); run from the repository root.
+section runs.  Needs torch with CUDA, megatron-core 0.19.2 and megatron_rl's other requirements
+(``omegaconf``, ``psutil``, ``pyyaml``, ``packaging``, ``numpy``, ``einops``); run from the repository
+root.  docs/gpu_check.md has the commands that install them from wheels on a machine without network.
 
 Without CUDA it prints one line and exits 0.  ``--cpu-dry-run`` runs every section on the CPU
 with a tiny model (gloo, fp32 where bf16 is not the point) to check the script itself; its numbers

@@ -301,7 +301,7 @@ FEATURES: list[Feature] = [
                   when=lambda c: c.model.recompute.granularity == "selective"),
             _need("model.recompute.modules",
                   lambda c, w: not ({"mlp", "layernorm"} & set(c.model.recompute.modules)),
-                  "recompute of mlp/layernorm modules needs TransformerEngine in megatron-core 0.16 (and hangs with linear biases)",
+                  "recompute of mlp/layernorm modules needs TransformerEngine in megatron-core 0.19 (and hangs with linear biases)",
                   "use modules=[core_attn] or granularity=full", "selective mlp/layernorm recompute needs TE",
                   when=lambda c: c.model.recompute.granularity == "selective" and not _uses_te(c)),
         ),

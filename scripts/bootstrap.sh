@@ -1,32 +1,47 @@
 #!/usr/bin/env bash
-# Create (once) and update the project virtualenv at .venv/ with the pinned stack.
+# Create (once) and update the project virtualenv at .venv/ with the one tested stack:
+# Python 3.12, torch 2.13.0, megatron-core 0.19.2 (requirements-cpu.txt).
 # Used by ./run_ppo.sh and `make test`; re-installs only when a requirements file changed.
-#   MEGATRON_RL_EXTRAS=gpu  also installs TransformerEngine (CUDA machines).
+#   PYTHON=/path/to/python3.12         use this interpreter
+#   MEGATRON_RL_EXTRAS=gpu             also installs TransformerEngine (CUDA machines).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-python_bin="${PYTHON:-}"
-if [ -z "$python_bin" ]; then
-  for candidate in python3.11 python3.12 python3; do
-    if command -v "$candidate" >/dev/null 2>&1; then python_bin="$candidate"; break; fi
+
+is_py312() { "$1" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 12) else 1)' >/dev/null 2>&1; }
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  local c
+  for c in python3.12 python3 python; do
+    if command -v "$c" >/dev/null 2>&1 && is_py312 "$(command -v "$c")"; then command -v "$c"; return; fi
   done
+  # Interpreters pyenv (or a similar manager) has installed but not put on PATH, newest first.
+  for c in $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.* 2>/dev/null | sort -rV); do
+    if is_py312 "$c/bin/python"; then echo "$c/bin/python"; return; fi
+  done
+}
+
+if [ -x .venv/bin/python ] && ! is_py312 .venv/bin/python; then
+  echo "bootstrap: .venv has $(.venv/bin/python --version 2>&1), not Python 3.12; recreating it" >&2
+  rm -rf .venv
 fi
 if [ ! -x .venv/bin/python ]; then
-  echo "bootstrap: creating .venv with $($python_bin --version)" >&2
+  python_bin="$(find_python)"
+  if [ -z "$python_bin" ] || ! is_py312 "$python_bin"; then
+    echo "bootstrap: no Python 3.12 found (megatron-core 0.19 needs it); fix: install Python 3.12 (e.g. 'pyenv install 3.12' or your OS package python3.12), or set PYTHON=/path/to/python3.12" >&2
+    exit 2
+  fi
+  echo "bootstrap: creating .venv with $("$python_bin" --version) ($python_bin)" >&2
   "$python_bin" -m venv .venv
 fi
 reqs=(requirements-cpu.txt requirements-test.txt setup.py)
 stamp=".venv/.megatron_rl_installed"
 want="$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)${MEGATRON_RL_EXTRAS:-}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "bootstrap: installing the pinned stack into .venv (first run takes a few minutes)" >&2
+  echo "bootstrap: installing the pinned stack into .venv (first run: about 3 minutes, 4.8 GB)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
-  if .venv/bin/python -c 'import sys; sys.exit(0 if sys.version_info < (3, 12) else 1)'; then
-    .venv/bin/python -m pip install -q -r requirements-cpu.txt -r requirements-test.txt
-  else
-    # megatron-core 0.16.1 is the tested CPU pin; on Python >= 3.12 let pip pick a compatible release.
-    .venv/bin/python -m pip install -q -r requirements-test.txt
-  fi
+  .venv/bin/python -m pip install -q -r requirements-cpu.txt -r requirements-test.txt
   extras="test${MEGATRON_RL_EXTRAS:+,$MEGATRON_RL_EXTRAS}"
   .venv/bin/python -m pip install -q -e ".[${extras}]"
   echo "$want" > "$stamp"

@@ -283,6 +283,28 @@ def test_value_loss_clipped_and_unclipped():
     assert_close(m["vf_clipfrac"], torch.tensor(0.0), **TOL)
 
 
+def test_value_clipfrac_counts_clipping_not_rounding_noise():
+    """A value inside the clip range is not clipped, whatever ``old + (v - old)`` rounds to.
+
+    In fp32 ``old + (v - old)`` differs from ``v`` by an ulp for some tokens; comparing the two
+    squared errors then counted those tokens as clipped at random, so ``vf_clipfrac`` moved when
+    another layout rounded a value differently (resuming TP2 -> PP2 counted 4/48 instead of 1/48).
+    """
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(1, 10000, generator=g)
+    old = values + 0.05 * torch.randn(1, 10000, generator=g)
+    ret, mask = torch.randn(1, 10000, generator=g), torch.ones(1, 10000)
+    assert bool(((values - old).abs() < 0.2).all())
+    loss, m = losses.value_loss(values, old, ret, mask, clip=0.2)
+    assert float(m["vf_clipfrac"]) == 0.0
+    assert_close(loss, (0.5 * (values - ret) ** 2).mean(), **TOL)
+    # One value pushed out of the range is counted, and only it.
+    values[0, 0] = old[0, 0] + 1.0
+    ret[0, 0] = old[0, 0] + 5.0
+    _, m = losses.value_loss(values, old, ret, mask, clip=0.2)
+    assert float(m["vf_clipfrac"]) * 10000 == pytest.approx(1.0)
+
+
 def test_explained_variance():
     # R = [1,2,3,4]: var 1.25 ; R - V = [0,0,0,1]: var 3/16 ; ev = 1 - 0.1875/1.25 = 0.85
     ret, val, mask = t([[1.0, 2.0, 3.0, 4.0, 50.0]]), t([[1.0, 2.0, 3.0, 3.0, -50.0]]), t([[1, 1, 1, 1, 0]])

@@ -98,7 +98,7 @@ def test_rank_killed_by_signal_ends_job(tmp_path):
 def test_features_command_prints_versions_and_patches():
     proc, _ = cli("features")
     assert proc.returncode == 0
-    assert "megatron-core 0.16.1" in proc.stdout and "Tensor parallelism" in proc.stdout
+    assert "megatron-core 0.19.2" in proc.stdout and "Tensor parallelism" in proc.stdout
     assert "cpu.cuda_to_cpu_function_mode" in proc.stdout
 
 

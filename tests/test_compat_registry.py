@@ -119,7 +119,8 @@ def test_known_warning_is_a_narrow_filter(known):
 
 
 def reduce_transposed_view():
-    """megatron's ``_reduce`` (as patched) on a non-contiguous tensor returns the reduced values."""
+    """megatron's ``_reduce`` on a non-contiguous tensor returns the reduced values (0.16 returned the
+    unreduced input and needed a patch; 0.19.2 reduces a contiguous copy and returns it)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import mappings
@@ -138,3 +139,77 @@ def test_tp_reduce_of_a_noncontiguous_tensor():
 
     expected = (2 * torch.arange(6.0).reshape(2, 3) + 10).t().tolist()
     assert run_distributed(2, reduce_transposed_view) == [expected, expected]
+
+
+def test_known_log_messages_are_dropped_and_others_kept():
+    """megatron-core logs some notices through ``logging`` (GPTModel's deprecation, the async-save
+    one): the filter drops exactly those messages on exactly those loggers."""
+    import logging
+
+    from megatron_rl.compat.registry import all_known_log_messages
+    from megatron_rl.compat.warning_filters import quiet_known_log_messages
+
+    quiet_known_log_messages()
+    quiet_known_log_messages()  # a second call replaces the filter, it does not stack one more
+    for known in all_known_log_messages():
+        logger = logging.getLogger(known.logger)
+        assert len(logger.filters) == 1, known.name
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        try:
+            logger.warning(known.message.replace("\\", "") + " and the rest of it")
+            logger.warning("an unrelated notice from the same module")
+        finally:
+            logger.removeHandler(handler)
+        assert [r.getMessage() for r in records] == ["an unrelated notice from the same module"], known.name
+
+
+def test_gptmodel_deprecation_is_the_message_megatron_logs():
+    """The filter's text is megatron-core's: its source still logs it (a changed wording would
+    otherwise slip through unnoticed as a filter that matches nothing)."""
+    import importlib.util
+    import re
+
+    from megatron_rl.compat.registry import all_known_log_messages
+
+    for known in all_known_log_messages():
+        spec = importlib.util.find_spec(known.logger)
+        with open(spec.origin) as fh:
+            source = fh.read()
+        assert re.search(known.message, source.replace('"\n', "").replace('    "', "")), known.name
+
+
+def test_megatron_core_outside_the_tested_range_stops_before_launch():
+    from megatron_rl.compat.versions import OPT_IN_KEY, require_tested_megatron_core
+    from megatron_rl.errors import ConfigError
+
+    require_tested_megatron_core(False, installed=_pinned("megatron-core"))  # the pin passes silently
+    for untested in ("0.16.1", "0.18.2", "0.20.0"):
+        with pytest.raises(ConfigError) as err:
+            require_tested_megatron_core(False, installed=Version(untested))
+        line = str(err.value)
+        assert "\n" not in line and untested in line and MEGATRON_TESTED in line and OPT_IN_KEY in line, line
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        require_tested_megatron_core(True, installed=Version("0.20.0"))
+        require_tested_megatron_core(True, installed=Version("0.20.0"))
+    assert len(seen) == 1 and "0.20.0" in str(seen[0].message), [str(w.message) for w in seen]
+
+
+def test_bootstrap_without_python_312_says_what_to_install(tmp_path):
+    """scripts/bootstrap.sh looks on PATH, then among pyenv's interpreters; with neither it stops
+    with one line and exit 2 instead of building a venv megatron-core 0.19 cannot install into."""
+    os.makedirs(tmp_path / "scripts")
+    with open(os.path.join(ROOT, "scripts", "bootstrap.sh")) as src, open(tmp_path / "scripts" / "bootstrap.sh", "w") as dst:
+        dst.write(src.read())
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "no-pyenv")}
+    proc = subprocess.run(["bash", str(tmp_path / "scripts" / "bootstrap.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode == 0 or "creating .venv" in proc.stderr:
+        pytest.skip("this machine has a Python 3.12 on /usr/bin")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Python 3.12" in lines[0] and "fix:" in lines[0], proc.stderr
+    assert not (tmp_path / ".venv").exists()

@@ -141,9 +141,12 @@ def _optimizer_step(chunks, batch):
 
 
 def parity_body(layout_kw: dict, hf_dir: str) -> dict:
+    from megatron.core.inference.utils import InferenceMode
+
     cfg, chunks = _actor_from_hf(layout_kw, hf_dir)
     engine = _engine(cfg, chunks)
     greedy = engine.generate(PROMPTS, GREEDY, seed=0)
+    inference_mode = [InferenceMode.is_active()]  # megatron's process-wide flag: on only while stepping
     # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
     with torch.inference_mode():  # the engine allocates its cache in inference mode
         engine._engine.context.memory_buffer.fill_(float("nan"))
@@ -153,6 +156,7 @@ def parity_body(layout_kw: dict, hf_dir: str) -> dict:
     engine.release_weights()  # the trainer's call after a rollout: the KV cache is freed
     freed = engine.kv_cache_bytes() == 0 and not engine._engine.context.is_tensor_state_allocated
     resumed = engine.generate(PROMPTS, SAMPLED, seed=5)
+    inference_mode.append(InferenceMode.is_active())
     other_seed = engine.generate(PROMPTS[:2], SAMPLED, seed=6)  # two prompts suffice to tell seeds apart
     out = dict(
         vocab=cfg.vocab_size,
@@ -160,7 +164,7 @@ def parity_body(layout_kw: dict, hf_dir: str) -> dict:
         greedy_view=_trainer_view(chunks, greedy, 0.0),
         sampled=dataclasses.asdict(sampled), sampled_view=_trainer_view(chunks, sampled, SAMPLED.temperature),
         resumed=dataclasses.asdict(resumed), other_seed=other_seed.response_ids,
-        kv_bytes=kv_bytes, freed=freed, training=chunks[0].training,
+        kv_bytes=kv_bytes, freed=freed, training=chunks[0].training, inference_mode=any(inference_mode),
     )
     # Suspended, the actor takes an optimizer step; the resumed engine must generate with the new weights.
     engine.release_weights()
@@ -254,6 +258,7 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_mo
     assert first["resumed"] == first["sampled"], "same seed after suspend/resume, same samples"
     assert first["other_seed"] != first["sampled"]["response_ids"][: 2 * SAMPLED.n]
     assert first["freed"] and first["kv_bytes"] > 0 and first["training"]
+    assert not first["inference_mode"], "the trainer's forwards must not run in megatron's inference mode"
     sampled = first["sampled"]
     assert sampled["prompt_index"] == [i for i in range(len(PROMPTS)) for _ in range(SAMPLED.n)]
     assert any(sampled["response_ids"][2 * i] != sampled["response_ids"][2 * i + 1] for i in range(len(PROMPTS)))
@@ -270,8 +275,10 @@ def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict
     for options in engines:
         engine = _engine(cfg, chunks, **options)
         batch = engine.generate(PROMPTS, params, seed=9)
-        out.append((dataclasses.asdict(batch), engine._engine.evicted_request_count, engine._engine.step_count,
-                    engine._engine.context.block_allocator.active_count))
+        # megatron-core 0.19 counts steps on the context and names the allocator kv_block_allocator.
+        context = engine._engine.context
+        out.append((dataclasses.asdict(batch), engine._engine.evicted_request_count, context.step_count,
+                    context.kv_block_allocator.active_count))
     return out
 
 
@@ -550,7 +557,7 @@ def test_flash_paged_kernels_match_the_cpu_stand_in():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_are_not_captured_by_the_rollout_engine():
-    pytest.skip("CUDA graphs are a model-build switch in megatron-core 0.16 (cuda_graph_impl='local') that also "
+    pytest.skip("CUDA graphs are a model-build switch in megatron-core 0.19 (cuda_graph_impl='local') that also "
                 "routes the training forward through the graph manager; the engine runs eagerly (docs/rollout.md)")
 
 
@@ -581,6 +588,28 @@ def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():
         att = torch.softmax(torch.einsum("hd,khd->hk", q[r], keys[r].repeat_interleave(2, 1)) / 8**0.5, -1)
         want = torch.einsum("hk,khd->hd", att, values[r].repeat_interleave(2, 1))
         assert torch.allclose(dec[r, 0], want, atol=1e-5)
+
+
+def test_cpu_stand_ins_refuse_what_they_do_not_compute():
+    """Sliding-window layers and the sink softmax (which needs the LSE) would be silently wrong."""
+    from megatron_rl.compat.inference_cpu import sdpa_decode_paged, sdpa_varlen_paged
+
+    k = v = torch.zeros(2, 4, 2, 8)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    q, lengths = torch.zeros(1, 1, 4, 8), torch.tensor([5], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 1]), torch.tensor([0, 5])
+    full = sdpa_decode_paged(q, k, v, lengths, table, window_size=(-1, -1), num_splits=0)
+    assert full.shape == q.shape
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        sdpa_decode_paged(q, k, v, lengths, table, window_size=(4, 0))
+    with pytest.raises(NotImplementedError, match="LSE"):
+        sdpa_decode_paged(q, k, v, lengths, table, return_softmax_lse=True)
+    with pytest.raises(NotImplementedError, match="one query per request"):
+        sdpa_decode_paged(torch.zeros(1, 2, 4, 8), k, v, lengths, table)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        sdpa_varlen_paged(q[:, 0], k, v, cu_q, cu_k, block_table=table, window_size=(4, 0))
+    with pytest.raises(NotImplementedError, match="LSE"):
+        sdpa_varlen_paged(q[:, 0], k, v, cu_q, cu_k, block_table=table, return_attn_probs=True)
 
 
 def test_cpu_decode_stand_in_groups_requests_by_length():

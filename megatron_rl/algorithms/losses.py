@@ -346,7 +346,10 @@ def value_loss_parts(values, old_values, returns, mask, clip: float | None, agg:
         loss_mat = 0.5 * unclipped
         clipped_used = torch.zeros_like(unclipped, dtype=torch.bool)
     else:
-        v_clipped = old_values + (v - old_values).clamp(-clip, clip)
+        delta = v - old_values
+        # Inside the range the clipped value is ``v`` itself: ``old + (v - old)`` can round to an
+        # ulp away from ``v`` and would count the token as clipped by noise.
+        v_clipped = torch.where(delta.abs() > clip, old_values + delta.clamp(-clip, clip), v)
         clipped = (v_clipped - returns) ** 2
         loss_mat = 0.5 * torch.maximum(unclipped, clipped)
         clipped_used = clipped > unclipped

@@ -16,7 +16,7 @@ Everything is enabled only when CUDA is absent (see :func:`enable_cpu_compat`), 
 rewritten megatron call site can be listed with trace mode (``MEGATRON_RL_COMPAT_TRACE=1``) --
 a canary after upgrading megatron-core.
 
-Tested with megatron-core 0.16.1 and torch 2.13 (CPU build).
+Tested with megatron-core 0.19.2 and torch 2.13 (CPU build).
 """
 
 from __future__ import annotations
@@ -111,66 +111,6 @@ class CudaToCpuMode(TorchFunctionMode):
 # ----------------------------------------------------------------------------- CUDA stand-ins
 
 
-def _current_device() -> torch.device:
-    return torch.device("cpu")
-
-
-def _noop(*_args, **_kwargs) -> None:
-    return None
-
-
-def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
-    state = torch.get_rng_state()
-    return state.clone() if clone else state
-
-
-def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
-    torch.set_rng_state(new_state)
-
-
-def _cpu_manual_seed(seed: int) -> None:
-    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, i.e. this function.
-    torch.default_generator.manual_seed(int(seed))
-
-
-class _CpuStream:
-    """A CUDA stream stand-in: CPU work is ordered already, so waiting and events are no-ops
-    (megatron's alltoall MoE dispatcher copies its split sizes to the host on a side stream)."""
-
-    def wait_stream(self, _other) -> None:
-        return None
-
-    def record_event(self, _event=None) -> "_CpuEvent":
-        return _CpuEvent()
-
-    def synchronize(self) -> None:
-        return None
-
-
-class _CpuEvent:
-    def synchronize(self) -> None:
-        return None
-
-    def record(self, _stream=None) -> None:
-        return None
-
-    def wait(self, _stream=None) -> None:
-        return None
-
-
-_DEFAULT_STREAM = _CpuStream()
-
-
-def _current_stream(_device: Any = None) -> _CpuStream:
-    return _DEFAULT_STREAM
-
-
-def _stream_context(_stream: Any = None):
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def _distinct(fn):
     """A fresh function object: torch._dynamo keys its rules on torch.cuda functions by identity,
     so one object installed under two names breaks every later ``torch.compile``."""
@@ -183,28 +123,16 @@ def _distinct(fn):
 
 
 def _patch_torch_cuda() -> None:
+    from megatron_rl.compat import cuda_standins
+
     cuda = torch.cuda
-    replacements = {
-        "current_device": _current_device,
-        "synchronize": _noop,
-        "get_rng_state": _cpu_get_rng_state,
-        "set_rng_state": _cpu_set_rng_state,
-        "manual_seed": _cpu_manual_seed,
-        "manual_seed_all": _cpu_manual_seed,
-        "empty_cache": _noop,
-        "set_device": _noop,
-        "memory_allocated": lambda *a, **k: 0,
-        "max_memory_allocated": lambda *a, **k: 0,
-        "reset_peak_memory_stats": _noop,
-        "current_stream": _current_stream,
-        "stream": _stream_context,
-    }
-    for name, fn in replacements.items():
+    for name, fn in cuda_standins.FUNCTIONS.items():
         setattr(cuda, name, _distinct(fn))
-    cuda.Stream = _CpuStream
-    cuda.Event = _CpuEvent
+    for name, cls in cuda_standins.CLASSES.items():
+        setattr(cuda, name, cls)
     for name in ("get_rng_state", "set_rng_state", "manual_seed"):
         setattr(cuda.random, name, getattr(cuda, name))
+    cuda_standins.install_nvtx_noops()
     # megatron-core wraps small fusions in torch.compile at import; compiling C++ kernels for
     # them on CPU costs far more than it saves, so run them eagerly.  This is process-wide: a
     # user's own torch.compile runs eagerly on CPU too.
@@ -217,8 +145,10 @@ def _patch_megatron_rng() -> None:
     """megatron's private CUDA RNG helpers silently do nothing on CPU builds of torch."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._get_cuda_rng_state = _cpu_get_rng_state
-    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    from megatron_rl.compat.cuda_standins import get_rng_state, set_rng_state
+
+    mrandom._get_cuda_rng_state = get_rng_state
+    mrandom._set_cuda_rng_state = set_rng_state
 
 
 def _patch_moe_host_copies() -> None:
@@ -282,8 +212,9 @@ register_patch(
         reason=(
             "torch.cuda.current_device/synchronize/RNG raise or no-op on CPU builds; "
             "megatron calls them in buffers, p2p, DDP, dist_checkpointing and the RNG tracker; "
-            "torch.cuda.Stream/Event/stream/current_stream are no-op stand-ins (the MoE alltoall "
-            "dispatcher's host copies). "
+            "streams, events (host clock), NVTX ranges, memory statistics and device properties "
+            "get one stand-in each (compat/cuda_standins.py): DDP's grad-sync streams, the MoE "
+            "alltoall dispatcher's host copies, the inference engine's step timing and suspend/resume. "
             "Also sets torch._dynamo.config.disable so megatron's compiled fusions run eagerly: "
             "every torch.compile in the process, the user's included, runs uncompiled on CPU"
         ),

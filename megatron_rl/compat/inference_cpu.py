@@ -2,35 +2,32 @@
 
 ``rollout.engine=megatron`` drives ``megatron.core.inference``'s ``DynamicInferenceEngine`` (paged
 KV cache, continuous batching, chunked prefill) on the actor's own shards.  On a CPU build of
-torch five things stop it; each is replaced here, for CPU processes only:
+torch, besides the CUDA events, NVTX ranges and memory statistics that
+:mod:`megatron_rl.compat.cuda_standins` stands in for, these stop it; each is replaced here, for
+CPU processes only:
 
-* ``torch.cuda.Event`` -- the engine times every step with CUDA events; :class:`CpuEvent` keeps
-  the host clock instead;
-* NVTX ranges -- ``torch.cuda.nvtx.range_push/pop`` raise without CUDA; no-ops (also rebound in
-  ``dynamic_engine``, which imports them by name);
 * the paged attention kernels -- with a dynamic context ``Attention.forward`` skips the layer
   spec's core attention and calls flash-attn's ``flash_attn_varlen_func`` (prefill and mixed
   steps) and ``flash_attn_with_kvcache`` (decode-only steps) on the KV pages, after asserting a
-  flash-attn version.  :func:`sdpa_varlen_paged` and :func:`sdpa_decode_paged` compute the same
-  thing with ``scaled_dot_product_attention`` over each request's pages: causal attention aligned
-  to the end of the keys (a query at chunk offset ``j`` sees keys ``< kv_len - q_len + j + 1``),
-  GQA, and zeros for padding tokens and padding requests.  They are a CPU stand-in tested for
-  parity with a full-sequence forward, not a model of the GPU kernels' speed;
+  flash-attn version, or FA3's / FA4's kernels when those are importable.
+  :func:`sdpa_varlen_paged` and :func:`sdpa_decode_paged` compute the same thing with
+  ``scaled_dot_product_attention`` over each request's pages: causal attention aligned to the
+  end of the keys (a query at chunk offset ``j`` sees keys ``< kv_len - q_len + j + 1``), GQA,
+  and zeros for padding tokens and padding requests.  They are a CPU stand-in tested for parity
+  with a full-sequence forward, not a model of the GPU kernels' speed;
+* the Triton KV-cache append -- ``DynamicInferenceContext.append_key_value_cache`` calls
+  ``triton_append_key_value_cache`` whenever triton imports, and that kernel asserts CUDA
+  tensors; without it the context writes the pages with its own indexed copy;
 * ``communication_utils._is_cuda`` -- asserts ``tensor.is_cuda`` on the logits the last pipeline
-  stage broadcasts (PP >= 2);
-* ``torch.cuda.memory_stats()`` -- ``{}`` on CPU, read with ``[...]`` keys by ``suspend()`` /
-  ``resume()``; a ``defaultdict(int)`` instead.
+  stage broadcasts (PP >= 2).
 
-On a GPU none of this applies: the engine needs flash-attn >= 2.7.3 (or FA3) there, and
+On a GPU none of this applies: the engine needs flash-attn >= 2.7.3 (or FA3 / FA4) there, and
 :mod:`megatron_rl.rollout.megatron_engine` says so before it starts.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -43,60 +40,6 @@ from megatron_rl.compat.registry import (
     register_patch,
     register_workaround,
 )
-
-
-# ----------------------------------------------------------------------------- CUDA events
-class CpuEvent:
-    """``torch.cuda.Event`` on the host clock: ``elapsed_time`` in milliseconds, like CUDA's."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        self.enable_timing = enable_timing
-        self._t: float | None = None
-
-    def record(self, stream=None) -> None:
-        self._t = time.perf_counter()
-
-    def synchronize(self) -> None:
-        return None
-
-    def query(self) -> bool:
-        return True
-
-    def wait(self, stream=None) -> None:
-        return None
-
-    def elapsed_time(self, end: "CpuEvent") -> float:
-        if self._t is None or end._t is None:
-            raise RuntimeError("elapsed_time needs both events recorded")
-        return (end._t - self._t) * 1e3
-
-
-def _patch_cuda_event() -> None:
-    torch.cuda.Event = CpuEvent
-
-
-# ----------------------------------------------------------------------------- NVTX
-def _nvtx_noop(*_args, **_kwargs) -> None:
-    return None
-
-
-def _patch_nvtx() -> None:
-    from torch.cuda import nvtx
-
-    for name in ("range_push", "range_pop", "mark"):
-        setattr(nvtx, name, _nvtx_noop)
-    engine = sys.modules.get("megatron.core.inference.engines.dynamic_engine")
-    if engine is not None:  # imported before compat: it holds the originals by name
-        engine.range_push = engine.range_pop = _nvtx_noop
-
-
-# ----------------------------------------------------------------------------- memory stats
-def _memory_stats(*_args, **_kwargs) -> collections.defaultdict:
-    return collections.defaultdict(int)
-
-
-def _patch_memory_stats() -> None:
-    torch.cuda.memory_stats = _memory_stats
 
 
 # ----------------------------------------------------------------------------- PP broadcast
@@ -132,14 +75,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     return out.transpose(0, 1)
 
 
+def _full_attention_only(window_size, lse: bool) -> None:
+    """The stand-ins compute full causal attention and return no log-sum-exp: a sliding-window
+    layer or a sink softmax (which corrects the output with the LSE) would be silently wrong."""
+    if window_size is not None and tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"the CPU paged attention has no sliding window (window_size={window_size})")
+    if lse:
+        raise NotImplementedError("the CPU paged attention returns no softmax LSE (sink softmax)")
+
+
 def sdpa_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-                      softmax_scale=None, causal=True, block_table=None, **_unused):
+                      softmax_scale=None, causal=True, block_table=None, window_size=None,
+                      return_attn_probs=False, **_unused):
     """flash-attn's ``flash_attn_varlen_func`` with a ``block_table``, for the CPU.
 
     ``q [tokens, heads, d]`` packs every request's new tokens (``cu_seqlens_q``); ``k``/``v`` are the
     paged caches ``[blocks, block_size, kv_heads, d]`` already holding the new keys; request ``i``
     has ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` keys in pages ``block_table[i]``.
     """
+    _full_attention_only(window_size, return_attn_probs)
     scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
     out = torch.zeros_like(q)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -174,7 +128,7 @@ def decode_groups(lengths: list[int], slack: float = DECODE_PADDING_SLACK) -> li
 
 
 def sdpa_decode_paged(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
-                      **_unused):
+                      window_size=None, return_softmax_lse=False, **_unused):
     """flash-attn's ``flash_attn_with_kvcache`` with a ``block_table`` (decode: one query per
     request), batched over requests of similar length (:func:`decode_groups`):
     ``q [b, 1, heads, d]`` -> ``[b, 1, heads, d]``.
@@ -183,6 +137,9 @@ def sdpa_decode_paged(q, k_cache, v_cache, cache_seqlens, block_table, softmax_s
     than gathering token slots), padded to its group's longest page count.  The slots past a
     request's length may hold anything -- uninitialised memory, NaN included, which would survive
     the mask as 0 * NaN -- so those rows of the copy are zeroed before SDPA masks them."""
+    _full_attention_only(window_size, return_softmax_lse)
+    if q.size(1) != 1:  # several queries per request: speculative decoding, which is off
+        raise NotImplementedError(f"the CPU paged decode takes one query per request, got {q.size(1)}")
     scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
     out = torch.zeros_like(q)
     live = (cache_seqlens > 0).nonzero().squeeze(1)  # padding requests have no keys: zeros
@@ -223,6 +180,21 @@ def _patch_paged_attention() -> None:
     attention.is_fa_min_version = _fa_version_ok  # only attention.py's dynamic-batching assert reads it
 
 
+def _patch_flash_generation_off() -> None:
+    """Keep ``Attention._resolve_flash_version`` on the FA2 names the stand-ins replace."""
+    from megatron.core.transformer import attention
+
+    attention.HAVE_FA3 = False
+    attention.HAVE_FA4 = False
+
+
+# ----------------------------------------------------------------------------- KV append
+def _patch_triton_kv_append() -> None:
+    from megatron.core.inference.contexts import dynamic_context
+
+    dynamic_context.triton_append_key_value_cache = None
+
+
 # ----------------------------------------------------------------------------- the function mode
 @contextlib.contextmanager
 def cpu_function_mode_paused():
@@ -232,8 +204,10 @@ def cpu_function_mode_paused():
     The mode costs about 10 us of Python per torch call, and a dynamic-engine step makes hundreds
     of small ones (about 700 for a 4-layer model), while none of them asks for CUDA: every device
     comes from ``torch.cuda.current_device()``, already the CPU (traced with
-    ``MEGATRON_RL_COMPAT_TRACE=1``: the only rewrite is the controller's ``pin_memory=True`` when
-    it is built).  So the engine steps with the mode paused."""
+    ``MEGATRON_RL_COMPAT_TRACE=1``: the only rewrites are the ``pin_memory=True`` host buffers of
+    the context's ``initialize_all_tensors`` and of the controller, made when they are built and
+    when a suspended engine resumes -- so neither happens with the mode paused).  So the engine
+    steps with the mode paused."""
     from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
 
     from megatron_rl.compat import cpu
@@ -259,23 +233,77 @@ register_workaround(
 )
 
 
+# What the engine adapter does on every device, because of how megatron-core 0.19.2's dynamic engine
+# behaves (listed with the CPU layer: they are re-checked together on an upgrade).
+register_workaround(
+    Workaround(
+        name="inference.kv_cache_freed_on_suspend",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "DynamicInferenceEngine.suspend() frees the KV cache only when InferenceConfig."
+            "kv_cache_management_mode is not PERSIST, the default; the engine asks for RECOMPUTE so "
+            "the cache is deleted while the actor trains and rebuilt by resume()"
+        ),
+        used_in="rollout/megatron_engine.py:KVCacheManagementMode.RECOMPUTE",
+    )
+)
+register_workaround(
+    Workaround(
+        name="inference.inference_mode_only_while_stepping",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "inference/utils.py InferenceMode is a process-wide flag that DynamicInferenceEngine "
+            "__init__ and resume() set and only suspend() clears; GPTModel._preprocess/_postprocess "
+            "read it (last-token logits only while it is set), so it is cleared after building or "
+            "resuming and set only around the engine's steps"
+        ),
+        used_in="rollout/megatron_engine.py:InferenceMode.active",
+    )
+)
+register_workaround(
+    Workaround(
+        name="inference.moe_dispatcher_nccl",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "DynamicInferenceContext.__init__ allocates NVLSAllGatherVDispatcher symmetric-memory "
+            "buffers with EP > 1 when inference_moe_token_dispatcher_type is 'nvls' (the default), "
+            "which raises without Hopper+ GPUs fully connected by NVLink (and on the CPU); only "
+            "transformer_impl='inference_optimized' MoE layers use that dispatcher"
+        ),
+        used_in="rollout/megatron_engine.py:inference_moe_token_dispatcher_type",
+    )
+)
+register_workaround(
+    Workaround(
+        name="inference.ep_dummy_step_not_recorded",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "TextGenerationController.dummy_forward() now runs the wrapper's _forward on a dummy "
+            "request whose id is never set (add_dummy_requests_for_expert_parallel_step); MoE "
+            "routing is not recorded when the context's _bookkeeping_no_real_work is set"
+        ),
+        used_in="rollout/megatron_engine.py:_bookkeeping_no_real_work",
+    )
+)
+
+
 _CPU_PATCHES = (
-    ("inference_cpu.cuda_event", _patch_cuda_event,
-     "the dynamic engine times each step with torch.cuda.Event(enable_timing=True), which a CPU build "
-     "cannot instantiate ('dummy base class Event'); CpuEvent keeps the host clock"),
-    ("inference_cpu.nvtx_ranges", _patch_nvtx,
-     "dynamic_engine imports torch.cuda.nvtx range_push/range_pop and inference_request calls them; "
-     "on a CPU build they raise 'NVTX functions not installed'; no-ops instead"),
     ("inference_cpu.paged_attention_sdpa", _patch_paged_attention,
-     "with a DynamicInferenceContext Attention.forward bypasses core_attention and calls flash-attn's "
-     "paged flash_attn_varlen_func / flash_attn_with_kvcache after asserting flash-attn >= 2.7.3; "
-     "SDPA over each request's KV pages computes the same attention on the CPU"),
+     "with a DynamicInferenceContext Attention.forward bypasses core_attention and "
+     "Attention.flash_decode_and_prefill calls flash-attn's paged flash_attn_varlen_func / "
+     "flash_attn_with_kvcache (now with window_size, softmax_scale, num_splits) after asserting "
+     "HAVE_FA4 or HAVE_FA3 or flash-attn >= 2.7.3; SDPA over each request's KV pages computes the "
+     "same full causal attention on the CPU (sliding windows and sink softmax refused)"),
+    ("inference_cpu.flash_attn_generation_off", _patch_flash_generation_off,
+     "Attention._resolve_flash_version prefers FA4 (flash_attn.cute) > FA3 (flash_attn_3) > FA2 when "
+     "importable, which would bypass the SDPA stand-ins; HAVE_FA3/HAVE_FA4 are set False on the CPU"),
+    ("inference_cpu.triton_kv_append_off", _patch_triton_kv_append,
+     "DynamicInferenceContext.append_key_value_cache calls fused_kv_append_kernel."
+     "triton_append_key_value_cache whenever triton imports, and it asserts CUDA tensors on every "
+     "layer of every step; set to None, the context's indexed-copy fallback writes the KV pages"),
     ("inference_cpu.pp_logits_broadcast_is_cuda", _patch_pp_broadcast_check,
      "communication_utils._is_cuda asserts tensor.is_cuda on the logits the last pipeline stage "
      "broadcasts during generation (PP >= 2); only the not-None check is kept"),
-    ("inference_cpu.memory_stats", _patch_memory_stats,
-     "DynamicInferenceEngine.suspend()/resume() read torch.cuda.memory_stats()['allocated_bytes.all."
-     "current'], but the CPU build returns {}: KeyError; a defaultdict(int) reports zeros"),
 )
 
 for _name, _apply, _reason in _CPU_PATCHES:

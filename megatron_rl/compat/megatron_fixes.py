@@ -15,14 +15,15 @@ from megatron_rl.compat.registry import MEGATRON_TESTED, Patch, Workaround, regi
 def transformer_config_fixes() -> dict:
     """Extra ``TransformerConfig`` arguments that work around megatron-core checks.
 
-    megatron-core 0.16.1: ``TransformerConfig.__post_init__`` rejects
+    megatron-core 0.19.2: ``TransformerConfig.__post_init__`` rejects
     ``variable_seq_lengths=True`` (needed for token-budget micro-batches through the pipeline)
     whenever ``moe_token_dispatcher_type == "allgather"`` -- its default -- even for dense models
     without experts.  The dispatcher is unused by dense models, so name the one that passes.  Its
-    ``cuda_graph_scope`` default ``"full"`` warns as deprecated and is turned into ``[]``, so pass
-    ``[]`` directly.
+    ``cuda_graph_modules`` default ``"full"`` warns "full scope is deprecated" on every build (and
+    the older ``cuda_graph_scope`` warns as deprecated when passed at all); ``[]`` is the one value
+    that warns nothing and, like the default without ``cuda_graph_impl``, captures no graphs.
     """
-    return {"moe_token_dispatcher_type": "alltoall", "cuda_graph_scope": []}
+    return {"moe_token_dispatcher_type": "alltoall", "cuda_graph_modules": []}
 
 
 register_workaround(
@@ -38,11 +39,12 @@ register_workaround(
 )
 register_workaround(
     Workaround(
-        name="config.cuda_graph_scope_default",
+        name="config.cuda_graph_modules_default",
         megatron_versions=MEGATRON_TESTED,
         reason=(
-            "TransformerConfig's own default cuda_graph_scope='full' warns 'full scope is deprecated' "
-            "on every model build; transformer_config_fixes() passes the [] it is converted to"
+            "TransformerConfig's default cuda_graph_modules='full' warns 'full scope is deprecated' on "
+            "every model build (transformer_config.py __post_init__); transformer_config_fixes() passes "
+            "[], which warns nothing and captures nothing"
         ),
         used_in="models/builder.py:transformer_config",
     )
@@ -86,7 +88,7 @@ register_workaround(
 def default_batch_p2p_comm(pp: int, vpp: int | None) -> bool:
     """``batch_p2p_comm`` when the config leaves it unset: off for interleaved PP=2.
 
-    megatron-core 0.16.1: the interleaved 1F1B schedule with two pipeline ranks and batched p2p
+    megatron-core 0.19.2: the interleaved 1F1B schedule with two pipeline ranks and batched p2p
     gives silently wrong losses and gradients; unbatched p2p is exact.
     """
     return not (pp == 2 and (vpp or 1) > 1)
@@ -108,7 +110,7 @@ register_workaround(
 def distributed_optimizer_checkpoint_metadata() -> dict:
     """The ``metadata`` for ``DistributedOptimizer.sharded_state_dict``.
 
-    megatron-core 0.16.1: the default format (``fully_sharded_model_space``) is refused by its own
+    megatron-core 0.19.2: the default format (``fully_sharded_model_space``) is refused by its own
     ShardedTensor validation; ``fully_reshardable`` is accepted and also lets a run resume on
     another TP/PP/DP layout, as the plain optimizer's checkpoints do.
     """
@@ -131,12 +133,13 @@ register_workaround(
 def pre_normalised_count() -> torch.Tensor:
     """The token count a loss function returns with a loss already divided by its global denominator.
 
-    megatron-core 0.16.1 with ``calculate_per_token_loss=True``: the schedule neither divides the
+    megatron-core 0.19.2 with ``calculate_per_token_loss=True``: the schedule neither divides the
     loss by the number of micro-batches nor averages over data-parallel ranks; it sums the counts
     the loss functions return, and ``finalize_model_grads`` all-reduces that sum over DP x CP and
-    divides every gradient by it -- only ``if num_tokens > 0``.  A count of 0 therefore leaves the
-    gradients as the pre-divided losses made them.  A release that divides unconditionally would
-    make them inf, and the DP/PP parity tests fail.
+    multiplies every gradient by ``1 / clamp(num_tokens, min=1)``.  A count of 0 therefore scales by
+    exactly 1 and leaves the gradients as the pre-divided losses made them.  (0.16 skipped the
+    scaling when the count was 0, to the same effect.)  A release that divided by the raw count
+    would make them inf, and the DP/PP parity tests fail.
     """
     return torch.tensor(0, dtype=torch.int)
 
@@ -147,41 +150,10 @@ register_workaround(
         megatron_versions=MEGATRON_TESTED,
         reason=(
             "losses are divided by the mini-batch denominator on the host; returning count 0 relies "
-            "on finalize_model_grads skipping its 1/num_tokens scaling when the summed count is 0 "
-            "(internal behaviour, not a documented contract)"
+            "on finalize_model_grads scaling by 1/clamp(num_tokens, min=1), i.e. by 1 when the summed "
+            "count is 0 (internal behaviour, not a documented contract)"
         ),
         used_in="engine/forward.py:run_sequences",
-    )
-)
-
-
-def _patch_tp_reduce() -> None:
-    from megatron.core.tensor_parallel import mappings
-
-    original = mappings._reduce
-    if getattr(original, "_megatron_rl_contiguous", False):
-        return
-
-    def _reduce(input_, group):
-        # The original all-reduces ``input_.contiguous()`` and returns ``input_``: hand it the
-        # contiguous tensor, so the tensor it reduces is the one it returns.
-        return original(input_.contiguous(), group)
-
-    _reduce._megatron_rl_contiguous = True
-    mappings._reduce = _reduce
-
-
-register_patch(
-    Patch(
-        name="tensor_parallel.reduce_noncontiguous",
-        megatron_versions=MEGATRON_TESTED,
-        reason=(
-            "tensor_parallel.mappings._reduce all-reduces input_.contiguous() and returns input_: "
-            "for a non-contiguous tensor (e.g. the gradient of a transposed view entering "
-            "copy_to_tensor_model_parallel_region) the reduced copy is dropped and each TP rank "
-            "keeps its partial sum; the patch wraps _reduce to pass it a contiguous tensor"
-        ),
-        apply=_patch_tp_reduce,
     )
 )
 
@@ -202,7 +174,7 @@ def _distributed_optimizers(optimizer) -> list:
 def init_distributed_optimizer_state(optimizer) -> None:
     """Give a not-yet-stepped DistributedOptimizer (torch Adam) zero Adam state and step 0.
 
-    megatron-core 0.16.1: without TE or Apex, ``DistributedOptimizer.state_dict()`` reads the
+    megatron-core 0.19.2: without TE or Apex, ``DistributedOptimizer.state_dict()`` reads the
     ``step`` of every parameter's torch-Adam state and asserts there is exactly one value, so a
     freshly built optimizer -- the one a resumed run loads into -- cannot even describe what it
     wants to load.  Zero moments and step 0 are what Adam would start from; loading overwrites them.
@@ -366,26 +338,5 @@ register_patch(
             "state); the patch re-indexes by the optimizer's own order after construction"
         ),
         apply=_patch_distributed_optimizer_mixed_dtype_order,
-    )
-)
-
-
-def _patch_moe_router_gemm_without_te() -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-register_patch(
-    Patch(
-        name="moe.router_gating_without_te",
-        megatron_versions=MEGATRON_TESTED,
-        reason=(
-            "transformer/moe/moe_utils.py binds te_general_gemm only when TransformerEngine imports, "
-            "but RouterGatingLinearFunction reads it unconditionally: every MoE router raises "
-            "NameError without TE; the patch defines it as None, selecting the torch.mm path"
-        ),
-        apply=_patch_moe_router_gemm_without_te,
     )
 )

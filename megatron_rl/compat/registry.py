@@ -7,7 +7,9 @@ upgrade shows at a glance what to re-check (``megatron-rl features`` prints all 
 * :class:`Workaround` -- code that avoids a megatron-core behaviour where it is needed (a config
   value, a call, an override); nothing is applied, ``used_in`` says where it acts;
 * :class:`KnownWarning` -- a warning megatron-core or torch emits on the tested stack that the
-  user cannot act on, silenced by message (:mod:`megatron_rl.compat.warning_filters`).
+  user cannot act on, silenced by message (:mod:`megatron_rl.compat.warning_filters`);
+* :class:`KnownLogMessage` -- the same for a message megatron-core sends through ``logging``
+  rather than ``warnings`` (a filter on that one logger, by message).
 
 Ranges name what was tested -- only the pinned stack of requirements-cpu.txt -- so a newer release
 falls outside them and :func:`warn_untested` names the records to re-check, once per process.
@@ -24,8 +26,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 ANY = ""  # a version range that matches every release
-# What the pinned stack (requirements-cpu.txt) tests: megatron-core 0.16.1, torch 2.13 (CPU).
-MEGATRON_TESTED = ">=0.16.1,<0.17"
+# What the pinned stack (requirements-cpu.txt) tests: megatron-core 0.19.2, torch 2.13 (CPU).
+MEGATRON_TESTED = ">=0.19.2,<0.20"
 TORCH_TESTED = ">=2.13,<2.14"
 
 
@@ -64,9 +66,23 @@ class KnownWarning:
     cpu_only: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class KnownLogMessage:
+    """``message`` is a regular expression matched at the start of the record's text; ``logger``
+    the exact name of the logger megatron-core emits it on."""
+
+    name: str
+    message: str
+    logger: str
+    reason: str
+    megatron_versions: str = ANY
+    torch_versions: str = ANY
+
+
 _PATCHES: dict[str, Patch] = {}
 _WORKAROUNDS: dict[str, Workaround] = {}
 _WARNINGS: dict[str, KnownWarning] = {}
+_LOG_MESSAGES: dict[str, KnownLogMessage] = {}
 _APPLIED: set[str] = set()
 _WARNED_UNTESTED = False
 
@@ -83,6 +99,11 @@ def register_workaround(workaround: Workaround) -> Workaround:
 
 def register_warning(known: KnownWarning) -> KnownWarning:
     _WARNINGS[known.name] = known
+    return known
+
+
+def register_log_message(known: KnownLogMessage) -> KnownLogMessage:
+    _LOG_MESSAGES[known.name] = known
     return known
 
 
@@ -110,6 +131,11 @@ def all_workarounds() -> list[Workaround]:
 def all_known_warnings() -> list[KnownWarning]:
     _load_records()
     return list(_WARNINGS.values())
+
+
+def all_known_log_messages() -> list[KnownLogMessage]:
+    _load_records()
+    return list(_LOG_MESSAGES.values())
 
 
 def applied_patches() -> list[str]:

@@ -1,9 +1,9 @@
 """Megatron's unfused THD RoPE without reading ``cu_seqlens`` back from the device.
 
-megatron-core 0.16.1 ``rope_utils._apply_rotary_pos_emb_thd`` (used whenever
-``apply_rope_fusion`` is off, i.e. without TransformerEngine) calls ``cu_seqlens.tolist()`` and
-compares ``freqs.size(0) == cu_seqlens[-1]`` for query and key in every layer: four device reads
-per layer, each a sync on GPU.  Our micro-batches attach the host values to the ``cu_seqlens``
+megatron-core 0.19.2 ``rope_utils._apply_rotary_pos_emb_thd`` (used whenever
+``apply_rope_fusion`` is off, i.e. without TransformerEngine) calls ``cu_seqlens.tolist()``,
+``cu_seqlens[-1].item()`` and, with packed frequencies, ``cu_seqlens[i].item()`` per sequence, for
+query and key in every layer: device reads per layer, each a sync on GPU.  Our micro-batches attach the host values to the ``cu_seqlens``
 they send (:func:`megatron_rl.ops.zigzag.with_host_values`); this replacement reads them there
 and otherwise computes exactly what megatron's function computes (same splits, same frequency
 slices, same ``_apply_rotary_pos_emb_bshd``).  Tensors without host values fall back to one read.
@@ -21,14 +21,17 @@ def _apply_rotary_pos_emb_thd_host(
     cu_seqlens: torch.Tensor,
     freqs: torch.Tensor,
     rotary_interleaved: bool = False,
-    multi_latent_attention: bool = False,
+    mla_rotary_interleaved: bool = False,
     mscale: float = 1.0,
     cp_group=None,
+    multi_latent_attention: bool | None = None,
 ) -> torch.Tensor:
     from megatron.core.models.common.embeddings import rope_utils
 
     from megatron_rl.ops.zigzag import host_values
 
+    if multi_latent_attention is not None:  # megatron's deprecated name for the same switch
+        mla_rotary_interleaved = multi_latent_attention
     if cp_group is None:
         raise ValueError("cp_group must be provided for THD format RoPE")
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
@@ -43,7 +46,7 @@ def _apply_rotary_pos_emb_thd_host(
     ])
     return rope_utils._apply_rotary_pos_emb_bshd(
         t.unsqueeze(1), freqs_packed, rotary_interleaved=rotary_interleaved,
-        multi_latent_attention=multi_latent_attention, mscale=mscale,
+        mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale,
     ).squeeze(1)
 
 

@@ -14,13 +14,18 @@ mode's frame, so a warning torch raises for its caller is attributed to
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 
 from megatron_rl.compat.registry import (
     MEGATRON_TESTED,
     TORCH_TESTED,
+    KnownLogMessage,
     KnownWarning,
+    all_known_log_messages,
     all_known_warnings,
+    register_log_message,
     register_warning,
 )
 
@@ -128,12 +133,89 @@ for _known in (
         megatron_versions=MEGATRON_TESTED,
         torch_versions=TORCH_TESTED,
     ),
+    KnownWarning(
+        name="megatron.mimo_config_experimental",
+        message=r"MimoModelConfig is experimental and still under active development",
+        category=UserWarning,
+        module=r"megatron\.core\.models\.mimo",
+        reason="warned when megatron-core's own import chain reaches its multimodal model config, which megatron_rl never uses",
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownWarning(
+        name="megatron.absl_logging_missing",
+        message=r"absl\.logging is not installed\. Using logging\.getLogger",
+        category=UserWarning,
+        module=r"megatron\.core\.hyper_comm_grid",
+        reason="megatron-core's HyperCommGrid falls back to the standard logging module, which is all megatron_rl uses",
+        megatron_versions=MEGATRON_TESTED,
+    ),
 ):
     register_warning(_known)
 
 
+for _known_log in (
+    KnownLogMessage(
+        name="megatron.gptmodel_deprecated",
+        message=r"GPTModel IS DEPRECATED",
+        logger="megatron.core.models.gpt.gpt_model",
+        reason=(
+            "logged by every GPTModel.__init__ (once per model chunk); megatron_rl keeps GPTModel on "
+            "purpose -- docs/architecture.md says what HybridModel lacks -- so the user cannot act on it"
+        ),
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownLogMessage(
+        name="megatron.mcore_async_save_deprecated",
+        message=r"MCore's async save is deprecated",
+        logger="megatron.core.dist_checkpointing.strategies.torch",
+        reason=(
+            "TorchDistSaveShardedStrategy.save (the synchronous save megatron_rl calls) runs its own "
+            "async_save(async_strategy='mcore') and logs this once per rank; nothing a user sets changes it"
+        ),
+        megatron_versions=MEGATRON_TESTED,
+    ),
+    KnownLogMessage(
+        name="torch.cpp_extension_without_cuda_runtime",
+        message=r"No CUDA runtime is found, using CUDA_HOME",
+        logger="torch.utils.cpp_extension",
+        reason=(
+            "PyPI's torch wheel is a CUDA build; on a machine without a GPU, importing "
+            "torch.utils.cpp_extension (megatron-core's tensor_parallel/random.py does) logs this in "
+            "every process; megatron_rl compiles no extension on the CPU"
+        ),
+        torch_versions=TORCH_TESTED,
+    ),
+):
+    register_log_message(_known_log)
+
+
+class KnownLogFilter(logging.Filter):
+    """Drops the records of one logger whose text starts with one of the known messages."""
+
+    def __init__(self, patterns: list[str]):
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
+def quiet_known_log_messages() -> None:
+    """One :class:`KnownLogFilter` per logger named by a :class:`KnownLogMessage` (replacing an
+    earlier one, so calling this again does not stack filters)."""
+    by_logger: dict[str, list[str]] = {}
+    for known in all_known_log_messages():
+        by_logger.setdefault(known.logger, []).append(known.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        for old in [f for f in logger.filters if isinstance(f, KnownLogFilter)]:
+            logger.removeFilter(old)
+        logger.addFilter(KnownLogFilter(patterns))
+
+
 def quiet_known_warnings(cpu: bool | None = None) -> None:
-    """Install a filter for every :class:`KnownWarning` (the CPU-only ones when ``cpu``)."""
+    """Install a filter for every :class:`KnownWarning` (the CPU-only ones when ``cpu``) and every
+    :class:`KnownLogMessage`."""
     if cpu is None:
         from megatron_rl.compat import cuda_available
 
@@ -142,6 +224,7 @@ def quiet_known_warnings(cpu: bool | None = None) -> None:
         if known.cpu_only and not cpu:
             continue
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
+    quiet_known_log_messages()
 
 
 def pytest_filter_lines() -> list[str]:

@@ -59,6 +59,9 @@ class RunConfig:
     name: str = _f("megatron_rl", "Run name; the run directory is <dir>/<name>.")
     dir: str = _f("runs", "Parent directory of run directories.")
     seed: int = _f(1234, "Seed for weights, data order, sampling and dropout-free RNG streams.", ge=0)
+    allow_untested_megatron_core: bool = _f(
+        False, "Start with a megatron-core release outside the tested range (>=0.19.2,<0.20): one warning "
+        "instead of stopping before launch. Run make test on that stack before trusting it.")
 
 
 @dataclass

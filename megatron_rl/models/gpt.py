@@ -6,7 +6,9 @@ value head for the critic -- so this subclass returns the final hidden states (a
 norm) from the last pipeline stage and lets the caller apply the head.  Everything else
 (embeddings, decoder, pipeline stages, checkpoint layout) is megatron-core's.
 
-Relies on ``GPTModel._postprocess`` (megatron-core 0.16), checked by the model tests.
+Relies on ``GPTModel._postprocess`` (megatron-core 0.19.2: ``gpt_model.py`` ``forward`` ends in
+``return self._postprocess(...)``), checked by the model tests.  Why GPTModel and not 0.19's
+``HybridModel``: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ RL needs around it, in :class:`RLTopKRouter`, a ``TopKRouter`` swapped in throug
   activation recompute the routers remember what they used in the forward and use it again when
   backward recomputes the layer.
 
-The router hooks megatron-core 0.16 in two places: ``MoESubmodules.router`` (the router class a
+The router hooks megatron-core 0.19.2 in two places: ``MoESubmodules.router`` (the router class a
 spec builds) and the ``router_replay`` object ``topk_routing_with_score_function`` asks for its
 top-k (:class:`_TopK`, the interface of megatron's own ``RouterReplay``, whose instances are
 process-global).  Which tokens a router call sees comes from the micro-batch: ``engine/forward.py``
@@ -438,8 +438,9 @@ class _TopK:
 class RLTopKRouter(TopKRouter):
     """megatron's ``TopKRouter`` with RL's loss normalisation and routing replay (module docstring)."""
 
-    def __init__(self, config, pg_collection=None, *, losses: LossSettings = LossSettings()):
-        super().__init__(config=config, pg_collection=pg_collection)
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False, *,
+                 losses: LossSettings = LossSettings()):
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
         self.losses = losses
         self.router_replay = _TopK(self)
         self.state: Optional[MoEState] = None

@@ -12,6 +12,8 @@ experts on the local spec, grouped-GEMM experts on the TE spec -- with our route
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -26,14 +28,28 @@ from megatron_rl.models.core_attention import LocalCoreAttention
 from megatron_rl.models.norms import LocalNorm
 
 
+def with_router(spec: ModuleSpec, router) -> ModuleSpec:
+    """``spec`` (a layer spec whose MLP is megatron's MoE layer) with ``router`` as the router class.
+
+    megatron-core 0.19.2 builds the MoE module spec as ``functools.partial(MoELayer,
+    submodules=MoESubmodules(...))`` (``models/gpt/moe_module_specs.py``), no longer a
+    ``ModuleSpec``; the router is the ``router`` field of those submodules."""
+    spec = copy.deepcopy(spec)
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, functools.partial):
+        submodules = dataclasses.replace(mlp.keywords["submodules"], router=router)
+        spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    else:
+        mlp.submodules.router = router
+    return spec
+
+
 def local_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> ModuleSpec:
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=False,
         qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
-    spec = copy.deepcopy(spec)
-    if moe and router is not None:
-        spec.submodules.mlp.submodules.router = router
+    spec = with_router(spec, router) if moe and router is not None else copy.deepcopy(spec)
     sub = spec.submodules
     sub.input_layernorm = LocalNorm
     sub.pre_mlp_layernorm = LocalNorm
@@ -50,8 +66,7 @@ def te_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> 
         num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=moe and config.moe_grouped_gemm,
         qk_layernorm=config.qk_layernorm)
     if moe and router is not None:
-        spec = copy.deepcopy(spec)
-        spec.submodules.mlp.submodules.router = router
+        spec = with_router(spec, router)
     return spec
 
 

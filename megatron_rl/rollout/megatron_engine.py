@@ -30,9 +30,13 @@ swapped for a one-rank group while it generates).  Not VPP: megatron's inference
 interleaved chunks; validation points such layouts to the ``torch`` or ``tp_sharded`` engine.
 
 On a CPU the engine runs through the shims of :mod:`megatron_rl.compat.inference_cpu`; on a GPU
-it needs flash-attn >= 2.7.3 (or FA3) for the paged kernels.  CUDA graphs are a model-build-time
-switch in megatron-core 0.16 (``cuda_graph_impl``) that also changes the training forward, so the
-engine runs eagerly.
+it needs flash-attn >= 2.7.3 (or FA3 / FA4) for the paged kernels.  CUDA graphs are a
+model-build-time switch in megatron-core 0.19 (``cuda_graph_impl``) that also changes the training
+forward, so the engine runs eagerly.
+
+megatron-core 0.19's inference mode is a process-wide flag (``InferenceMode``) that changes
+``GPTModel``'s pre- and post-processing (last-token logits among them); it is on only while this
+engine steps, so the trainer's forwards between rollouts never see it.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def flash_attention_ready() -> bool:
     from megatron.core.transformer import attention
     from megatron.core.utils import is_fa_min_version
 
-    if attention.HAVE_FA3:
+    if attention.HAVE_FA4 or attention.HAVE_FA3:
         return True
     # flash_attn_varlen_func is None when flash-attn is not installed (then no version is read)
     return attention.flash_attn_varlen_func is not None and is_fa_min_version(PAGED_FLASH_ATTN_MIN)
@@ -153,7 +157,9 @@ def _make_wrapper_class():
 
             model = self.model
             state = getattr(model, "moe_state", None)
-            recording = state is not None and state.mode == "rollout"
+            # An idle expert-parallel rank's dummy step (one dummy request with no id) records nothing.
+            dummy = getattr(self.inference_context, "_bookkeeping_no_real_work", False)
+            recording = state is not None and state.mode == "rollout" and not dummy
             if recording:  # MoE routing recorded for replay: which request and position each token is
                 tokens = inference_token_map(self.inference_context, state.rollout_lengths)
                 for router in state.routers:
@@ -167,7 +173,8 @@ def _make_wrapper_class():
             if not isinstance(model, RLGPTModel) or not model.post_process:
                 return out
             return GPTModel._postprocess(
-                model, out, None, None, None, None, None, None,
+                model, hidden_states=out, input_ids=None, position_ids=None, labels=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
                 inference_context=self.inference_context, runtime_gather_output=True,
             )
 
@@ -186,19 +193,17 @@ def _make_controller_class():
         whose re-prefill re-enters the prompt and the tokens so far)."""
 
         def begin(self, params: SamplingParams, true_vocab: int, keys: dict[int, int]) -> None:
-            self._init_dynamic_sampling_tensors()  # the context's tensors are new after a resume
+            # No controller buffer aliases the context's (rebuilt on resume): nothing to re-make.
             self.params, self.true_vocab, self.keys = params, true_vocab, keys
             self.responses: dict[int, list[int]] = {rid: [] for rid in keys}
             self.logprobs: dict[int, list[float]] = {rid: [] for rid in keys}
             self._stops = None
 
-        def _dynamic_step_sample_bookkeeping(self):
-            pass  # no per-parameter buckets: one SamplingParams per generate call
-
-        def _dynamic_step_sample_logits(self, logits):
+        def _dynamic_step_sample_logits(self):
             ctx = self.inference_wrapped_model.inference_context
             n = ctx.total_request_count - ctx.paused_request_count
-            last = logits.squeeze(0)[:n, : self.true_vocab]  # materialize_only_last_token_logits
+            # materialize_only_last_token_logits: one row per active request, in slot order
+            last = self._all_logits_cuda.squeeze(0)[:n, : self.true_vocab]
             rids = ctx.request_ids[ctx.paused_request_count : ctx.total_request_count].tolist()
             noise = None
             if not self.params.is_greedy:
@@ -215,27 +220,30 @@ def _make_controller_class():
                 self.responses[rid].append(token)
                 self.logprobs[rid].append(lp)
                 stops.append(stopped(self.responses[rid], self.params))
-            self._stops = torch.tensor(stops, dtype=torch.bool, device=tokens.device)
+            self._stops = torch.tensor(stops, dtype=torch.bool)
 
         def _dynamic_step_context_bookkeeping(self):
-            # megatron ends a request whose token equals its termination id: point it at the
-            # token just drawn for the requests our stop rule ends, at -1 (never drawn) otherwise.
+            # megatron ends a request whose token equals its step's termination id (the host copy
+            # of the active slots' metadata): point it at the token just drawn for the requests
+            # our stop rule ends, at -1 (never drawn) otherwise.
             ctx = self.inference_wrapped_model.inference_context
             n = ctx.total_request_count - ctx.paused_request_count
-            term = ctx.request_metadata["termination_id"]
-            term[ctx.paused_request_count : ctx.total_request_count] = torch.where(
-                self._stops, self._sampled_tokens_cuda[:n], torch.full_like(self._sampled_tokens_cuda[:n], -1)
-            )
-            self._request_metadata["termination_id"] = term
+            drawn = self._sampled_tokens_cuda[:n].cpu()
+            term = ctx.active_request_metadata["termination_id"]
+            term[:n] = torch.where(self._stops, drawn, torch.full_like(drawn, -1)).to(term.dtype)
             return super()._dynamic_step_context_bookkeeping()
 
     return SamplingController
 
 
 def _make_context_class(token_rounder: int):
+    """Steps padded to ``token_rounder`` tokens, and a prefill step's requests to at most as many:
+    megatron pads them to a multiple of 4, which on the CPU (rounder 1) only adds empty requests."""
     from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
 
-    return type("PaddedTo%dContext" % token_rounder, (DynamicInferenceContext,), {"TOKEN_ROUNDER": token_rounder})
+    request_rounder = min(token_rounder, DynamicInferenceContext.REQUEST_ROUNDER)
+    rounders = {"TOKEN_ROUNDER": token_rounder, "REQUEST_ROUNDER": request_rounder}
+    return type("PaddedTo%dContext" % token_rounder, (DynamicInferenceContext,), rounders)
 
 
 class MegatronRolloutEngine:
@@ -317,10 +325,8 @@ class MegatronRolloutEngine:
 
     def _build(self):
         from megatron.core import parallel_state as ps
+        from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode
         from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import (
-            InferenceWrapperConfig,
-        )
 
         model = self._model
         config = model.config
@@ -331,6 +337,10 @@ class MegatronRolloutEngine:
             )
         if config.virtual_pipeline_model_parallel_size is not None:
             raise ValueError("rollout.engine=megatron does not support virtual pipeline stages; use tp_sharded")
+        # With EP > 1 the context allocates the buffers of the inference-optimized MoE layers'
+        # dispatcher; the default, 'nvls', needs NVLink symmetric memory (none on the CPU or a PCIe
+        # GPU), and this model's layers (local / TE specs) never use either dispatcher.
+        config.inference_moe_token_dispatcher_type = "nccl"
         tp = ps.get_tensor_model_parallel_world_size()
         rounder = GPU_TOKEN_ROUNDER if self.device.type == "cuda" else CPU_TOKEN_ROUNDER
         token_rounder = math.ceil(rounder / tp) * tp
@@ -339,31 +349,25 @@ class MegatronRolloutEngine:
         max_tokens = max(self.prefill_chunk_tokens, max_requests)
         max_tokens = math.ceil(max_tokens / token_rounder) * token_rounder
         self._kv_bytes = kv_cache_bytes_for(self.kv_cache_memory, self.device)
-        context = _make_context_class(rounder)(
-            params_dtype=config.params_dtype,
-            num_layers=len(model.decoder.layers),
-            kv_channels=config.kv_channels,
-            num_attention_heads=config.num_query_groups or config.num_attention_heads,
-            max_sequence_length=self.model_cfg.max_position_embeddings,
+        inference_config = InferenceConfig(
+            block_size_tokens=self.kv_block_tokens,
             buffer_size_gb=self._kv_bytes / 1024**3,
             max_requests=max_requests,
             max_tokens=max_tokens,
-            block_size_tokens=self.kv_block_tokens,
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            max_sequence_length=self.model_cfg.max_position_embeddings,
             materialize_only_last_token_logits=True,
             use_flashinfer_fused_rope=False,
             unified_memory_level=0,
+            enable_chunked_prefill=True,
+            # suspend() frees the KV cache (the default, PERSIST, keeps it while the actor trains)
+            kv_cache_management_mode=KVCacheManagementMode.RECOMPUTE,
         )
-        self._kv_bytes = context.block_allocator.total_count * context.block_size_bytes
-        wrapper_config = InferenceWrapperConfig(
-            hidden_size=config.hidden_size, params_dtype=config.params_dtype,
-            inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
-            fp32_residual_connection=config.fp32_residual_connection,
-        )
-        wrapper = _make_wrapper_class()(model, wrapper_config, context)
-        controller = _make_controller_class()(wrapper, _IdsOnly(), pp_group=ps.get_pipeline_model_parallel_group())
-        self._engine = DynamicInferenceEngine(controller, context, random_seed=0, enable_chunked_prefill=True)
+        # Layers, heads, head size, dtype and TP/PP sizes come from the model's config.
+        context = _make_context_class(rounder)(model_config=config, inference_config=inference_config)
+        self._kv_bytes = context.kv_block_allocator.total_count * context.block_size_bytes
+        wrapper = _make_wrapper_class()(model, context)
+        controller = _make_controller_class()(wrapper, _IdsOnly())
+        self._engine = DynamicInferenceEngine(controller, context)
         self._suspended = False
         self._cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
         if self._cp_group is not None:
@@ -384,8 +388,8 @@ class MegatronRolloutEngine:
             return done
         if ps.get_pipeline_model_parallel_world_size() > 1:
             raise NotImplementedError(
-                "rollout.engine=megatron with expert parallelism needs parallel.pp=1: megatron's dummy "
-                "forward for an idle expert-parallel rank has no pipeline stages"
+                "rollout.engine=megatron with expert parallelism needs parallel.pp=1: idle expert-parallel "
+                "ranks' dummy forwards across pipeline stages are not covered by the tests"
             )
         group = ps.get_expert_model_parallel_group()
         while True:
@@ -407,6 +411,7 @@ class MegatronRolloutEngine:
         same arguments (they run one engine together)."""
         from megatron.core.inference.inference_request import Status
         from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+        from megatron.core.inference.utils import InferenceMode
 
         from megatron_rl.models.moe import moe_rollout
 
@@ -425,13 +430,16 @@ class MegatronRolloutEngine:
                 )
         if self._engine is not None and self._suspended and self.kv_cache_memory <= 1:
             self._engine = None  # a fraction of what is free now: sized again for this rollout
-        if self._engine is None:
-            self._build()
-        elif self._suspended:
-            self._engine.resume()
-            self._suspended = False
+        try:
+            if self._engine is None:
+                self._build()
+            elif self._suspended:
+                self._engine.resume()
+                self._suspended = False
+        finally:
+            InferenceMode.unset_active()  # building and resuming set it: on only while stepping
         engine, controller = self._engine, self._engine.controller
-        blocks = engine.context.block_allocator.active_count
+        blocks = engine.context.kv_block_allocator.active_count
         longest = max(len(p) for p in prompt_ids) + params.max_new_tokens if prompt_ids else 0
         if -(-longest // self.kv_block_tokens) > blocks:
             raise ValueError(
@@ -449,8 +457,8 @@ class MegatronRolloutEngine:
         lengths = {rid: len(prompt_ids[i]) + params.max_new_tokens for rid, (i, _) in enumerate(samples)}
         recording = moe_rollout(model, lengths) if self.record_routing else contextlib.nullcontext({})
         try:
-            with _without_context_parallel(model, self._cp_group), cpu_function_mode_paused(), \
-                    recording as routing:
+            with _without_context_parallel(model, self._cp_group), InferenceMode.active(), \
+                    cpu_function_mode_paused(), recording as routing:
                 for rid, (i, _) in enumerate(samples):
                     engine.add_request(rid, list(prompt_ids[i]), request)
                 done = self._run(engine)

@@ -90,6 +90,10 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
 
         cfg.model = model_config_from_hf(read_hf_config(cfg.model.hf_path), cfg.model)
     validate(cfg, world)
+    if command is not None:
+        from megatron_rl.compat.versions import require_tested_megatron_core
+
+        require_tested_megatron_core(cfg.run.allow_untested_megatron_core)
     if command in ("train", "validate"):
         from megatron_rl.tools.preflight import check_training_inputs
 

@@ -35,7 +35,7 @@ def tested_stack() -> dict[str, str]:
             m = re.match(r"^(torch|megatron-core)==(\S+)", line.strip())
             if m:
                 pins[m.group(1)] = m.group(2)
-    pins["Python"] = "3.11"
+    pins["Python"] = "3.12"
     pins["TransformerEngine"] = "not installed (GPU rows say so)"
     return pins
 
