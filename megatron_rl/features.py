@@ -155,6 +155,14 @@ FEATURES: list[Feature] = [
         config="distributed.device=cpu (auto without CUDA)",
     ),
     Feature(
+        "One tested stack (Python 3.12, megatron-core 0.19.2)", "runtime", TESTED_CPU,
+        "scripts/bootstrap.sh builds .venv on Python 3.12 (PATH, then pyenv's interpreters) or says in one line what to install; every command stops before launch on a megatron-core outside >=0.19.2,<0.20, naming the range, unless run.allow_untested_megatron_core=true (one warning).",
+        ("tests/test_compat_registry.py::test_megatron_core_outside_the_tested_range_stops_before_launch",
+         "tests/test_compat_registry.py::test_bootstrap_without_python_312_says_what_to_install",
+         "tests/test_compat_registry.py::test_ranges_are_what_is_tested"),
+        config="run.allow_untested_megatron_core",
+    ),
+    Feature(
         "Parallel layouts (world size <= 8)", "runtime", TESTED_CPU,
         "Megatron parallel_state for every TP x PP x CP x DP (and VPP) layout; DP derived from world size.",
         ("tests/test_runtime.py::test_parallel_state_every_layout_up_to_8",),

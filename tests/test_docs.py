@@ -33,6 +33,9 @@ def test_quickstart_shows_the_readme_commands():
 
 @pytest.mark.slow
 def test_every_quickstart_command_runs(tmp_path):
+    from megatron_rl.testing.harness import close_all_pools
+
+    close_all_pools()  # the commands start processes of their own; idle test workers would slow them
     env = dict(os.environ, PATH=f"{os.path.join(ROOT, '.venv', 'bin')}:{os.environ['PATH']}")
     env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
     for command in quickstart_commands():

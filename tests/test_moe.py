@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from megatron_rl.testing.harness import run_distributed
+from megatron_rl.testing.harness import close_all_pools, run_distributed
 from tests._helpers import ActorCriticHead, check_scores, hf_logprobs, read_metrics, roundtrip_body, score_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +94,15 @@ def make_hf_moe(kind: str, path: str, seed: int = 0):
                 p.normal_(0.0, 0.05)
     model.save_pretrained(path)
     return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_workers_after_this_module():
+    """Workers that ran expert-parallel training keep ~20 gloo groups' loop threads each after the
+    layout is torn down (megatron-core 0.19.2 with gloo: they outlive destroy_process_group), and
+    idle loop threads wake often enough to slow every later test; the next module starts fresh."""
+    yield
+    close_all_pools()
 
 
 @pytest.fixture(scope="module")

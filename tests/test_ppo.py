@@ -473,8 +473,10 @@ def test_run_ppo_sh_demo_learns(tmp_path):
     The time is reported, not asserted: about 5 minutes on an idle 2-core machine, 5-13 minutes
     on a loaded CI machine.  The subprocess timeout only catches a hang."""
     from megatron_rl.config.loader import load_config
+    from megatron_rl.testing.harness import close_all_pools
 
     steps = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml")).trainer.steps
+    close_all_pools()  # idle test workers would share the two cores with the demo's four ranks
     start = time.monotonic()
     proc = subprocess.run(["./run_ppo.sh", f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1800)

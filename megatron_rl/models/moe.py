@@ -51,7 +51,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.distributed import collectives
-from megatron_rl.models.arch import expert_ffn_size, is_expert_param, moe_layer_pattern
+from megatron_rl.models.arch import expert_ffn_size, moe_layer_pattern
 
 ROUTER_DTYPES = {"float32": "fp32", "float64": "fp64", "model": None}
 # The stats every router accumulates between two calls of moe_metrics: (numerator, denominator)
@@ -269,7 +269,6 @@ def attach_moe_state(chunks: list) -> Optional[MoEState]:
         model.microbatch_hooks = [_ChunkHook(None, mine, model.config.sequence_parallel)] if mine else []
     if not routers:
         return None
-    _expert_grads_over_expert_dp(chunks)
     state = MoEState(routers)
     for chunk in chunks:
         model = unwrap(chunk)
@@ -279,23 +278,6 @@ def attach_moe_state(chunks: list) -> Optional[MoEState]:
     for router in routers:
         router.state = state
     return state
-
-
-def _expert_grads_over_expert_dp(chunks: list) -> None:
-    """Routed experts' gradients are summed over the expert data-parallel group by megatron's DDP
-    when their parameters say ``allreduce=False``; megatron-core 0.16 sets that only with EP > 1.
-    With EP = 1 and expert TP < TP the TP peers hold the same experts for different tokens, and
-    the dense data-parallel reduction would leave their gradients partial."""
-    if ps.get_expert_model_parallel_world_size() > 1:
-        return
-    if ps.get_expert_tensor_parallel_world_size() == ps.get_tensor_model_parallel_world_size():
-        return
-    from megatron_rl.models.canonical import global_named_parameters
-
-    for chunk in chunks:
-        for name, param in global_named_parameters(chunk):
-            if is_expert_param(name):
-                param.allreduce = False
 
 
 def moe_state(chunks: list) -> Optional[MoEState]:

@@ -242,7 +242,12 @@ def run_distributed(world_size: int, fn: Callable, *args, **kwargs) -> list[Any]
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all_pools() -> None:
+    """Stop every pool's workers (the next ``get_pool`` starts fresh ones).
+
+    Idle workers are not free: each keeps the gloo process groups of its last layout, and gloo's
+    loop threads wake periodically.  A test that times a job of its own processes (the README
+    demo) closes the pools first, so the job gets the cores."""
     for pool in list(_POOLS.values()):
         pool.close()
     _POOLS.clear()
