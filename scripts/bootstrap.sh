@@ -39,7 +39,7 @@ reqs=(requirements-cpu.txt requirements-test.txt setup.py)
 stamp=".venv/.megatron_rl_installed"
 want="$(cat "${reqs[@]}" | sha256sum | cut -d' ' -f1)${MEGATRON_RL_EXTRAS:-}"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "bootstrap: installing the pinned stack into .venv (first run: about 3 minutes, 4.8 GB)" >&2
+  echo "bootstrap: installing the pinned stack into .venv (first run: about 3 minutes, 5.1 GB)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -r requirements-cpu.txt -r requirements-test.txt
   extras="test${MEGATRON_RL_EXTRAS:+,$MEGATRON_RL_EXTRAS}"
