@@ -46,3 +46,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[${extras}]"
   echo "$want" > "$stamp"
 fi
+# megatron-core's package_info appends `git rev-parse --short HEAD` of the directory it is installed
+# in to its __version__; inside this repository's .venv that is our commit, not megatron's, and
+# every import runs git.  NO_VCS_VERSION=1 is its own switch for that (megatron_rl/__init__.py sets it too).
+site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+echo 'import os; os.environ.setdefault("NO_VCS_VERSION", "1")' > "$site/megatron_rl_no_vcs_version.pth"

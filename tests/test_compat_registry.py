@@ -213,3 +213,18 @@ def test_bootstrap_without_python_312_says_what_to_install(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Python 3.12" in lines[0] and "fix:" in lines[0], proc.stderr
     assert not (tmp_path / ".venv").exists()
+
+
+def test_megatron_core_reports_its_own_version_not_the_checkouts_commit():
+    """megatron-core appends the git hash of the repository its install directory sits in; in this
+    checkout's .venv that would be our commit.  Both ways a process starts -- through megatron_rl,
+    and a bare interpreter of the venv bootstrap.sh made -- see the plain release."""
+    code = "import megatron_rl.compat, megatron.core as m; print(m.__version__)"
+    env = {k: v for k, v in os.environ.items() if k != "NO_VCS_VERSION"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == str(_pinned("megatron-core")), proc.stdout + proc.stderr[-2000:]
+    venv_python = os.path.join(ROOT, ".venv", "bin", "python")
+    if os.path.realpath(sys.executable).startswith(os.path.realpath(os.path.join(ROOT, ".venv"))):
+        proc = subprocess.run([venv_python, "-c", "import megatron.core as m; print(m.__version__)"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.stdout.strip() == str(_pinned("megatron-core")), proc.stdout + proc.stderr[-2000:]

@@ -340,3 +340,17 @@ register_patch(
         apply=_patch_distributed_optimizer_mixed_dtype_order,
     )
 )
+
+
+register_workaround(
+    Workaround(
+        name="package_info.no_vcs_version",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "megatron/core/package_info.py appends `git rev-parse --short HEAD` of its install directory "
+            "to __version__ unless NO_VCS_VERSION=1; in a .venv inside a git checkout that is the "
+            "checkout's commit, so megatron-core reported '0.19.2+<our commit>'"
+        ),
+        used_in="__init__.py:NO_VCS_VERSION",
+    )
+)
