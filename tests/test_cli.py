@@ -99,7 +99,7 @@ def test_features_command_prints_versions_and_patches():
     proc, _ = cli("features")
     assert proc.returncode == 0
     assert "megatron-core 0.19.2" in proc.stdout and "Tensor parallelism" in proc.stdout
-    assert "cpu.cuda_to_cpu_function_mode" in proc.stdout
+    assert "cpu.cuda_placement_to_cpu" in proc.stdout
 
 
 def param_count_body(overrides: list[str]) -> int:

@@ -109,3 +109,88 @@ def test_cpu_layer_follows_cuda_and_the_force_cpu_switch(force_cpu):
     assert (set(out["cpu_only"]) <= set(out["applied"])) == cpu_layer, out
     if cpu_layer:
         assert out["device"] == "cpu", out
+
+
+def _megatron_unpatched_rope_utils():
+    """A fresh copy of megatron's rope_utils module, untouched by our patches."""
+    import importlib.util
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    spec = importlib.util.spec_from_file_location("rope_utils_unpatched", rope_utils.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Group:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("exact", [False, True])
+def test_thd_rope_patch_equals_megatrons_own(cp_size, exact):
+    """The THD RoPE patch gathers every sequence's frequencies with one cached index; it must give
+    megatron's own per-sequence slices bit for bit, on every CP rank, for packed offsets too."""
+    from megatron_rl.compat import rope_host_seqlens
+    from megatron_rl.ops.zigzag import with_host_values
+
+    original = _megatron_unpatched_rope_utils()._apply_rotary_pos_emb_thd
+    gen = torch.Generator().manual_seed(cp_size)
+    lengths = [4 * cp_size * n for n in (1, 3, 2, 5)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    freqs = torch.randn(cu[-1] if exact else max(lengths), 1, 1, 8, generator=gen)
+    for rank in range(cp_size):
+        t = torch.randn(cu[-1] // cp_size, 3, 8, generator=gen)
+        group = _Group(cp_size, rank)
+        want = original(t, torch.tensor(cu), freqs, cp_group=group)
+        got = rope_host_seqlens._apply_rotary_pos_emb_thd_host(
+            t, with_host_values(torch.tensor(cu), cu), freqs, cp_group=group)
+        assert torch.equal(got, want), (cp_size, rank, exact)
+
+
+def test_cpu_placement_wraps_every_torch_call_that_takes_a_device():
+    """The CPU layer wraps a fixed list of torch calls; a torch upgrade that adds a factory must
+    show up here, not as a CUDA error deep in megatron."""
+    from megatron_rl.compat import cpu
+
+    takes_a_device = set()
+    for schema in torch._C._jit_get_all_schemas():
+        name = schema.name.removeprefix("aten::")
+        if schema.name.startswith("aten::") and not name.startswith("_") and \
+                any(a.name in ("device", "pin_memory") for a in schema.arguments):
+            takes_a_device.add(name)
+    functions = {n for n in takes_a_device if hasattr(torch, n)} - {"Generator", "empty_quantized", "from_file"}
+    functions -= {n for n in functions if n.startswith("sparse_") and n != "sparse_coo_tensor"}
+    methods = {n for n in takes_a_device if hasattr(torch.Tensor, n)} - {"is_pinned", "pin_memory", "to"}
+    assert functions <= set(cpu.TORCH_FACTORIES), sorted(functions - set(cpu.TORCH_FACTORIES))
+    assert methods <= set(cpu.TENSOR_FACTORIES), sorted(methods - set(cpu.TENSOR_FACTORIES))
+
+
+def test_cpu_placement_rewrites_cuda_requests_and_leaves_other_calls_alone():
+    """With the CPU layer applied, CUDA placements land on the CPU."""
+    from megatron_rl.compat import cuda_available, enable_compat
+
+    if cuda_available():
+        pytest.skip("the CPU layer is applied only where CUDA is absent")
+    enable_compat()
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.tensor([1.0], device=0).device.type == "cpu"
+    assert torch.empty(3, pin_memory=True).device.type == "cpu"
+    x = torch.ones(2)
+    assert x.to("cuda").device.type == "cpu" and x.to(torch.device("cuda", 0)).device.type == "cpu"
+    assert x.to(device="cuda", dtype=torch.float64).dtype == torch.float64
+    assert x.to(torch.float16).dtype == torch.float16  # a dtype is not a device
+    assert x.new_zeros(3, device="cuda").device.type == "cpu"
+    assert x.cuda() is x
+    assert x.type() == "torch.cuda.FloatTensor" and x.type(torch.float64).dtype == torch.float64
+    assert torch.add(x, x).device.type == "cpu"

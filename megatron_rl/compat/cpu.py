@@ -5,10 +5,9 @@ megatron-core assumes CUDA in a few dozen places (buffers on ``current_device()`
 strings in the optimizers).  Rather than fork those files we:
 
 * map ``torch.cuda.current_device`` / ``synchronize`` / the CUDA RNG functions to the CPU;
-* enter :class:`CudaToCpuMode` (a ``TorchFunctionMode``) in the thread that enables compat -- a
-  mode holds per thread, so threads started later run without it -- which rewrites
-  ``device="cuda"`` to CPU, drops ``pin_memory``, makes ``Tensor.cuda()`` the identity and
-  reports CUDA type strings from ``Tensor.type()`` so megatron's dtype dispatch works;
+* wrap the torch functions that take a device (:func:`_patch_cuda_placement`): they rewrite
+  ``device="cuda"`` to CPU and drop ``pin_memory``; ``Tensor.cuda()`` is the identity and
+  ``Tensor.type()`` reports CUDA type strings so megatron's dtype dispatch works;
 * disable ``torch._dynamo``, so megatron's compiled fusions (and any other ``torch.compile``
   in the process) run eagerly.
 
@@ -22,13 +21,13 @@ Tested with megatron-core 0.19.2 and torch 2.13 (CPU build).
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
 import threading
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron_rl.compat.registry import MEGATRON_TESTED, TORCH_TESTED, Patch, register_patch
 
@@ -43,15 +42,10 @@ _TYPE_STRINGS = {
     torch.bool: "torch.cuda.BoolTensor",
 }
 
-_FACTORY_DEVICE_FUNCS_WITH_POSITIONAL_DEVICE = {torch.Tensor.to, torch.Tensor.new_empty}
-# Calls the mode rewrites even without keyword arguments.
-_NEEDS_A_LOOK = {torch.Tensor.cuda, torch.Tensor.type} | _FACTORY_DEVICE_FUNCS_WITH_POSITIONAL_DEVICE
-
 _lock = threading.Lock()
 _trace_enabled = os.environ.get("MEGATRON_RL_COMPAT_TRACE", "0") not in ("", "0")
 _trace: collections.Counter = collections.Counter()
 _enabled = False
-_mode: "CudaToCpuMode | None" = None
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -78,34 +72,99 @@ def _record(what: str) -> None:
     # CUDA requests from outside megatron (our code, torch) are not recorded.
 
 
-class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA placement requests to the CPU for every torch call in this thread."""
+def _placement_kwargs(name: str, kwargs: dict) -> dict:
+    """``kwargs`` with a CUDA ``device`` moved to the CPU and ``pin_memory`` dropped."""
+    device = kwargs.get("device")
+    if device is not None and _is_cuda_device(device):
+        _record(f"{name}(device=cuda)")
+        kwargs = {**kwargs, "device": "cpu"}
+    if kwargs.get("pin_memory"):
+        _record(f"{name}(pin_memory=True)")
+        kwargs = {**kwargs, "pin_memory": False}
+    return kwargs
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        # Every torch call of the thread passes here: most carry no keyword and are none of the
-        # calls below, and go straight through (this path is a measurable share of a small step).
-        if not kwargs and func not in _NEEDS_A_LOOK:
-            return func(*args)
-        kwargs = dict(kwargs) if kwargs else {}
-        if func is torch.Tensor.cuda:
-            _record("Tensor.cuda()")
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+
+def _on_cpu(name: str, fn):
+    """``fn`` with CUDA placement requests in its keyword arguments rewritten to the CPU.  Calls
+    without keywords (most of them) pay one ``if``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if kwargs:
+            kwargs = _placement_kwargs(name, kwargs)
+        return fn(*args, **kwargs)
+
+    wrapper._megatron_rl_cpu_original = fn
+    return wrapper
+
+
+def _tensor_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and not isinstance(args[0], (torch.dtype, torch.Tensor)) and _is_cuda_device(args[0]):
+            _record("Tensor.to(cuda)")
+            args = ("cpu", *args[1:])
+        if kwargs:
+            kwargs = _placement_kwargs("Tensor.to", kwargs)
+        return original(self, *args, **kwargs)
+
+    to._megatron_rl_cpu_original = original
+    return to
+
+
+def _tensor_cuda(original):
+    @functools.wraps(original)
+    def cuda(self, *args, **kwargs):
+        _record("Tensor.cuda()")
+        return self
+
+    cuda._megatron_rl_cpu_original = original
+    return cuda
+
+
+def _tensor_type(original):
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        if not args and not kwargs:  # the type string: megatron's optimizers dispatch on CUDA names
             _record("Tensor.type() -> torch.cuda.*Tensor")
-            tensor = args[0]
-            return _TYPE_STRINGS.get(tensor.dtype, func(*args))
-        device = kwargs.get("device")
-        if device is not None and _is_cuda_device(device):
-            _record(f"{getattr(func, '__name__', func)}(device=cuda)")
-            kwargs["device"] = "cpu"
-        if kwargs.get("pin_memory"):
-            _record(f"{getattr(func, '__name__', func)}(pin_memory=True)")
-            kwargs["pin_memory"] = False
-        if func in _FACTORY_DEVICE_FUNCS_WITH_POSITIONAL_DEVICE and len(args) > 1:
-            if _is_cuda_device(args[1]) and not isinstance(args[1], int):
-                _record(f"{func.__name__}(cuda)")
-                args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+            return _TYPE_STRINGS.get(self.dtype) or original(self)
+        return original(self, *args, **kwargs)
+
+    type_._megatron_rl_cpu_original = original
+    return type_
+
+
+def _patch_cuda_placement() -> None:
+    """Rewrite CUDA placement requests to the CPU in the torch functions that take them.
+
+    Only the calls that can ask for a device are wrapped (factories, ``Tensor.new_*``,
+    ``Tensor.to``, ``Tensor.cuda``, ``Tensor.type``); every other torch op runs untouched.  A
+    ``TorchFunctionMode`` would catch the same requests with no list to keep, but it runs Python on
+    every torch call of its thread: about 1.4 us each, some 10k calls (14 ms) per step of a small
+    model.  The lists are every public ``torch`` function and ``Tensor`` method whose ATen schema
+    has a ``device`` or ``pin_memory`` argument (``tests/test_compat.py`` checks they still are).
+    Process-wide: no thread on a machine without CUDA can use a CUDA placement anyway."""
+    if getattr(torch.zeros, "_megatron_rl_cpu_original", None) is not None:
+        return
+    for name in TORCH_FACTORIES:
+        setattr(torch, name, _on_cpu(name, getattr(torch, name)))
+    for name in TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _on_cpu(f"Tensor.{name}", getattr(torch.Tensor, name)))
+    torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.cuda = _tensor_cuda(torch.Tensor.cuda)
+    torch.Tensor.type = _tensor_type(torch.Tensor.type)
+
+
+# torch functions and Tensor methods whose ATen schema takes `device` or `pin_memory` (torch 2.13;
+# `torch.Generator` is a class and is left alone; `tensor`, `asarray` have no ATen schema).
+TORCH_FACTORIES = (
+    "arange", "as_tensor", "asarray", "bartlett_window", "blackman_window", "empty", "empty_like",
+    "empty_permuted", "empty_strided", "eye", "full", "full_like", "hamming_window", "hann_window",
+    "kaiser_window", "linspace", "logspace", "normal", "ones", "ones_like", "rand", "rand_like", "randint",
+    "randint_like", "randn", "randn_like", "randperm", "range", "scalar_tensor", "sparse_coo_tensor",
+    "tensor", "tril_indices", "triu_indices", "zeros", "zeros_like",
+)
+TENSOR_FACTORIES = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros")
 
 
 # ----------------------------------------------------------------------------- CUDA stand-ins
@@ -237,16 +296,15 @@ register_patch(
 )
 register_patch(
     Patch(
-        name="cpu.cuda_to_cpu_function_mode",
+        name="cpu.cuda_placement_to_cpu",
         megatron_versions=MEGATRON_TESTED,
         torch_versions=TORCH_TESTED,
         reason=(
             "device='cuda' factories, .cuda(), pin_memory and 'torch.cuda.FloatTensor' type "
-            "checks across schedules, p2p, DDP, optimizers, clip_grads, dist_checkpointing. "
-            "A TorchFunctionMode holds for the thread that enters it: threads started later "
-            "(e.g. checkpoint writers) run without it"
+            "checks across schedules, p2p, DDP, optimizers, clip_grads, dist_checkpointing; "
+            "only the torch calls that take a device are wrapped, the rest run untouched"
         ),
-        apply=lambda: enter_cpu_mode(),
+        apply=_patch_cuda_placement,
         cpu_only=True,
     )
 )
@@ -281,14 +339,6 @@ register_patch(
         cpu_only=True,
     )
 )
-
-
-def enter_cpu_mode() -> None:
-    """Enter the CUDA->CPU function mode in this thread (idempotent; other threads do not get it)."""
-    global _mode
-    if _mode is None:
-        _mode = CudaToCpuMode()
-        _mode.__enter__()
 
 
 def cpu_compat_trace() -> dict[str, int]:

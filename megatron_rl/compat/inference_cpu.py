@@ -27,8 +27,6 @@ On a GPU none of this applies: the engine needs flash-attn >= 2.7.3 (or FA3 / FA
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -193,44 +191,6 @@ def _patch_triton_kv_append() -> None:
     from megatron.core.inference.contexts import dynamic_context
 
     dynamic_context.triton_append_key_value_cache = None
-
-
-# ----------------------------------------------------------------------------- the function mode
-@contextlib.contextmanager
-def cpu_function_mode_paused():
-    """Run the body without the CUDA->CPU function mode (:mod:`megatron_rl.compat.cpu`), when it
-    is the innermost mode of this thread; otherwise change nothing.
-
-    The mode costs about 10 us of Python per torch call, and a dynamic-engine step makes hundreds
-    of small ones (about 700 for a 4-layer model), while none of them asks for CUDA: every device
-    comes from ``torch.cuda.current_device()``, already the CPU (traced with
-    ``MEGATRON_RL_COMPAT_TRACE=1``: the only rewrites are the ``pin_memory=True`` host buffers of
-    the context's ``initialize_all_tensors`` and of the controller, made when they are built and
-    when a suspended engine resumes -- so neither happens with the mode paused).  So the engine
-    steps with the mode paused."""
-    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
-
-    from megatron_rl.compat import cpu
-
-    if cpu._mode is None or _get_current_function_mode() is not cpu._mode:
-        yield
-        return
-    with _pop_mode_temporarily():
-        yield
-
-
-register_workaround(
-    Workaround(
-        name="inference_cpu.function_mode_paused_while_stepping",
-        megatron_versions=MEGATRON_TESTED,
-        reason=(
-            "the dynamic engine's ~700 small torch calls per step spend most of a CPU step in the "
-            "CUDA->CPU function mode; none of them needs a rewrite (traced), so the engine's steps run "
-            "with the mode paused"
-        ),
-        used_in="compat/inference_cpu.py:cpu_function_mode_paused; rollout/megatron_engine.py:cpu_function_mode_paused",
-    )
-)
 
 
 # What the engine adapter does on every device, because of how megatron-core 0.19.2's dynamic engine

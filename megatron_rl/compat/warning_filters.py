@@ -7,8 +7,8 @@ DP with the distributed optimizer), a training run that saves and resumes, and t
 :func:`pytest_filter_lines` gives the same filters in ``pytest.ini`` syntax (kept in step by
 ``tests/test_compat_registry.py``).
 
-On CPU, torch calls made under :class:`megatron_rl.compat.cpu.CudaToCpuMode` run from that
-mode's frame, so a warning torch raises for its caller is attributed to
+On CPU, the torch calls that take a device run through a wrapper in
+:mod:`megatron_rl.compat.cpu`, so a warning torch raises for their caller is attributed to
 ``megatron_rl.compat.cpu``; the module patterns name it next to the megatron or torch module.
 """
 

@@ -50,7 +50,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN
-from megatron_rl.compat.inference_cpu import cpu_function_mode_paused
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.rollout.engine import RolloutBatch, stopped
 from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample, sample_key
@@ -458,7 +457,7 @@ class MegatronRolloutEngine:
         recording = moe_rollout(model, lengths) if self.record_routing else contextlib.nullcontext({})
         try:
             with _without_context_parallel(model, self._cp_group), InferenceMode.active(), \
-                    cpu_function_mode_paused(), recording as routing:
+                    recording as routing:
                 for rid, (i, _) in enumerate(samples):
                     engine.add_request(rid, list(prompt_ids[i]), request)
                 done = self._run(engine)
