@@ -114,6 +114,7 @@ def _load_records() -> None:
         megatron_fixes,
         parallel_state,
         rope_host_seqlens,
+        safe_unpickling,
         warning_filters,
     )
 

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,11 +32,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_rl.compat import safe_unpickling
 from megatron_rl.compat.megatron_fixes import (
     distributed_optimizer_checkpoint_metadata,
     init_distributed_optimizer_state,
 )
+from megatron_rl.compat.safe_unpickling import UnsafeCheckpointFile
 from megatron_rl.distributed import collectives
 from megatron_rl.errors import CheckpointError
 
@@ -117,7 +121,11 @@ def _write_json(path: str, payload: dict) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This rank's RNG states as plain data (tensors, tuples, numbers), so they load with
+    ``weights_only=True``: numpy's key array is stored as a list."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
+             "torch": torch.get_rng_state()}
     try:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -131,7 +139,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "tracker" in state:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -260,18 +269,36 @@ def load_checkpoint(
     """Load ``parts`` from ``path`` into whatever layout they are built on; returns the meta."""
     from megatron.core import dist_checkpointing
 
+    safe_unpickling.install()
     meta = check_checkpoint(path)
     for name, part in parts.items():
         if name not in meta["parts"]:
             raise CheckpointError("checkpoint", path, f"has no part {name!r} (it has {meta['parts']})",
                                   "load a checkpoint written by the same kind of run")
         want_opt = with_optimizer and meta.get("with_optimizer", True)
+        metadata = os.path.join(path, name, ".metadata")
+        try:
+            if os.path.isfile(metadata):
+                safe_unpickling.check_metadata_file(metadata)
+        except UnsafeCheckpointFile as err:
+            raise CheckpointError("checkpoint", path, f"{name}/.metadata was refused: {err}",
+                                  "load only checkpoints this project wrote; nothing from the file was run") from None
+        except (pickle.UnpicklingError, EOFError, ValueError, OSError) as err:
+            raise CheckpointError("checkpoint", path, f"{name}/.metadata is corrupt ({type(err).__name__})",
+                                  "use an earlier checkpoint") from None
         request = _part_sharded(part, want_opt, loading=True)
         try:
             loaded = dist_checkpointing.load(request, os.path.join(path, name))
-        except Exception as err:  # noqa: BLE001 - any unreadable part (truncated files, mismatched shapes) is a bad checkpoint
+        except UnsafeCheckpointFile as err:
+            raise CheckpointError("checkpoint", path, f"part {name!r} was refused: {err}",
+                                  "load only checkpoints this project wrote; nothing from the file was run") from None
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - any unreadable part is a bad checkpoint
+            unsafe = _unsafe_cause(err)
+            if unsafe is not None:
+                raise CheckpointError("checkpoint", path, f"part {name!r} was refused: {unsafe}",
+                                      "load only checkpoints this project wrote; nothing from the file was run") from None
             raise CheckpointError("checkpoint", path, f"part {name!r} could not be read ({type(err).__name__}: "
-                                  f"{str(err).splitlines()[0][:200]})", "use an earlier checkpoint") from None
+                                  f"{(str(err).splitlines() or [''])[0][:200]})", "use an earlier checkpoint") from None
         keys = ["model"] if len(part.chunks) == 1 else [f"model{i}" for i in range(len(part.chunks))]
         for key, chunk in zip(keys, part.chunks):
             _inner(chunk).load_state_dict(loaded[key], strict=True)
@@ -282,7 +309,7 @@ def load_checkpoint(
     if load_rng:
         rng_path = os.path.join(path, "rng", f"rank_{_rank():05d}.pt")
         if os.path.isfile(rng_path) and meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
-            set_rng_state(torch.load(rng_path, weights_only=False))
+            set_rng_state(load_plain(rng_path, path))
     return meta
 
 
@@ -290,4 +317,48 @@ def load_trainer_state(path: str) -> Optional[dict]:
     state_path = os.path.join(path, "trainer_state.pt")
     if not os.path.isfile(state_path):
         return None
-    return torch.load(state_path, weights_only=False)
+    return load_plain(state_path, path)
+
+
+# numpy's array reconstruction, for RNG files written before the numpy state was stored as a list.
+_NUMPY_ARRAY_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+
+
+def load_plain(file: str, checkpoint: str) -> Any:
+    """``torch.load(weights_only=True)`` of one of our own checkpoint files (tensors, containers,
+    numbers, numpy arrays): a file that names anything else is refused, never run."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as err:
+        first = (str(err).splitlines() or [""])[0]
+        refused = "Unsupported global" in str(err) or "Weights only load failed" in first
+        problem = (f"{os.path.relpath(file, checkpoint)} asks to load code or classes a checkpoint may not hold"
+                   if refused else f"{os.path.relpath(file, checkpoint)} is corrupt ({first[:160]})")
+        fix = ("load only checkpoints this project wrote; nothing from the file was run" if refused
+               else "use an earlier checkpoint")
+        raise CheckpointError("checkpoint", checkpoint, problem, fix) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise CheckpointError("checkpoint", checkpoint, f"{os.path.relpath(file, checkpoint)} is corrupt "
+                              f"({type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]})",
+                              "use an earlier checkpoint") from None
+
+
+def _unsafe_cause(err: BaseException) -> Optional[UnsafeCheckpointFile]:
+    """The :class:`UnsafeCheckpointFile` behind ``err`` (torch wraps per-rank failures in a
+    ``CheckpointException`` that lists them), if any."""
+    seen = set()
+    stack = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UnsafeCheckpointFile):
+            return e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f for f in failures.values() if isinstance(f, BaseException)]
+            stack += [getattr(f, "exception", None) for f in failures.values()]
+    return None

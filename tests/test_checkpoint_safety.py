@@ -1,0 +1,149 @@
+"""A checkpoint from elsewhere cannot run code: every file kind a checkpoint holds, crafted the way
+its author would (a pickle whose ``__reduce__`` runs a command, sizes in ``meta.json`` updated), is
+refused with one ``CheckpointError`` line and exit code 2 by every command that loads checkpoints,
+and the command never runs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests._helpers import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+class RunsACommand:
+    """Unpickling this object runs ``touch <marker>``: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def cli(*args, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
+    return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def update_sizes(step_dir: str) -> None:
+    """Rewrite ``meta.json``'s file sizes for the crafted files, as the checkpoint's author would."""
+    path = os.path.join(step_dir, "meta.json")
+    with open(path) as fh:
+        meta = json.load(fh)
+    meta["files"] = {rel: os.path.getsize(os.path.join(step_dir, rel)) for rel in meta["files"]}
+    meta.pop("checksums", None)
+    with open(path, "w") as fh:
+        json.dump(meta, fh)
+
+
+def craft_trainer_state(step_dir: str, marker: str) -> None:
+    torch.save(RunsACommand(marker), os.path.join(step_dir, "trainer_state.pt"))
+
+
+def craft_rng(step_dir: str, marker: str) -> None:
+    torch.save({"python": RunsACommand(marker)}, os.path.join(step_dir, "rng", "rank_00000.pt"))
+
+
+def craft_metadata(step_dir: str, marker: str) -> None:
+    with open(os.path.join(step_dir, "actor", ".metadata"), "wb") as fh:
+        pickle.dump(RunsACommand(marker), fh)
+
+
+def craft_extra_state(step_dir: str, marker: str) -> None:
+    """Point one ``_extra_state`` byte item of the actor at a payload appended to its ``.distcp``."""
+    meta_path = os.path.join(step_dir, "actor", ".metadata")
+    with open(meta_path, "rb") as fh:
+        metadata = pickle.load(fh)  # our own, freshly written file
+    index = next(i for i in metadata.storage_data if "_extra_state" in i.fqn)
+    info = metadata.storage_data[index]
+    target = os.path.join(step_dir, "actor", info.relative_path)
+    buffer = io.BytesIO()
+    torch.save(RunsACommand(marker), buffer)
+    payload = buffer.getvalue()
+    offset = os.path.getsize(target)
+    with open(target, "ab") as fh:
+        fh.write(payload)
+    info.offset, info.length = offset, len(payload)
+    with open(meta_path, "wb") as fh:
+        pickle.dump(metadata, fh)
+
+
+CRAFTS = {"trainer_state.pt": craft_trainer_state, "rng/rank_00000.pt": craft_rng,
+          "actor/.metadata": craft_metadata, "_extra_state in actor/*.distcp": craft_extra_state}
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory):
+    """A real one-step run with its final checkpoint."""
+    root = tmp_path_factory.mktemp("source")
+    proc = cli("train", "--nproc", "1", *TINY, "trainer.steps=1", f"run.dir={root}", "run.name=src")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "src"
+
+
+def crafted_copy(source_run, tmp_path, kind: str):
+    run = tmp_path / kind.replace("/", "_").replace(" ", "_").replace("*", "x")
+    shutil.copytree(source_run, run / "src")
+    step = run / "src" / "checkpoints" / "step_00000001"
+    marker = run / "code_ran"
+    CRAFTS[kind](str(step), str(marker))
+    update_sizes(str(step))
+    return run, step, marker
+
+
+def entry_point(name: str, run, step) -> list[str]:
+    if name == "trainer.resume":
+        return ["train", "--nproc", "1", *TINY, "trainer.steps=2", f"run.dir={run}", "run.name=src"]
+    if name == "actor.init_checkpoint":
+        return ["train", "--nproc", "1", *TINY, "trainer.steps=1", f"run.dir={run}", "run.name=fresh",
+                f"actor.init_checkpoint={step}", "trainer.resume=never"]
+    if name == "convert --checkpoint":
+        return ["convert", "--checkpoint", str(step), "--hf-out", str(run / "hf"), *TINY[:7]]
+    if name == "generate --checkpoint":
+        rows = run / "in.jsonl"
+        rows.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+        return ["generate", "--checkpoint", str(step), "--input", str(rows), "--output", str(run / "out.jsonl"),
+                *TINY, "rollout.n=1"]
+    raise KeyError(name)
+
+
+# Every file kind on the entry point that reads it (``trainer.resume`` reads all four), and the
+# model files on every other entry point.
+CASES = [(kind, "trainer.resume") for kind in CRAFTS] + [
+    (kind, entry) for entry in ("actor.init_checkpoint", "convert --checkpoint", "generate --checkpoint")
+    for kind in ("actor/.metadata", "_extra_state in actor/*.distcp")
+]
+
+
+def test_crafted_checkpoints_are_refused_and_run_nothing(source_run, tmp_path):
+    def attempt(case):
+        kind, entry = case
+        run, step, marker = crafted_copy(source_run, tmp_path / entry.split()[0], kind)
+        proc = cli(*entry_point(entry, run, step))
+        return case, proc, marker.exists()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(attempt, CASES))
+    failures = []
+    for (kind, entry), proc, code_ran in results:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        refused = proc.returncode == 2 and any(ln.startswith("checkpoint error") for ln in lines) and \
+            "Traceback" not in proc.stderr
+        if code_ran or not refused:
+            failures.append(f"{kind} via {entry}: exit {proc.returncode}, code ran: {code_ran}, "
+                            f"stderr tail: {proc.stderr[-600:]!r}")
+    assert not failures, "\n".join(failures)
