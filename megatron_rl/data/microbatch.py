@@ -139,6 +139,10 @@ def build_microbatch(
         row = align_to(max(lengths), align)
         padded = [row] * len(seqs)
 
+    if packed:
+        tensors = _packed(seqs, names, lengths, padded, cp_size, cp_rank, pad_id)
+        return Microbatch(list(seq_indices), lengths, padded, packed, cp_size, cp_rank, tensors)
+
     def prepared(seq: dict, padded_len: int) -> dict:
         tokens = seq["tokens"].long()
         n = tokens.numel()
@@ -148,19 +152,53 @@ def build_microbatch(
             "position_ids": torch.arange(padded_len),
         }
         for name in names:
-            value = seq[name]
-            if value.numel() != n:
-                raise ValueError(f"field {name!r} has {value.numel()} entries for a {n}-token sequence")
-            out[name] = _pad(value, padded_len, 0)
+            out[name] = _pad(_checked(seq, name, n), padded_len, 0)
         return {k: zigzag.shard(v, cp_size, cp_rank, dim=0) for k, v in out.items()}
 
     pieces = [prepared(s, p) for s, p in zip(seqs, padded)]
-    keys = pieces[0].keys()
-    if packed:
-        tensors = {k: torch.cat([p[k] for p in pieces]).unsqueeze(0) for k in keys}
-    else:
-        tensors = {k: torch.stack([p[k] for p in pieces]) for k in keys}
+    tensors = {k: torch.stack([p[k] for p in pieces]) for k in pieces[0]}
     return Microbatch(list(seq_indices), lengths, padded, packed, cp_size, cp_rank, tensors)
+
+
+def _checked(seq: dict, name: str, n: int) -> torch.Tensor:
+    value = seq[name]
+    if value.numel() != n:
+        raise ValueError(f"field {name!r} has {value.numel()} entries for a {n}-token sequence")
+    return value
+
+
+def _packed(seqs, names, lengths, padded, cp_size: int, cp_rank: int, pad_id: int) -> dict:
+    """The packed row of every field, built with a few whole-batch ops (a micro-batch of short
+    sequences has hundreds of them; per-sequence pad/cat/shard would be ten small ops each).
+    Sequence ``i`` occupies ``padded[i]`` slots from its packed offset, its real tokens first."""
+    count = len(seqs)
+    lengths_t, padded_t = torch.tensor(lengths), torch.tensor(padded)
+    slot_starts = torch.cumsum(padded_t, 0) - padded_t
+    token_starts = torch.cumsum(lengths_t, 0) - lengths_t
+    total = int(sum(padded))
+    # Packed slot of every real token: its index in the concatenation, moved by its sequence's padding.
+    dest = torch.arange(int(sum(lengths))) + torch.repeat_interleave(slot_starts - token_starts, lengths_t)
+    last = torch.cumsum(lengths_t, 0) - 1  # each sequence's last token in the concatenation
+
+    def packed_row(flat: torch.Tensor, fill) -> torch.Tensor:
+        return flat.new_full((total,), fill).index_copy_(0, dest, flat)
+
+    tokens = torch.cat([s["tokens"] for s in seqs]).long()
+    labels = torch.empty_like(tokens)
+    labels[:-1] = tokens[1:]
+    labels[last] = pad_id  # the token after a sequence's last one is not its label
+    out = {
+        "tokens": packed_row(tokens, pad_id),
+        "labels": packed_row(labels, pad_id),
+        "position_ids": torch.arange(total) - torch.repeat_interleave(slot_starts, padded_t),
+    }
+    for name in names:
+        out[name] = packed_row(torch.cat([_checked(s, name, n) for s, n in zip(seqs, lengths)]), 0)
+    if cp_size > 1:  # this rank's zigzag shard of every sequence, in packed order
+        keep = torch.cat([start + zigzag.zigzag_index(p, cp_size, cp_rank)
+                          for start, p in zip(slot_starts.tolist(), padded)]) if count else torch.zeros(0, dtype=torch.long)
+        out = {k: v.index_select(0, keep) for k, v in out.items()}
+    return {k: v.unsqueeze(0) for k, v in out.items()}
 
 
 def _pad(x: torch.Tensor, length: int, value) -> torch.Tensor:
