@@ -55,8 +55,8 @@ def test_every_alias_points_at_a_real_key():
 def test_run_record_says_how_many_processes_were_started(tmp_path, capsys):
     """``config.yaml`` is written before launch with the --nproc the user gave, not the default."""
     code = main(["train", "--config", DEMO, "--nproc", "2", f"run.dir={tmp_path}", "run.name=rec",
-                 "parallel.tp=2", "parallel.pp=1", "trainer.steps=0", "trainer.sft_warmup_steps=0",
-                 "trainer.plot=false"])
+                 "parallel.tp=2", "parallel.pp=1", "trainer.steps=1", "trainer.sft_warmup_steps=0",
+                 "trainer.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=2", "trainer.plot=false"])
     assert code == 0, capsys.readouterr().err
     record = yaml.safe_load((tmp_path / "rec" / "config.yaml").read_text())
     assert record["distributed"]["nproc"] == 2

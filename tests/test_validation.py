@@ -189,3 +189,62 @@ def test_config_layer_does_not_import_megatron_core():
             " and m != 'megatron_rl.models.arch'); print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("overrides,starts", [
+    (["model.num_attention_heads=4", "model.num_query_groups=3"], "config error: model.num_query_groups=3: "),
+    (["run.name=../../escape"], "config error: run.name=../../escape: is not a plain directory name"),
+    (["run.name=.."], "config error: run.name=..: "),
+    (["rollout.temperature=inf"], "config error: rollout.temperature=inf: not a finite number"),
+    (["actor.optim.lr=inf"], "config error: actor.optim.lr=inf: not a finite number"),
+    (["critic.optim.lr=nan"], "config error: critic.optim.lr=nan: not a finite number"),
+    (["trainer.steps=0"], "config error: trainer.steps=0: out of range (must be >= 1)"),
+    (["reward.kwargs=[1,2]"], "config error: reward.kwargs=[1,2]: wrong type, expected a mapping"),
+], ids=["heads-not-multiple-of-kv-heads", "run-name-escapes", "run-name-dotdot", "temperature-inf", "lr-inf",
+        "lr-nan", "no-steps", "kwargs-list"])
+def test_values_that_used_to_pass_or_crash_are_refused(capsys, tmp_path, overrides, starts):
+    line = refused(capsys, tmp_path, *overrides)
+    assert line.startswith(starts), line
+
+
+def test_string_override_outside_the_basic_multilingual_plane_is_kept(capsys, tmp_path):
+    cfg = load_config(DEMO, ["run.name=caf\U0001F600", "reward.kwargs={tag: \U0001F600}"])
+    assert cfg.run.name == "caf\U0001F600" and cfg.reward.kwargs == {"tag": "\U0001F600"}
+
+
+def test_prompt_file_that_is_not_utf8_names_the_line(capsys, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+1=", "answer": "2"}\n')
+    # Only the first record is read before launch; the whole file when the prompts load.
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.data.tokenizer import load_tokenizer
+
+    with pytest.raises(Exception) as info:
+        load_prompts(str(path), load_tokenizer("char"), max_prompt_tokens=16)
+    assert str(info.value).startswith(f"data error: {path}:2: line 2 is not UTF-8 (byte 0xe9"), info.value
+    path.write_bytes(b'{"prompt": "caf\xe9 1+1=", "answer": "2"}\n')
+    line = refused(capsys, tmp_path, f"data.train_path={path}")
+    assert line.startswith(f"data error: {path}:1: line 1 is not UTF-8"), line
+
+
+def test_parquet_file_with_a_jsonl_name_says_to_rename_it(capsys, tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "prompts.jsonl"
+    pq.write_table(pa.table({"prompt": ["1+1="], "answer": ["2"]}), str(path))
+    line = refused(capsys, tmp_path, f"data.train_path={path}")
+    assert "is a Parquet file with a JSON-lines name" in line and "rename it to end in .parquet" in line, line
+
+
+def _exits(prompts, responses, answers, **kwargs):
+    import sys
+
+    sys.exit(3)
+
+
+def test_reward_that_calls_sys_exit_is_a_reward_error_not_an_exit():
+    from megatron_rl.rewards.registry import grade_batch
+
+    with pytest.raises(Exception) as info:
+        grade_batch(_exits, ["1+1="], ["2"], ["2"])
+    assert not isinstance(info.value, SystemExit)
+    assert str(info.value).startswith("reward error: reward.fn=") and "called sys.exit(3)" in str(info.value)

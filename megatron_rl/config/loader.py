@@ -53,6 +53,7 @@ _TYPE_WORDS = {
     "float": "a number", "Optional[float]": "a number or null",
     "bool": "true or false", "Optional[bool]": "true, false or null",
     "str": "a string", "Optional[str]": "a string or null", "list": "a list like [a,b]",
+    "dict": "a mapping like {a: 1}",
 }
 
 
@@ -113,6 +114,9 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
             cfg = OmegaConf.merge(cfg, file_cfg)
         except oc_errors.OmegaConfBaseException as err:
             raise _convert(err, path) from None
+        except (TypeError, ValueError) as err:  # e.g. a list where the schema has a mapping
+            raise ConfigError("--config", path, f"a value does not fit its key ({err})",
+                              "compare the file with docs/config.md") from None
     dotlist = []
     for item in overrides:
         key, value = _parse_override(item)
@@ -126,13 +130,23 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
                 raise ConfigError(key, value, "is a group of keys, not a value", f"set one key, e.g. {group}=...")
             raise ConfigError(key, value, "unknown key (from the command line)", _nearest_key(key))
         if _KEY_TYPES[key] in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
-            # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.
-            value = json.dumps(value)
-        dotlist.append(f"{key}={value}")
-    try:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
-    except oc_errors.OmegaConfBaseException as err:
-        raise _convert(err, "the command line") from None
+            # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.  Not
+            # ASCII-escaped: YAML cannot read the surrogate pairs json writes for characters
+            # outside the Basic Multilingual Plane.
+            value = json.dumps(value, ensure_ascii=False)
+        dotlist.append((key, value))
+    for key, value in dotlist:  # one at a time, so an error names its key
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]))
+        except oc_errors.OmegaConfBaseException as err:
+            raise _convert(err, "the command line") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(key, value, f"not a readable value ({str(err).splitlines()[0]})",
+                              "quote the value or remove the characters YAML cannot read") from None
+        except (TypeError, ValueError):  # e.g. a list for a mapping key
+            expected = _TYPE_WORDS.get(_KEY_TYPES[key], "a value of the documented type")
+            raise ConfigError(key, value, f"wrong type, expected {expected}",
+                              f"give {expected}") from None
     return OmegaConf.to_object(cfg)
 
 

@@ -7,7 +7,9 @@ size or index a registry without guarding against values no field accepts.
 from __future__ import annotations
 
 import importlib
+import math
 import operator
+import os
 
 from megatron_rl.config.loader import choice_error
 from megatron_rl.config.schema import Config, iter_fields
@@ -36,11 +38,16 @@ def bounds_text(bounds: dict) -> str:
 
 
 def check_field_rules(cfg: Config) -> None:
-    """Raise a one-line :class:`ConfigError` for the first value outside its field's bounds or choices."""
+    """Raise a one-line :class:`ConfigError` for the first value outside its field's bounds or
+    choices, then for the few rules between fields that no feature owns (the model's shape, the
+    run's name)."""
     for key, field, _ in iter_fields():
         value = _get(cfg, key)
         if value is None:
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            # No key means infinity or NaN: an infinite learning rate or temperature trains on garbage.
+            raise ConfigError(key, value, "not a finite number", f"set {key} to a finite value")
         bounds = field.metadata.get("bounds", {})
         if bounds and not all(_BOUND_TEXT[op][0](value, bound) for op, bound in bounds.items()):
             raise ConfigError(key, value, f"out of range (must be {bounds_text(bounds)})",
@@ -48,3 +55,18 @@ def check_field_rules(cfg: Config) -> None:
         spec = field.metadata.get("choices")
         if spec and value not in registry_choices(spec):
             raise choice_error(key, value, registry_choices(spec))
+    _check_shape_and_name(cfg)
+
+
+def _check_shape_and_name(cfg: Config) -> None:
+    model = cfg.model
+    groups = model.num_query_groups or model.num_attention_heads
+    if model.num_attention_heads % groups:
+        raise ConfigError("model.num_query_groups", model.num_query_groups,
+                          f"model.num_attention_heads={model.num_attention_heads} is not a multiple of it "
+                          "(each KV head serves the same number of query heads)",
+                          "use a number of KV heads that divides model.num_attention_heads")
+    name = cfg.run.name
+    if not name or name in (".", "..") or os.sep in name or "/" in name or (os.altsep and os.altsep in name):
+        raise ConfigError("run.name", name, "is not a plain directory name (the run directory is run.dir/run.name)",
+                          "use a name without path separators; put the parent directory in run.dir")

@@ -308,7 +308,7 @@ class CriticConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = _f(20, "PPO steps (rollout + update).", ge=0)
+    steps: int = _f(20, "PPO steps (rollout + update).", ge=1)
     prompts_per_step: int = _f(16, "Prompts per step (each sampled rollout.n times).", ge=1)
     sft_warmup_steps: int = _f(0, "Supervised steps on prompt+answer before RL (teaches a tiny model the format).", ge=0)
     sft_lr: float = _f(1e-3, "Learning rate of the supervised warm-up.", ge=0)

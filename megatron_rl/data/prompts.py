@@ -43,8 +43,17 @@ class PromptSet:
 
 
 def _records_jsonl(path: str) -> Iterator[tuple[int, str, object]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        if f.read(4) == b"PAR1":
+            raise DataError("data.train_path", path, "is a Parquet file with a JSON-lines name",
+                            f"rename it to end in {PARQUET_SUFFIXES[0]}")
+        f.seek(0)
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{lineno}", None, f"line {lineno} is not UTF-8 (byte 0x{raw[err.start]:02x} "
+                                f"at column {err.start + 1})", f"save {path} as UTF-8") from None
             if not line.strip():
                 continue
             try:
