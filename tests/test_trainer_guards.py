@@ -100,3 +100,45 @@ def test_timed_adds_up_repeated_blocks_under_the_metric_key():
             pass
     assert list(timings) == ["timing/actor_update_s"] and timings["timing/actor_update_s"] >= 0.0
 
+
+
+def non_finite_body(root: str):
+    """A tiny model: an optimizer step at an infinite learning rate, then a save of NaN weights."""
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig, OptimConfig
+    from megatron_rl.engine import checkpoint
+    from megatron_rl.engine.pipeline import run_microbatches
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.errors import CheckpointError
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.tools.smoke import lm_forward_step, lm_microbatches, synthetic_sequences
+
+    layout = use_layout()
+    model = ModelConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, vocab_size=64)
+    chunks = build_gpt_chunks(model, layout, torch.device("cpu"))
+    trainable = make_trainable(chunks, OptimConfig(lr=float("inf")), total_steps=2)  # a library caller: no validation
+    before = [p.detach().clone() for p in chunks[0].parameters()]
+    trainable.zero_grad()
+    run_microbatches(trainable.chunks, lm_microbatches(synthetic_sequences(0, 2, 16, 64, 1), 2, 1, 0),
+                     lm_forward_step(torch.device("cpu")), forward_only=False, seq_length=16)
+    result = trainable.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, chunks[0].parameters()))
+    with torch.no_grad():
+        next(chunks[0].parameters()).view(-1)[0] = float("nan")
+    try:
+        checkpoint.save_checkpoint(root, 1, {"actor": checkpoint.ModelPart(trainable.chunks)})
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    return {"ok": result.ok, "reason": result.reason, "unchanged": unchanged, "refused": refused,
+            "written": sorted(os.listdir(root)) if os.path.isdir(root) else []}
+
+
+def test_infinite_learning_rate_applies_no_update_and_nan_weights_are_never_saved(tmp_path):
+    out = run_distributed(1, non_finite_body, str(tmp_path / "ckpt"))[0]
+    assert not out["ok"] and out["reason"].startswith("learning rate inf is not finite"), out
+    assert out["unchanged"], "the weights moved at an infinite learning rate"
+    assert out["refused"] and "the actor weights hold NaN or infinite values; nothing was written" in out["refused"]
+    assert not any(name.startswith("step_") for name in out["written"]), out["written"]

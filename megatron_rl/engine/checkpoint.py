@@ -164,10 +164,20 @@ def save_checkpoint(
     keep_last: int = 0,
     with_optimizer: bool = True,
 ) -> str:
-    """Save atomically; every rank must call.  Returns the final directory."""
+    """Save atomically; every rank must call.  Returns the final directory.
+
+    Weights that are not finite are never written: the save raises :class:`CheckpointError` on
+    every rank and the last good checkpoint stays the newest."""
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.engine.trainable import weights_finite
+
     final = os.path.join(root, step_dir_name(step))
+    for name, part in parts.items():
+        if not weights_finite(part.chunks):
+            raise CheckpointError("checkpoint", final, f"the {name} weights hold NaN or infinite values; "
+                                  "nothing was written", "the last good checkpoint is kept; resume from it with a "
+                                  "lower learning rate (or float32 if bfloat16 overflows)")
     tmp = final + ".tmp"
     start = time.perf_counter()
     if _rank() == 0:

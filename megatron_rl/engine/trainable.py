@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.config.schema import OptimConfig
+from megatron_rl.distributed import collectives
 from megatron_rl.engine.lr_schedules import LR_SCHEDULES
 
 
@@ -41,11 +43,15 @@ class Trainable:
         self.optimizer.zero_grad()
 
     def step(self) -> StepResult:
-        """One optimizer step; skipped (and reported) when the gradients are not finite."""
+        """One optimizer step; skipped (and reported) when the gradients or the learning rate are
+        not finite.  With both finite, Adam's update is finite: no non-finite update is applied."""
         found_inf = self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
         if found_inf or not math.isfinite(norm):
             return StepResult(False, norm, "non-finite gradients: update skipped")
+        bad_lr = next((g["lr"] for g in self.optimizer.param_groups if not math.isfinite(g["lr"])), None)
+        if bad_lr is not None:
+            return StepResult(False, norm, f"learning rate {bad_lr} is not finite: update skipped")
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             return StepResult(False, norm, "optimizer reported overflow: update skipped")
@@ -148,3 +154,14 @@ def freeze(chunks: list) -> list:
         for param in chunk.parameters():
             param.requires_grad_(False)
     return chunks
+
+
+def weights_finite(chunks: list) -> bool:
+    """Whether every parameter of ``chunks`` is finite on every rank: one fused max-abs per rank (a
+    max cannot overflow, and NaN propagates through it) and one all-reduce, so every rank gets the
+    same answer."""
+    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    finite = True
+    if params:
+        finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(params, math.inf)).max()))
+    return not collectives.agree_any(not finite)
