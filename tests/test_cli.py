@@ -142,5 +142,27 @@ def test_train_says_what_it_loaded_and_a_finished_rerun_exits_at_once(tmp_path):
     assert again.stdout.splitlines() == [
         f"run finished: step 1 of trainer.steps=1 is done in {tmp_path / 'r'}; nothing to do. To train further: "
         f"trainer.steps=<more than 1>; to start fresh: run.name=<new name>, or trainer.resume=never "
-        f"(overwrites {tmp_path / 'r'})"]
+        f"(moves this run's checkpoints and metrics to {tmp_path / 'r'}/replaced/)"]
     assert again_s < first_s
+
+
+def test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_with_it(tmp_path):
+    """trainer.resume=never where an earlier run saved step 2: the fresh run's step 1 is kept (the
+    old step 2 used to outrank it, and retention deleted it), the old run is moved aside, not
+    deleted, and a later trainer.resume=auto continues the fresh run."""
+    from tests._helpers import TINY
+
+    common = ["train", *TINY, f"run.dir={tmp_path}", "run.name=r"]
+    first, _ = cli(*common, "trainer.steps=2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    fresh, _ = cli(*common, "trainer.steps=1", "trainer.resume=never")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    run = tmp_path / "r"
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000001"]
+    (moved,) = os.listdir(run / "replaced")
+    assert sorted(os.listdir(run / "replaced" / moved / "checkpoints")) == ["latest", "step_00000002"]
+    assert len((run / "replaced" / moved / "metrics.jsonl").read_text().splitlines()) == 2
+    assert "the previous run's checkpoints and metrics moved to" in fresh.stdout + fresh.stderr
+    later, _ = cli(*common, "trainer.steps=2")
+    assert later.returncode == 0, later.stderr[-2000:]
+    assert f"resumed after step 1 from {run / 'checkpoints' / 'step_00000001'}" in later.stdout + later.stderr

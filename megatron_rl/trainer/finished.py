@@ -37,4 +37,29 @@ def finished_message(cfg, step: int) -> str:
     run_dir = run_dir_of(cfg)
     return (f"run finished: step {step} of trainer.steps={cfg.trainer.steps} is done in {run_dir}; nothing to do. "
             f"To train further: trainer.steps=<more than {step}>; to start fresh: run.name=<new name>, "
-            f"or trainer.resume=never (overwrites {run_dir})")
+            f"or trainer.resume=never (moves this run's checkpoints and metrics to {run_dir}/replaced/)")
+
+
+def set_aside_previous_run(run_dir: str) -> str | None:
+    """Move an earlier run's checkpoints and metrics out of the way of a fresh start
+    (``trainer.resume=never``) into ``<run_dir>/replaced/<UTC time>/``; returns that directory, or
+    None when there was nothing to move.
+
+    A fresh run must neither resume from nor delete another run's checkpoints: left in place, the
+    old run's higher step numbers would outrank the new checkpoints (retention would delete the new
+    ones) and a later ``trainer.resume=auto`` would continue the old run.  Nothing is deleted."""
+    names = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(run_dir, n))]
+    if not names:
+        return None
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    target = os.path.join(run_dir, "replaced", stamp)
+    suffix = 1
+    while os.path.exists(target):
+        suffix += 1
+        target = os.path.join(run_dir, "replaced", f"{stamp}-{suffix}")
+    os.makedirs(target)
+    for name in names:
+        os.replace(os.path.join(run_dir, name), os.path.join(target, name))
+    return target

@@ -39,7 +39,7 @@ from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, PromptSet
 from megatron_rl.data.sources import load_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
-from megatron_rl.distributed import faults
+from megatron_rl.distributed import collectives, faults
 from megatron_rl.distributed.metrics import reduce_sum_count, reduce_sums
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine import checkpoint
@@ -62,7 +62,7 @@ from megatron_rl.rollout.engine import make_rollout_engine
 from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
-from megatron_rl.trainer.finished import finished_message, finished_step
+from megatron_rl.trainer.finished import finished_message, finished_step, set_aside_previous_run
 from megatron_rl.trainer.guards import check_updates_applied
 from megatron_rl.trainer.metrics import (
     MetricsWriter,
@@ -239,6 +239,11 @@ class PPOTrainer:
     def _resume_or_init(self) -> int:
         mode = self.cfg.trainer.resume
         path = None
+        if mode == "never":
+            moved = set_aside_previous_run(self.run_dir) if _rank0() else None
+            collectives.barrier()
+            if moved:
+                self.log(f"trainer.resume=never: the previous run's checkpoints and metrics moved to {moved}")
         if mode == "auto":
             path = checkpoint.find_latest(self.ckpt_root)
         elif mode != "never":
