@@ -18,6 +18,7 @@ from typing import Callable
 from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
 
 ERROR_FILE_ENV = "MEGATRON_RL_ERROR_FILE"
+EXIT_INTERRUPTED = 130  # the shell's code for a job ended by SIGINT
 
 
 def _rank() -> int:
@@ -111,6 +112,10 @@ def run_guarded(fn: Callable[[], int | None]) -> None:
     except UserInputError as exc:
         report_failure(exc, EXIT_BAD_INPUT)
         _exit(EXIT_BAD_INPUT)
+    except KeyboardInterrupt:  # a second Ctrl-C: the user asked to stop now, not for a traceback
+        print(f"[rank {_rank()}] aborted (Ctrl-C twice); no checkpoint of the current step", file=sys.stderr,
+              flush=True)
+        _exit(EXIT_INTERRUPTED)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the rank
         report_failure(exc, 1)
         _exit(1)

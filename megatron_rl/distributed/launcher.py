@@ -4,6 +4,14 @@ Each rank is this same command line run again with ``RANK``/``WORLD_SIZE``/``MAS
 The launcher polls the ranks; when one fails it stops the others (SIGTERM, then SIGKILL),
 prints the first failure's traceback once, and returns that rank's exit code.  A rank stuck in a
 collective with a dead peer is covered by the process-group timeout, so the job always ends.
+
+Signals: SIGTERM, SIGUSR1 and a first Ctrl-C are passed to each rank's main process only (never to
+the helper processes it started, such as megatron's checkpoint writers, which must live to finish
+the checkpoint); the ranks checkpoint at the next step boundary and exit 0.  A second Ctrl-C or
+SIGTERM, or ranks still running ``grace_s`` after the first, end the job at once.  Every rank runs
+in its own process group, and each group is killed when the job ends, whatever state its leader is
+in, so no helper outlives the job holding its output open; a rank whose launcher dies (even by
+SIGKILL) is sent SIGTERM by the kernel (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -22,15 +30,49 @@ from megatron_rl.distributed.guard import ERROR_FILE_ENV
 
 POLL_S = 0.1
 GRACE_S = 5.0
+STOP_GRACE_S = 600.0  # default time the ranks get to checkpoint and exit after a stop signal
 
 
 def _stop(procs: list[subprocess.Popen], sig=signal.SIGTERM) -> None:
+    """``sig`` to every rank's process group: the rank and every helper it started, also when the
+    rank itself has exited and left them behind."""
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _ask(procs: list[subprocess.Popen], sig: int) -> None:
+    """``sig`` to each running rank's main process only."""
     for proc in procs:
         if proc.poll() is None:
             try:
-                os.killpg(proc.pid, sig)
+                os.kill(proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _end_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every group, a short grace, then SIGKILL; waits for the ranks."""
+    _stop(procs)
+    deadline = time.monotonic() + GRACE_S
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    _stop(procs, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launcher dies (Linux); nothing elsewhere."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _first_failure(err_base: str) -> dict | None:
@@ -44,8 +86,9 @@ def _first_failure(err_base: str) -> dict | None:
     return min(records, key=lambda r: r["time"]) if records else None
 
 
-def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None) -> int:
-    """Run ``python -m megatron_rl.tools.cli <argv>`` on ``nproc`` ranks; return the job's exit code."""
+def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S) -> int:
+    """Run ``python -m megatron_rl.tools.cli <argv>`` on ``nproc`` ranks; return the job's exit code.
+    ``grace_s``: how long the ranks get to checkpoint and exit after a stop signal."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="megatron_rl_launch_")
     err_base = os.path.join(tmp, "error")
@@ -60,10 +103,19 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None) -> 
         )
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", *argv],
-                                      env=env, start_new_session=True))
+                                      env=env, start_new_session=True, preexec_fn=_die_with_parent))
+    stop = {"asked": None, "abort": False}
 
     def _forward(signum, _frame):
-        _stop(procs, signal.SIGTERM if signum == signal.SIGINT else signum)
+        if stop["asked"] is not None and signum in (signal.SIGINT, signal.SIGTERM):
+            stop["abort"] = True  # the second request: now
+            return
+        if stop["asked"] is None:
+            stop["asked"] = time.monotonic()
+        if signum == signal.SIGINT:
+            print("Ctrl-C: the ranks stop after this step with a checkpoint (Ctrl-C again aborts without one)",
+                  file=sys.stderr, flush=True)
+        _ask(procs, signal.SIGTERM if signum == signal.SIGINT else signum)
 
     old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
@@ -72,20 +124,22 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None) -> 
             if any(c not in (None, 0) for c in codes):
                 break
             if all(c == 0 for c in codes):
+                _stop(procs, signal.SIGKILL)  # helpers the ranks left behind
                 return 0
+            late = stop["asked"] is not None and time.monotonic() - stop["asked"] > grace_s
+            if stop["abort"] or late:
+                why = "a second stop signal" if stop["abort"] else f"the ranks were still running {grace_s:.0f} s after the stop signal"
+                print(f"megatron-rl: aborting the job ({why}); no checkpoint of the current step",
+                      file=sys.stderr, flush=True)
+                _end_all(procs)
+                return 130 if stop["abort"] else 1
             time.sleep(POLL_S)
         # Ranks killed by a signal before we sent any (OOM killer, kill -9) are the root cause:
         # their peers' errors are only the broken connections that followed.
         time.sleep(POLL_S)
         codes = [p.poll() for p in procs]
         killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
-        _stop(procs)
-        deadline = time.monotonic() + GRACE_S
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-        _stop(procs, signal.SIGKILL)
-        for p in procs:
-            p.wait()
+        _end_all(procs)
         record = _first_failure(err_base)
         if killed or record is None:
             rank = killed[0] if killed else next(r for r, c in enumerate(codes) if c not in (None, 0))

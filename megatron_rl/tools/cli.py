@@ -21,6 +21,8 @@ import sys
 
 from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
 
+EXIT_INTERRUPTED = 130  # the shell's code for a job ended by SIGINT
+
 DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert", "generate")
 
 
@@ -121,7 +123,11 @@ def _rank_main(args) -> int:
 
     if launch.world_size > 1 or os.environ.get("MEGATRON_RL_LAUNCHER"):
         run_guarded(work)  # never returns
-    return work() or 0
+    try:
+        return work() or 0
+    except KeyboardInterrupt:  # Ctrl-C before training started, or twice during it
+        print("aborted (Ctrl-C); no checkpoint of the current step", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 def _smoke(cfg, args) -> int:
@@ -253,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             if "--nproc" in argv:
                 i = argv.index("--nproc")
                 rank_argv = argv[:i] + argv[i + 2 :]
-            return launch_local(rank_argv, nproc)
+            return launch_local(rank_argv, nproc, grace_s=max(60.0, float(cfg.distributed.timeout_s)))
         return _rank_main(args)
     except UserInputError as err:
         print(str(err), file=sys.stderr)

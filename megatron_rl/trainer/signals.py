@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM / SIGUSR1 ask for a checkpoint at the next step boundary, then exit 0.
+"""Preemption and Ctrl-C: SIGTERM, SIGUSR1 and a first SIGINT ask for a checkpoint at the next step
+boundary, then exit 0; a second SIGINT aborts at once (exit 130, no checkpoint).
 
 The handler only records the request (it may arrive twice: from the scheduler and again from
 torchrun).  At each step boundary all ranks agree with one all-reduce whether any of them was
@@ -8,12 +9,17 @@ asked to stop, so every rank stops after the same step and the checkpoint is con
 from __future__ import annotations
 
 import signal
+import sys
 
 from megatron_rl.distributed import collectives
 
 
+class AbortedByUser(KeyboardInterrupt):
+    """The second Ctrl-C: stop now, without the checkpoint the first one asked for."""
+
+
 class StopRequest:
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.signum: int | None = None
@@ -25,6 +31,11 @@ class StopRequest:
                 pass
 
     def _handle(self, signum, _frame) -> None:
+        if signum == signal.SIGINT:
+            if self.signum == signal.SIGINT:
+                raise AbortedByUser()
+            print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts without one)",
+                  file=sys.stderr, flush=True)
         if self.signum is None:
             self.signum = signum
 

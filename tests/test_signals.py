@@ -1,0 +1,164 @@
+"""Stopping a job never loses work and never leaves anything running: SIGTERM after a periodic
+save, Ctrl-C with one process (once: checkpoint and exit 0; twice: abort), kill -9 of a rank (its
+helpers do not outlive the job or hold its output open), kill -9 of the launcher (the ranks stop)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests._helpers import TINY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+LONG = [*TINY, "trainer.steps=400", "distributed.timeout_s=60"]
+
+
+def start(tmp_path, nproc: int, *overrides: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", str(nproc), *LONG,
+                             f"run.dir={tmp_path}", "run.name=r", *overrides], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def steps_done(tmp_path) -> int:
+    try:
+        with open(tmp_path / "r" / "metrics.jsonl") as fh:
+            return sum(1 for line in fh if line.strip())
+    except OSError:
+        return 0
+
+
+def wait_for_step(proc, tmp_path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_done(tmp_path) < step:
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no step {step} after {timeout} s")
+        time.sleep(0.05)
+
+
+def finish(proc, timeout: float = 180) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)  # returns only once every holder of the pipes closed them
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def checkpoints(tmp_path) -> list[str]:
+    root = tmp_path / "r" / "checkpoints"
+    return sorted(os.listdir(root)) if root.is_dir() else []
+
+
+def last_metrics_step(tmp_path) -> int:
+    with open(tmp_path / "r" / "metrics.jsonl") as fh:
+        return json.loads([line for line in fh if line.strip()][-1])["step"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    """The launcher's children (the ranks)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().split(")")[-1].split()[1]) == launcher_pid:
+                        out.append(int(entry))
+            except OSError:
+                pass
+    return sorted(out)
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().split(")")[-1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    out.append(int(entry))
+            except OSError:
+                pass
+    return out
+
+
+def test_sigterm_after_a_periodic_save_checkpoints_and_exits_0(tmp_path):
+    """Used to end in BrokenPipeError, exit 1, a step_*.tmp left: the launcher signalled each rank's
+    whole process group, megatron's checkpoint-writer processes included."""
+    proc = start(tmp_path, 2, "trainer.save_every=3")
+    wait_for_step(proc, tmp_path, 5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    step = last_metrics_step(tmp_path)
+    assert step >= 5 and f"step_{step:08d}" in checkpoints(tmp_path), (step, checkpoints(tmp_path))
+    assert not any(name.endswith(".tmp") for name in checkpoints(tmp_path))
+    assert f"checkpoint after step {step}" in out + err
+
+
+def test_ctrl_c_once_checkpoints_and_twice_aborts_with_one_process(tmp_path):
+    proc = start(tmp_path, 1)
+    wait_for_step(proc, tmp_path, 2)
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "Ctrl-C: stopping after this step with a checkpoint" in err
+    step = last_metrics_step(tmp_path)
+    assert f"step_{step:08d}" in checkpoints(tmp_path)
+
+    again = tmp_path / "again"
+    proc = start(again, 1)
+    wait_for_step(proc, again, 2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert "aborted" in err.splitlines()[-1]
+
+
+def test_kill_9_of_a_rank_ends_the_job_and_leaves_no_helper_holding_its_output(tmp_path):
+    proc = start(tmp_path, 2, "trainer.save_every=1")
+    wait_for_step(proc, tmp_path, 3)
+    rank0 = rank_pids(proc.pid)[0]
+    os.kill(rank0, signal.SIGKILL)
+    start_wait = time.monotonic()
+    out, err = finish(proc, timeout=120)
+    print(f"job ended {time.monotonic() - start_wait:.1f} s after kill -9 of rank 0")
+    assert proc.returncode != 0 and "rank 0 died (signal 9)" in err, err[-2000:]
+    assert group_members(rank0) == [], "helpers of the killed rank outlived the job"
+
+
+def test_kill_9_of_the_launcher_stops_the_ranks(tmp_path):
+    proc = start(tmp_path, 2)
+    wait_for_step(proc, tmp_path, 2)
+    ranks = rank_pids(proc.pid)
+    assert len(ranks) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 120
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = [pid for pid in ranks if alive(pid)]
+    for pid in survivors:
+        os.killpg(pid, signal.SIGKILL)
+    assert not survivors, "ranks kept training after their launcher was killed"
+    # They stopped the way SIGTERM stops them: a checkpoint of the last step.
+    assert f"step_{last_metrics_step(tmp_path):08d}" in checkpoints(tmp_path)
