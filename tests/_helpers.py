@@ -29,6 +29,14 @@ def digit_share(prompts, responses, answers, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in r) / max(len(r), 1) for r in responses]
 
 
+def never_returns(prompts, responses, answers, **kwargs) -> list[float]:
+    """A plain batch reward stuck in a blocking call (no Python code runs that could be interrupted)."""
+    import time
+
+    time.sleep(10**6)
+    return [0.0] * len(responses)
+
+
 def train_body(config, overrides: list[str]):
     """Harness body: validate and run PPO from ``config`` (a YAML path or None) and ``overrides``."""
     import torch.distributed as dist

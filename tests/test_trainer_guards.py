@@ -142,3 +142,19 @@ def test_infinite_learning_rate_applies_no_update_and_nan_weights_are_never_save
     assert out["unchanged"], "the weights moved at an infinite learning rate"
     assert out["refused"] and "the actor weights hold NaN or infinite values; nothing was written" in out["refused"]
     assert not any(name.startswith("step_") for name in out["written"]), out["written"]
+
+
+def test_plain_reward_that_never_returns_stops_the_job_with_one_line(tmp_path):
+    """A plain batch reward stuck on every rank used to hold the job until SIGKILL (launcher signals
+    did nothing); it now gets reward.timeout_s per response, then the run stops with exit 2."""
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *TINY,
+                           "reward.fn=tests._helpers:never_returns", "reward.timeout_s=0.5",
+                           "distributed.timeout_s=30", "trainer.steps=3", f"run.dir={tmp_path}", "run.name=h"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    print(f"job ended after {time.monotonic() - start:.1f} s")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "reward error: reward.fn=tests._helpers:never_returns: did not return within 2 s " \
+           "(reward.timeout_s=0.5 per response, 4 responses" in proc.stderr, proc.stderr[-3000:]

@@ -232,7 +232,10 @@ class RolloutConfig:
 class RewardConfig:
     fn: str = _f("digit_sum", "Registered reward name or 'package.module:function'.")
     kwargs: dict = _f({}, "Keyword arguments passed to the reward function.")
-    timeout_s: float = _f(5.0, "Seconds a built-in grader may spend on one sample; past it the sample scores 0 and counts in reward/timeouts.", gt=0)
+    timeout_s: float = _f(
+        5.0, "Seconds per response: a built-in grader that spends longer on one sample scores it 0 (counted in "
+        "reward/timeouts); a plain reward function gets this times its batch's responses, past which the run stops.",
+        gt=0)
 
 
 @dataclass

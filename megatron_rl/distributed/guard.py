@@ -105,6 +105,14 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def exit_with_error(exc: BaseException) -> None:
+    """Report ``exc`` as this rank's failure and end the process now (from any thread): for a
+    watchdog whose main thread is stuck where no exception can reach it."""
+    code = EXIT_BAD_INPUT if isinstance(exc, UserInputError) else 1
+    report_failure(exc, code)
+    _exit(code)
+
+
 def run_guarded(fn: Callable[[], int | None]) -> None:
     """Call ``fn``; exit with its code, or report and ``os._exit`` on any exception."""
     try:

@@ -17,8 +17,10 @@ The built-in math rewards are graders; a plain batch function is called as writt
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import numbers
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
@@ -212,6 +214,32 @@ def _as_floats(out, name: str, indices: Sequence[int]) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def hard_deadline(seconds: Optional[float], error: Optional[BaseException]):
+    """End this process with ``error`` reported (exit 2) if the body runs longer than ``seconds``.
+
+    A plain reward function runs in this process (it may hold a reward model in memory), and
+    nothing can interrupt Python code stuck in C or in a blocking call; so a watchdog thread reports
+    the overrun the way any rank failure is reported and exits the process, and the launcher ends
+    the job.  ``seconds=None`` does nothing."""
+    if seconds is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(seconds):
+            from megatron_rl.distributed.guard import exit_with_error
+
+            exit_with_error(error)
+
+    threading.Thread(target=watch, name="reward-deadline", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def _first_failing_item(fn, prompts, responses, answers, kwargs) -> tuple[Optional[int], Optional[BaseException]]:
     for i in range(len(responses)):
         try:
@@ -256,8 +284,17 @@ def grade_batch(
                          f"{len(answers)} answers, {len(indices)} prompt indices")
     name = reward_name(fn)
     prompts, responses, answers = list(prompts), list(responses), list(answers)
+    bound = None
+    if timeout_s is not None and not getattr(fn, "bounded", False) and responses:
+        bound = timeout_s * len(responses)
+        late = RewardFunctionError(
+            KEY, name, f"did not return within {bound:g} s (reward.timeout_s={timeout_s:g} per response, "
+            f"{len(responses)} responses; prompt indices {_short(indices, 60)})",
+            "make the reward function return (or raise) in time, raise reward.timeout_s, or build it from "
+            "@grader functions, which score a sample that overruns 0 instead of stopping the run")
     try:
-        out = fn(prompts, responses, answers, **kwargs)
+        with hard_deadline(bound, late if bound else None):
+            out = fn(prompts, responses, answers, **kwargs)
     except SystemExit as err:  # would end this rank with the function's exit code and no message
         raise RewardFunctionError(KEY, name, f"called sys.exit({err.code!r}) on a batch of {len(responses)} responses",
                                   "return a reward for every response; raise an exception to report a failure") from None
