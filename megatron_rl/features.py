@@ -86,6 +86,19 @@ def _mp(cfg) -> int:
     return p.tp * p.pp * p.cp
 
 
+def _vpp_pass_sequences(cfg, world) -> int:
+    """Fewest sequences a data-parallel rank gets in one training pass: an RL mini-batch, or a
+    supervised warm-up batch (one sequence per prompt).  Unknown world size: no limit."""
+    if world is None:
+        return 1 << 30
+    dp = max(1, world // _mp(cfg))
+    per_step = cfg.trainer.prompts_per_step * cfg.rollout.n
+    passes = [per_step // (dp * cfg.algorithm.mini_batches)]
+    if cfg.trainer.sft_warmup_steps:
+        passes.append(cfg.trainer.prompts_per_step // dp)
+    return min(passes)
+
+
 def _heads_kv(cfg) -> int:
     return attention_dims(cfg.model)[1]
 
@@ -246,10 +259,18 @@ FEATURES: list[Feature] = [
     ),
     Feature(
         "Virtual pipeline (interleaved 1F1B)", "parallelism", TESTED_CPU,
-        "Several model chunks per pipeline rank. With PP=2 batched p2p is turned off: megatron-core gives silently wrong results there.",
+        "Several model chunks per pipeline rank. With PP=2 batched p2p is turned off: megatron-core gives silently wrong results there. Training passes run at least 2*pp micro-batches (with exactly pp megatron-core's schedule hangs), of any lengths (token budgets, the derived default).",
         ("tests/test_parallel_parity.py::test_pp2_vpp2",
-         "tests/test_config.py::test_pp2_vpp_with_batched_p2p_is_rejected"),
+         "tests/test_config.py::test_pp2_vpp_with_batched_p2p_is_rejected",
+         "tests/test_cp_layouts.py::test_virtual_pipeline_with_data_dependent_micro_batches_matches_one_process"),
         (
+            _need("trainer.prompts_per_step", lambda c, w: _vpp_pass_sequences(c, w) >= 2 * c.parallel.pp,
+                  "with virtual pipeline stages a training pass needs at least 2*pp micro-batches, but a data-parallel "
+                  "rank gets fewer sequences per pass (prompts_per_step x rollout.n / data-parallel size / "
+                  "algorithm.mini_batches; in the warm-up prompts_per_step / data-parallel size)",
+                  "raise trainer.prompts_per_step (or rollout.n), lower algorithm.mini_batches, or parallel.vpp=null",
+                  "sequences per training pass per data-parallel rank >= 2*pp",
+                  when=lambda c: (c.parallel.vpp or 1) > 1),
             _need("parallel.vpp", lambda c, w: c.parallel.pp > 1,
                   "virtual pipeline stages need pipeline parallelism", "set parallel.pp>=2 or parallel.vpp=null",
                   "pp >= 2", when=lambda c: (c.parallel.vpp or 1) > 1),

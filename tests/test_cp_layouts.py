@@ -95,3 +95,17 @@ def test_distributed_optimizer_step_matches_one_process(comm):
     check_against_reference(_world(2, comm), cp_kw(comm), PLANS["packed"],
                             optim_kw=dict(CP_STEP_OPTIM, use_distributed_optimizer=True), do_step=True,
                             compare_grads=False)
+
+
+@pytest.mark.parametrize("plan_kw", [
+    dict(max_tokens_per_rank=40),                                       # 2 micro-batches by budget
+    dict(max_tokens_per_rank=400),                                      # 1 by budget
+    dict(max_tokens_per_rank=1216, derived=True, min_microbatches=2),   # the demo's derived budget
+    dict(micro_batch_size=4),                                           # 2 of unequal lengths
+], ids=["budget-40", "budget-400", "derived", "mbs-4"])
+def test_virtual_pipeline_with_data_dependent_micro_batches_matches_one_process(plan_kw):
+    """Interleaved 1F1B used to hang with exactly pp micro-batches in a training pass, and with
+    unequal micro-batch lengths at pp=2 (megatron exchanged the two directions' shapes out of
+    order); every plan here now runs 2*pp micro-batches of unequal lengths, as one process."""
+    check_against_reference(2, dict(pp=2, vpp=2), plan_kw, model_kw=dict(num_layers=4), optim_kw=CP_STEP_OPTIM,
+                            do_step=True)

@@ -248,3 +248,10 @@ def test_reward_that_calls_sys_exit_is_a_reward_error_not_an_exit():
         grade_batch(_exits, ["1+1="], ["2"], ["2"])
     assert not isinstance(info.value, SystemExit)
     assert str(info.value).startswith("reward error: reward.fn=") and "called sys.exit(3)" in str(info.value)
+
+
+def test_virtual_pipeline_with_too_few_sequences_per_pass_is_refused(capsys, tmp_path):
+    line = refused(capsys, tmp_path, "parallel.tp=1", "parallel.pp=2", "parallel.sequence_parallel=false",
+                   "parallel.vpp=2", "trainer.prompts_per_step=1", world=2)
+    assert line.startswith("config error: trainer.prompts_per_step=1: with virtual pipeline stages a training pass "
+                           "needs at least 2*pp micro-batches"), line

@@ -354,3 +354,59 @@ register_workaround(
         used_in="__init__.py:NO_VCS_VERSION",
     )
 )
+
+
+def _shapes_in_pairing_order(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """megatron's ``P2PCommunicator._communicate_shapes`` with the ops posted forward direction
+    first (send next, receive previous), then backward (send previous, receive next).
+
+    With two pipeline ranks and virtual stages a rank's previous and next rank are the same peer,
+    so two shapes can travel to it in one call.  megatron posts them backward-first (send previous,
+    then send next) while the peer posts its receives forward-first (receive previous, then
+    receive next); messages between a pair match in posting order, so each side took the other's
+    shape and the tensor exchange that followed failed on unequal micro-batch lengths.  The order
+    here is the one megatron's own unbatched tensor exchange (``_p2p_ops``) uses."""
+    device = torch.cuda.current_device()
+    dist = torch.distributed
+
+    def shape_of(t):
+        return None if t is None else torch.tensor(t.size(), device=device, dtype=torch.int64)
+
+    recv_prev_shape = torch.empty((3,), device=device, dtype=torch.int64) if recv_prev else None
+    recv_next_shape = torch.empty((3,), device=device, dtype=torch.int64) if recv_next else None
+    send_next_shape, send_prev_shape = shape_of(tensor_send_next), shape_of(tensor_send_prev)
+    if self.config.use_ring_exchange_p2p:
+        dist.ring_exchange(tensor_send_prev=send_prev_shape, tensor_recv_prev=recv_prev_shape,
+                           tensor_send_next=send_next_shape, tensor_recv_next=recv_next_shape, group=self.pp_group)
+    else:
+        ops = [dist.P2POp(op, t, peer, self.pp_group) for op, t, peer in (
+            (dist.isend, send_next_shape, self.next_rank), (dist.irecv, recv_prev_shape, self.prev_rank),
+            (dist.isend, send_prev_shape, self.prev_rank), (dist.irecv, recv_next_shape, self.next_rank),
+        ) if t is not None]
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+            torch.cuda.synchronize()  # as megatron: batch_isend_irecv's race on CUDA
+    return (recv_prev_shape.tolist() if recv_prev_shape is not None else [0, 0, 0],
+            recv_next_shape.tolist() if recv_next_shape is not None else [0, 0, 0])
+
+
+def _patch_shape_exchange_order() -> None:
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    p2p_communication.P2PCommunicator._communicate_shapes = _shapes_in_pairing_order
+
+
+register_patch(
+    Patch(
+        name="pipeline.shape_exchange_order_pp2_vpp",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "p2p_communication.P2PCommunicator._communicate_shapes posts send-previous before "
+            "send-next; with PP=2 and virtual stages both go to the same peer, which receives "
+            "forward-first, so micro-batches of unequal lengths swapped shapes and the tensor "
+            "exchange failed"
+        ),
+        apply=_patch_shape_exchange_order,
+    )
+)

@@ -117,16 +117,19 @@ def plan_microbatches(
                                                 packed, max_tokens_per_rank):
             count += 1
     else:
-        count = -(-len(indices) // (micro_batch_size or 1))
+        count = max(min_count, -(-len(indices) // (micro_batch_size or 1)))
     count = _agree_max(count, dp_group)
     if multiple_of > 1:
         count = -(-count // multiple_of) * multiple_of
         if count > len(indices):
             raise DataError(
                 "batch", len(indices),
-                f"the interleaved pipeline schedule needs a multiple of {multiple_of} micro-batches, but a "
-                f"data-parallel rank has only {len(indices)} sequences",
-                f"use at least {multiple_of} sequences per data-parallel rank per step, or parallel.vpp=null",
+                f"the interleaved pipeline schedule needs {count} micro-batches here (a multiple of the "
+                f"pipeline size {multiple_of}, at least {min_count}), but a data-parallel rank has only "
+                f"{len(indices)} sequences",
+                f"use at least {count} sequences per data-parallel rank per pass "
+                "(trainer.prompts_per_step x rollout.n / data-parallel size / algorithm.mini_batches), "
+                "or parallel.vpp=null",
             )
     count = min(count, len(indices))
     if max_tokens_per_rank:

@@ -89,6 +89,16 @@ def _model_inputs(mb: Microbatch, device):
     return mb.to(device, ["tokens", "position_ids"]), mb.packed_seq_params(device)
 
 
+def interleaved_training_minimum(pp: int) -> int:
+    """Micro-batches a forward+backward pass through virtual pipeline stages needs: ``2 * pp``.
+
+    megatron-core 0.19.2's interleaved 1F1B schedule with exactly ``pp`` micro-batches (which it
+    accepts) waits forever in its p2p exchange when it runs a backward pass; ``2 * pp`` and more
+    work (measured for pp 2 and 4 on gloo, equal and unequal lengths).  Forward-only passes work
+    with ``pp``."""
+    return 2 * pp
+
+
 def run_sequences(
     chunks: list,
     seqs: Sequence[dict],
@@ -108,11 +118,13 @@ def run_sequences(
     align = alignment(cp, tp, sp)
     lengths = [int(s["tokens"].numel()) for s in seqs]
     mine = split_data_parallel(lengths, dp, dp_rank)
+    pp, interleaved = ps.get_pipeline_model_parallel_world_size(), len(chunks) > 1
     groups = plan_microbatches(
         lengths, mine, max_tokens_per_rank=plan.max_tokens_per_rank, micro_batch_size=plan.micro_batch_size,
         cp=cp, align=align, packed=plan.packed, dp_group=ps.get_data_parallel_group(),
-        multiple_of=ps.get_pipeline_model_parallel_world_size() if len(chunks) > 1 else 1,
-        min_count=plan.min_microbatches, oversized_alone=plan.derived,
+        multiple_of=pp if interleaved else 1,
+        min_count=max(plan.min_microbatches, interleaved_training_minimum(pp) if interleaved and not forward_only else 1),
+        oversized_alone=plan.derived,
     )
     mbs = [build_microbatch([seqs[i] for i in g], g, cp_size=cp, cp_rank=cp_rank, align=align,
                             packed=plan.packed, pad_id=plan.pad_id) for g in groups]
