@@ -147,3 +147,50 @@ def test_crafted_checkpoints_are_refused_and_run_nothing(source_run, tmp_path):
             failures.append(f"{kind} via {entry}: exit {proc.returncode}, code ran: {code_ran}, "
                             f"stderr tail: {proc.stderr[-600:]!r}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two")
+    proc = cli("train", "--nproc", "1", *TINY, "trainer.steps=2", "trainer.save_every=1", f"run.dir={root}",
+               "run.name=r")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "r"
+
+
+def corrupt_same_size(path) -> None:
+    """Overwrite bytes in the middle of a file with garbage, keeping its size (size checks pass)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes((b + 1) % 256 for b in data[middle:middle + 64])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("victim", ["actor/__0_0.distcp", "trainer_state.pt", "rng/rank_00000.pt",
+                                    "actor/.metadata"])
+def test_a_corrupted_checkpoint_is_named_and_resume_auto_falls_back(two_checkpoints, tmp_path, victim):
+    run = tmp_path / "r"
+    shutil.copytree(two_checkpoints, run)
+    newest = run / "checkpoints" / "step_00000002"
+    corrupt_same_size(newest / victim)
+    explicit = cli("train", "--nproc", "1", *TINY, "trainer.steps=3", f"run.dir={tmp_path}", "run.name=r",
+                   f"trainer.resume={newest}")
+    assert explicit.returncode == 2 and "Traceback" not in explicit.stderr, explicit.stderr[-3000:]
+    last = explicit.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"checkpoint error: checkpoint={newest}: file {victim} does not match its sha256"), last
+    auto = cli("train", "--nproc", "1", *TINY, "trainer.steps=3", f"run.dir={tmp_path}", "run.name=r")
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    said = auto.stdout + auto.stderr
+    assert f"checkpoint: skipping {newest}: file {victim} does not match" in said
+    assert f"resumed after step 1 from {run / 'checkpoints' / 'step_00000001'}" in said
+
+
+def test_resuming_with_another_model_shape_names_the_setting(two_checkpoints, tmp_path):
+    run = tmp_path / "r"
+    shutil.copytree(two_checkpoints, run)
+    overrides = [o for o in TINY if not o.startswith("model.hidden_size=")] + ["model.hidden_size=64"]
+    proc = cli("train", "--nproc", "1", *overrides, "trainer.steps=3", f"run.dir={tmp_path}", "run.name=r")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("checkpoint error: model.hidden_size=64: the checkpoint's actor was saved with "
+                           "model.hidden_size=32"), last

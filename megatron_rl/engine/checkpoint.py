@@ -19,6 +19,7 @@ checkpoint saved on one TP/PP/VPP layout loads into another.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -111,6 +112,41 @@ def _file_sizes(root: str) -> dict[str, int]:
     return sizes
 
 
+CHECKSUM = "sha256"
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, CHECKSUM).hexdigest()
+
+
+def _checksums(root: str, names: list[str]) -> dict[str, str]:
+    """``sha256`` of every file in ``names`` (relative to ``root``), each rank hashing every
+    world-th file, gathered on every rank: a collective, and reading the checkpoint back once,
+    spread over the ranks."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = {name: _digest(os.path.join(root, name)) for name in names[_rank()::world]}
+    out: dict[str, str] = {}
+    for part in collectives.all_gather_object(mine):
+        out.update(part)
+    return out
+
+
+def verify_contents(path: str, meta: dict) -> None:
+    """Compare every file with the checksum written beside it (a collective: every rank hashes a
+    share); :class:`CheckpointError` on every rank naming the first altered file.  Checkpoints
+    written before checksums existed are checked by size only."""
+    expected = meta.get("checksums")
+    if not expected:
+        return
+    got = _checksums(path, sorted(expected))
+    bad = [name for name in sorted(expected) if got.get(name) != expected[name]]
+    if bad:
+        raise CheckpointError("checkpoint", path, f"file {bad[0]} does not match its {CHECKSUM} checksum "
+                              f"({len(bad)} altered file(s)): corrupted after it was written",
+                              "use an earlier checkpoint")
+
+
 def _write_json(path: str, payload: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
@@ -193,11 +229,12 @@ def save_checkpoint(
     if _rank() == 0 and trainer_state is not None:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     _barrier()
+    sums = _checksums(tmp, sorted(_file_sizes(tmp)))
     if _rank() == 0:
         info = dict(meta or {})
         info.update(format=FORMAT_VERSION, step=step, parts=sorted(parts), with_optimizer=with_optimizer,
                     world_size=dist.get_world_size() if dist.is_initialized() else 1, complete=True,
-                    files=_file_sizes(tmp))
+                    files=_file_sizes(tmp), checksums=sums)
         _write_json(os.path.join(tmp, "meta.json"), info)
         _fsync_dir(tmp)
         if os.path.exists(final):
@@ -252,6 +289,33 @@ def check_checkpoint(path: str) -> dict:
     return meta
 
 
+# The model settings that decide the shapes of the saved tensors.
+ARCHITECTURE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                     "kv_channels", "vocab_size", "activation", "normalization", "add_qkv_bias", "add_bias_linear",
+                     "qk_layernorm", "tie_word_embeddings", "moe.num_experts", "moe.ffn_hidden_size",
+                     "moe.shared_expert_ffn_hidden_size")
+
+
+def _lookup(config: dict, dotted: str):
+    value = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def check_same_architecture(path: str, saved: Optional[dict], current: dict, part: str) -> None:
+    """:class:`CheckpointError` naming the first setting whose value differs between the model the
+    checkpoint holds and the one this run builds (instead of a shape error inside the loader)."""
+    if not saved:
+        return
+    for key in ARCHITECTURE_KEYS:
+        was, now = _lookup(saved, key), _lookup(current, key)
+        if was != now and not (key == "kv_channels" and None in (was, now)):
+            raise CheckpointError(f"model.{key}", now, f"the checkpoint's {part} was saved with model.{key}={was} "
+                                  f"({path})", f"set model.{key}={was} to load it, or start a new run "
+                                  "(run.name=<new name>)")
+
+
 def list_checkpoints(root: str) -> list[str]:
     if not os.path.isdir(root):
         return []
@@ -275,12 +339,20 @@ def load_checkpoint(
     *,
     with_optimizer: bool = True,
     load_rng: bool = True,
+    model_config: Optional[dict] = None,
 ) -> dict:
-    """Load ``parts`` from ``path`` into whatever layout they are built on; returns the meta."""
+    """Load ``parts`` from ``path`` into whatever layout they are built on; returns the meta.
+
+    Every file is checked against its checksum first; ``model_config`` (the run's
+    ``model_config_to_dict``) is compared with the architecture each part was saved with."""
     from megatron.core import dist_checkpointing
 
     safe_unpickling.install()
     meta = check_checkpoint(path)
+    verify_contents(path, meta)
+    if model_config is not None:
+        for name in parts:
+            check_same_architecture(path, meta.get("models", {}).get(name), model_config, name)
     for name, part in parts.items():
         if name not in meta["parts"]:
             raise CheckpointError("checkpoint", path, f"has no part {name!r} (it has {meta['parts']})",

@@ -46,6 +46,7 @@ from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
+from megatron_rl.errors import CheckpointError
 from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
@@ -221,7 +222,7 @@ class PPOTrainer:
         cfg = self.cfg
         if cfg.actor.init_checkpoint:
             checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(self.actor.chunks)},
-                                       with_optimizer=False, load_rng=False)
+                                       with_optimizer=False, load_rng=False, model_config=model_config_to_dict(cfg.model))
         elif cfg.model.hf_path:
             load_hf_weights(self.actor.chunks, cfg.model.hf_path)
         if cfg.trainer.sft_warmup_steps:
@@ -245,15 +246,40 @@ class PPOTrainer:
             if moved:
                 self.log(f"trainer.resume=never: the previous run's checkpoints and metrics moved to {moved}")
         if mode == "auto":
-            path = checkpoint.find_latest(self.ckpt_root)
+            candidates = list(reversed(checkpoint.list_checkpoints(self.ckpt_root)))
         elif mode != "never":
-            path = mode
+            candidates = [mode]
+        else:
+            candidates = []
+        path = meta = state = None
+        first_error = None
+        for candidate in candidates:
+            err = None
+            try:
+                meta = checkpoint.load_checkpoint(candidate, self._parts(), model_config=model_config_to_dict(self.cfg.model))
+                state = checkpoint.load_trainer_state(candidate) or {}
+            except CheckpointError as raised:
+                err = raised
+            if collectives.agree_any(err is not None):  # a rank's own file (rng) may fail alone
+                err = err or CheckpointError("checkpoint", candidate, "another rank could not read its files",
+                                             "use an earlier checkpoint")
+                # trainer.resume=auto falls back to the previous good checkpoint; a path given by
+                # the user, or a setting that no checkpoint of this run can match, stops here.
+                if mode != "auto" or err.key.startswith("model."):
+                    raise err
+                first_error = first_error or err
+                self.log(f"checkpoint: skipping {candidate}: {err.problem}")
+                continue
+            path = candidate
+            break
+        if path is None and first_error is not None:
+            raise first_error
         if path is None:
             self._init_weights()
             self.metrics.truncate_after(0)
             return 0
-        meta = checkpoint.load_checkpoint(path, self._parts())
-        state = checkpoint.load_trainer_state(path) or {}
+        if candidates and path != candidates[0]:
+            self.log(f"checkpoint: resuming from {path}, the newest checkpoint that loads")
         if "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])
         if "kl" in state:
