@@ -5,9 +5,9 @@ lengths -- sequences of 1..3 tokens, shorter than ``2*cp`` chunks, beside longer
 give the one-process per-token log-probs, entropy, values and every parameter gradient within
 1e-5 (fp32): CP with TP+SP, PP, PP+VPP, TP+PP (8 ranks), full recompute, and the distributed
 optimizer (parameters after one Adam step), for each CP communication type.  Micro-batches of a
-step differ in length, which the pipeline schedules must carry -- except with VPP: megatron-core
-0.16.1's interleaved schedule exchanges the shapes of micro-batches of different lengths wrongly
-(mixed-up buffer sizes at PP=2, a hang at PP=4), so the VPP layout runs equal-length ones.
+step differ in length, which the pipeline schedules must carry (VPP too, with
+``compat/megatron_fixes.py``'s shape-exchange order and at least ``2*pp`` micro-batches per
+training pass).  Besides the chosen layouts, a few random ones per run (seeded; the seed is printed).
 
 ``a2a+p2p`` runs at cp=4 with hierarchical sizes ``[2, 2]`` (a2a inside pairs of CP ranks, the
 ring across them), so its layouts take twice the ranks; TP2xPP2 with it would need 16 and is left
@@ -15,6 +15,9 @@ out.
 """
 
 from __future__ import annotations
+
+import os
+import random
 
 import pytest
 
@@ -109,3 +112,45 @@ def test_virtual_pipeline_with_data_dependent_micro_batches_matches_one_process(
     order); every plan here now runs 2*pp micro-batches of unequal lengths, as one process."""
     check_against_reference(2, dict(pp=2, vpp=2), plan_kw, model_kw=dict(num_layers=4), optim_kw=CP_STEP_OPTIM,
                             do_step=True)
+
+
+# ----------------------------------------------------------------------------- random layouts
+
+def draw_layout(rng, world: int = 4) -> tuple[dict, dict, dict, dict]:
+    """One valid (layout, plan, model, optimizer) for ``world`` ranks of the CP test model
+    (4 layers, 4 heads / 2 KV heads, the 7 mixed-length sequences)."""
+    while True:
+        tp, pp, cp = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
+        if world % (tp * pp * cp):
+            continue
+        dp = world // (tp * pp * cp)
+        layout = dict(tp=tp, pp=pp, cp=cp, sp=tp > 1 and rng.random() < 0.5)
+        if cp > 1:
+            layout["cp_comm_type"] = rng.choice(["p2p", "all_gather"] + (["a2a"] if tp == 1 else []))
+        if pp > 1 and dp == 1 and rng.random() < 0.5:
+            layout["vpp"] = 2  # 2*pp micro-batches per pass: every data-parallel rank needs 4 sequences
+        plan = rng.choice([dict(max_tokens_per_rank=rng.choice([40, 64, 400])), dict(micro_batch_size=rng.choice([1, 2, 3])),
+                           dict(max_tokens_per_rank=1216, derived=True, min_microbatches=pp)])
+        plan["packed"] = rng.random() < 0.75
+        if not plan["packed"] and cp > 1 and layout.get("cp_comm_type") == "a2a":
+            continue
+        model = dict(num_layers=4)
+        if rng.random() < 0.3:
+            model["recompute"] = dict(granularity="full", method="uniform", num_layers=1)
+        optim = dict(CP_STEP_OPTIM, use_distributed_optimizer=dp > 1 and rng.random() < 0.5)
+        return layout, plan, model, optim
+
+
+RANDOM_SEED = int(os.environ.get("MEGATRON_RL_LAYOUT_SEED", random.SystemRandom().randrange(1 << 30)))
+
+
+@pytest.mark.parametrize("draw", range(3))
+def test_random_layout_matches_one_process(draw):
+    """Replay a failure with ``MEGATRON_RL_LAYOUT_SEED=<seed printed here>``."""
+    rng = random.Random(RANDOM_SEED * 10 + draw)
+    layout, plan, model, optim = draw_layout(rng)
+    print(f"random layout: MEGATRON_RL_LAYOUT_SEED={RANDOM_SEED} draw {draw}: {layout} {plan} {model} {optim}")
+    # The distributed optimizer leaves each rank's gradient buffer reduced on its own shard only:
+    # compare the parameters after the step, as the chosen distributed-optimizer layouts do.
+    check_against_reference(4, layout, plan, model_kw=model, optim_kw=optim, do_step=True,
+                            compare_grads=not optim["use_distributed_optimizer"])
