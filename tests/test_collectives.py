@@ -42,6 +42,7 @@ DEVICE_SIDE = {
     "megatron_rl/models/canonical.py": "weight and gradient shards over TP",
     "megatron_rl/rollout/tp_engine.py": "weights broadcast over PP",
     "megatron_rl/trainer/update.py": "per-sequence sums of the loss's tensors over CP",
+    "megatron_rl/compat/megatron_fixes.py": "megatron's pipeline shape exchange, re-ordered (device tensors)",
 }
 
 
