@@ -7,6 +7,7 @@ config key (``data.train_path``) or a file location (``prompts.jsonl:12``, ``CKP
 from __future__ import annotations
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a job ended by SIGINT (a second Ctrl-C)
 
 
 class UserInputError(Exception):

@@ -63,40 +63,32 @@ def last_metrics_step(tmp_path) -> int:
         return json.loads([line for line in fh if line.strip()][-1])["step"]
 
 
+def processes() -> dict[int, list[str]]:
+    """``pid -> /proc/<pid>/stat`` fields after the command name (state, ppid, pgrp, ...)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    out[int(entry)] = fh.read().split(")")[-1].split()
+            except OSError:
+                pass
+    return out
+
+
 def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    fields = processes().get(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def rank_pids(launcher_pid: int) -> list[int]:
     """The launcher's children (the ranks)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().split(")")[-1].split()[1]) == launcher_pid:
-                        out.append(int(entry))
-            except OSError:
-                pass
-    return sorted(out)
+    return sorted(pid for pid, fields in processes().items() if int(fields[1]) == launcher_pid)
 
 
 def group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().split(")")[-1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    out.append(int(entry))
-            except OSError:
-                pass
-    return out
+    """Live processes of process group ``pgid``."""
+    return [pid for pid, fields in processes().items() if int(fields[2]) == pgid and fields[0] != "Z"]
 
 
 def test_sigterm_after_a_periodic_save_checkpoints_and_exits_0(tmp_path):

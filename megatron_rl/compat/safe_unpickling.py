@@ -92,7 +92,9 @@ def load_byte_item(value: io.BytesIO) -> object:
         raise UnsafeCheckpointFile(f"a byte item is not plain data ({str(err).splitlines()[0][:160]})") from None
 
 
-def _patch_safe_checkpoint_reads() -> None:
+def install() -> None:
+    """Make checkpoint reads safe in this process (idempotent).  Registered as a patch, and called
+    by the checkpoint loader too, so a library user who never enabled compat is covered."""
     from torch.distributed.checkpoint import default_planner, filesystem
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -121,12 +123,6 @@ def _patch_safe_checkpoint_reads() -> None:
     default_planner.DefaultLoadPlanner.load_bytes = load_bytes
 
 
-def install() -> None:
-    """Make checkpoint reads safe in this process (idempotent); the loader calls it too, so a
-    library user who never enabled compat is covered."""
-    _patch_safe_checkpoint_reads()
-
-
 register_patch(
     Patch(
         name="dcp.no_code_from_checkpoints",
@@ -138,6 +134,6 @@ register_patch(
             "megatron's dist_checkpointing.load: a crafted checkpoint would run code; an allow-list "
             "unpickler and weights_only=True replace them"
         ),
-        apply=_patch_safe_checkpoint_reads,
+        apply=install,
     )
 )

@@ -171,7 +171,6 @@ def _packed(seqs, names, lengths, padded, cp_size: int, cp_rank: int, pad_id: in
     """The packed row of every field, built with a few whole-batch ops (a micro-batch of short
     sequences has hundreds of them; per-sequence pad/cat/shard would be ten small ops each).
     Sequence ``i`` occupies ``padded[i]`` slots from its packed offset, its real tokens first."""
-    count = len(seqs)
     lengths_t, padded_t = torch.tensor(lengths), torch.tensor(padded)
     slot_starts = torch.cumsum(padded_t, 0) - padded_t
     token_starts = torch.cumsum(lengths_t, 0) - lengths_t
@@ -196,7 +195,7 @@ def _packed(seqs, names, lengths, padded, cp_size: int, cp_rank: int, pad_id: in
         out[name] = packed_row(torch.cat([_checked(s, name, n) for s, n in zip(seqs, lengths)]), 0)
     if cp_size > 1:  # this rank's zigzag shard of every sequence, in packed order
         keep = torch.cat([start + zigzag.zigzag_index(p, cp_size, cp_rank)
-                          for start, p in zip(slot_starts.tolist(), padded)]) if count else torch.zeros(0, dtype=torch.long)
+                          for start, p in zip(slot_starts.tolist(), padded)])
         out = {k: v.index_select(0, keep) for k, v in out.items()}
     return {k: v.unsqueeze(0) for k, v in out.items()}
 

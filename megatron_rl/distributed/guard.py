@@ -15,10 +15,9 @@ import time
 import traceback
 from typing import Callable
 
-from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
+from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UserInputError
 
 ERROR_FILE_ENV = "MEGATRON_RL_ERROR_FILE"
-EXIT_INTERRUPTED = 130  # the shell's code for a job ended by SIGINT
 
 
 def _rank() -> int:

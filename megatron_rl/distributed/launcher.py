@@ -27,6 +27,7 @@ import time
 
 from megatron_rl.distributed.env import free_port
 from megatron_rl.distributed.guard import ERROR_FILE_ENV
+from megatron_rl.errors import EXIT_INTERRUPTED
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -132,7 +133,7 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
                 print(f"megatron-rl: aborting the job ({why}); no checkpoint of the current step",
                       file=sys.stderr, flush=True)
                 _end_all(procs)
-                return 130 if stop["abort"] else 1
+                return EXIT_INTERRUPTED if stop["abort"] else 1
             time.sleep(POLL_S)
         # Ranks killed by a signal before we sent any (OOM killer, kill -9) are the root cause:
         # their peers' errors are only the broken connections that followed.

@@ -11,8 +11,10 @@ Layout of a checkpoint directory::
 
 Everything is written into ``step_XXXXXXXX.tmp`` and renamed only after every rank finished and
 ``meta.json`` is on disk, so a crash (or a full disk) mid-save never touches the last good
-checkpoint.  :func:`find_latest` skips incomplete or corrupt checkpoints with a warning and
-falls back to the previous good one.  Tensors are stored sharded by their global names, so a
+checkpoint.  Every file's sha256 is in ``meta.json`` and checked before loading;
+:func:`load_newest` (the trainer's ``resume=auto``) skips a checkpoint that does not load and falls
+back to the previous good one, and :func:`find_latest` finds the newest complete one by size alone
+(without reading it).  Tensors are stored sharded by their global names, so a
 checkpoint saved on one TP/PP/VPP layout loads into another.
 """
 
@@ -113,6 +115,8 @@ def _file_sizes(root: str) -> dict[str, int]:
 
 
 CHECKSUM = "sha256"
+# The fix a refused (code-running) checkpoint file gets.
+REFUSED_FIX = "load only checkpoints this project wrote; nothing from the file was run"
 
 
 def _digest(path: str) -> str:
@@ -229,12 +233,13 @@ def save_checkpoint(
     if _rank() == 0 and trainer_state is not None:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
     _barrier()
-    sums = _checksums(tmp, sorted(_file_sizes(tmp)))
+    sizes = _file_sizes(tmp)
+    sums = _checksums(tmp, sorted(sizes))
     if _rank() == 0:
         info = dict(meta or {})
         info.update(format=FORMAT_VERSION, step=step, parts=sorted(parts), with_optimizer=with_optimizer,
                     world_size=dist.get_world_size() if dist.is_initialized() else 1, complete=True,
-                    files=_file_sizes(tmp), checksums=sums)
+                    files=sizes, checksums=sums)
         _write_json(os.path.join(tmp, "meta.json"), info)
         _fsync_dir(tmp)
         if os.path.exists(final):
@@ -333,6 +338,37 @@ def find_latest(root: str) -> Optional[str]:
     return None
 
 
+def load_newest(candidates: list[str], parts: dict[str, ModelPart], model_config: Optional[dict], *,
+                fall_back: bool, log) -> Optional[tuple[str, dict, dict]]:
+    """Load the first of ``candidates`` (newest first) that loads on every rank: ``(path, meta,
+    trainer state)``, or None when there are none.  A collective.
+
+    With ``fall_back`` (``trainer.resume=auto``) a checkpoint that does not load is skipped with a
+    line through ``log``; a path the user gave, or a model setting no checkpoint of the run can
+    match, stops with its :class:`CheckpointError`, as does a run whose every checkpoint fails."""
+    first_error = None
+    for candidate in candidates:
+        err = None
+        try:
+            meta = load_checkpoint(candidate, parts, model_config=model_config)
+            state = load_trainer_state(candidate) or {}
+        except CheckpointError as raised:
+            err = raised
+        if not collectives.agree_any(err is not None):  # a rank's own file (rng) may fail alone
+            if candidate != candidates[0]:
+                log(f"checkpoint: resuming from {candidate}, the newest checkpoint that loads")
+            return candidate, meta, state
+        err = err or CheckpointError("checkpoint", candidate, "another rank could not read its files",
+                                     "use an earlier checkpoint")
+        if not fall_back or err.key.startswith("model."):
+            raise err
+        first_error = first_error or err
+        log(f"checkpoint: skipping {candidate}: {err.problem}")
+    if first_error is not None:
+        raise first_error
+    return None
+
+
 def load_checkpoint(
     path: str,
     parts: dict[str, ModelPart],
@@ -363,22 +399,17 @@ def load_checkpoint(
             if os.path.isfile(metadata):
                 safe_unpickling.check_metadata_file(metadata)
         except UnsafeCheckpointFile as err:
-            raise CheckpointError("checkpoint", path, f"{name}/.metadata was refused: {err}",
-                                  "load only checkpoints this project wrote; nothing from the file was run") from None
+            raise CheckpointError("checkpoint", path, f"{name}/.metadata was refused: {err}", REFUSED_FIX) from None
         except (pickle.UnpicklingError, EOFError, ValueError, OSError) as err:
             raise CheckpointError("checkpoint", path, f"{name}/.metadata is corrupt ({type(err).__name__})",
                                   "use an earlier checkpoint") from None
         request = _part_sharded(part, want_opt, loading=True)
         try:
             loaded = dist_checkpointing.load(request, os.path.join(path, name))
-        except UnsafeCheckpointFile as err:
-            raise CheckpointError("checkpoint", path, f"part {name!r} was refused: {err}",
-                                  "load only checkpoints this project wrote; nothing from the file was run") from None
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - any unreadable part is a bad checkpoint
             unsafe = _unsafe_cause(err)
             if unsafe is not None:
-                raise CheckpointError("checkpoint", path, f"part {name!r} was refused: {unsafe}",
-                                      "load only checkpoints this project wrote; nothing from the file was run") from None
+                raise CheckpointError("checkpoint", path, f"part {name!r} was refused: {unsafe}", REFUSED_FIX) from None
             raise CheckpointError("checkpoint", path, f"part {name!r} could not be read ({type(err).__name__}: "
                                   f"{(str(err).splitlines() or [''])[0][:200]})", "use an earlier checkpoint") from None
         keys = ["model"] if len(part.chunks) == 1 else [f"model{i}" for i in range(len(part.chunks))]
@@ -417,8 +448,7 @@ def load_plain(file: str, checkpoint: str) -> Any:
         refused = "Unsupported global" in str(err) or "Weights only load failed" in first
         problem = (f"{os.path.relpath(file, checkpoint)} asks to load code or classes a checkpoint may not hold"
                    if refused else f"{os.path.relpath(file, checkpoint)} is corrupt ({first[:160]})")
-        fix = ("load only checkpoints this project wrote; nothing from the file was run" if refused
-               else "use an earlier checkpoint")
+        fix = REFUSED_FIX if refused else "use an earlier checkpoint"
         raise CheckpointError("checkpoint", checkpoint, problem, fix) from None
     except (RuntimeError, EOFError, ValueError, OSError) as err:
         raise CheckpointError("checkpoint", checkpoint, f"{os.path.relpath(file, checkpoint)} is corrupt "

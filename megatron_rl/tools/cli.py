@@ -19,9 +19,7 @@ import argparse
 import os
 import sys
 
-from megatron_rl.errors import EXIT_BAD_INPUT, UserInputError
-
-EXIT_INTERRUPTED = 130  # the shell's code for a job ended by SIGINT
+from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UserInputError
 
 DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert", "generate")
 

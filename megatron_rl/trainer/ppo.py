@@ -46,7 +46,6 @@ from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
-from megatron_rl.errors import CheckpointError
 from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
@@ -239,47 +238,23 @@ class PPOTrainer:
 
     def _resume_or_init(self) -> int:
         mode = self.cfg.trainer.resume
-        path = None
         if mode == "never":
             moved = set_aside_previous_run(self.run_dir) if _rank0() else None
             collectives.barrier()
             if moved:
                 self.log(f"trainer.resume=never: the previous run's checkpoints and metrics moved to {moved}")
-        if mode == "auto":
-            candidates = list(reversed(checkpoint.list_checkpoints(self.ckpt_root)))
-        elif mode != "never":
-            candidates = [mode]
-        else:
             candidates = []
-        path = meta = state = None
-        first_error = None
-        for candidate in candidates:
-            err = None
-            try:
-                meta = checkpoint.load_checkpoint(candidate, self._parts(), model_config=model_config_to_dict(self.cfg.model))
-                state = checkpoint.load_trainer_state(candidate) or {}
-            except CheckpointError as raised:
-                err = raised
-            if collectives.agree_any(err is not None):  # a rank's own file (rng) may fail alone
-                err = err or CheckpointError("checkpoint", candidate, "another rank could not read its files",
-                                             "use an earlier checkpoint")
-                # trainer.resume=auto falls back to the previous good checkpoint; a path given by
-                # the user, or a setting that no checkpoint of this run can match, stops here.
-                if mode != "auto" or err.key.startswith("model."):
-                    raise err
-                first_error = first_error or err
-                self.log(f"checkpoint: skipping {candidate}: {err.problem}")
-                continue
-            path = candidate
-            break
-        if path is None and first_error is not None:
-            raise first_error
-        if path is None:
+        elif mode == "auto":
+            candidates = list(reversed(checkpoint.list_checkpoints(self.ckpt_root)))
+        else:
+            candidates = [mode]
+        loaded = checkpoint.load_newest(candidates, self._parts(), model_config_to_dict(self.cfg.model),
+                                        fall_back=mode == "auto", log=self.log)
+        if loaded is None:
             self._init_weights()
             self.metrics.truncate_after(0)
             return 0
-        if candidates and path != candidates[0]:
-            self.log(f"checkpoint: resuming from {path}, the newest checkpoint that loads")
+        path, meta, state = loaded
         if "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])
         if "kl" in state:
