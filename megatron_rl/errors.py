@@ -37,3 +37,10 @@ class DataError(UserInputError):
 class CheckpointError(UserInputError):
     def one_line(self) -> str:
         return "checkpoint error: " + super().one_line()
+
+
+class StorageError(UserInputError):
+    """The disk cannot hold what the run writes (a checkpoint, the run's config)."""
+
+    def one_line(self) -> str:
+        return "storage error: " + super().one_line()

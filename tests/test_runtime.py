@@ -124,3 +124,29 @@ def test_each_body_starts_from_the_default_state():
         assert hasattr(importlib.import_module(module), attr), (module, attr)
     assert run_distributed(1, lower_block_cap) == [1]
     assert run_distributed(1, read_state) == [(packed_attention.MAX_PADDING_WASTE, 0)]
+
+
+def test_a_single_process_job_needs_no_tcp_port(tmp_path):
+    """Two one-process jobs started together must not race for a "free" port: a job with no
+    launcher uses an in-memory store and binds no port, so it trains even when none can be bound."""
+    import os
+    import subprocess
+    import sys
+
+    from tests._helpers import TINY
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import socket, sys\n"
+        "def taken(self, address):\n"
+        "    raise OSError(98, 'Address already in use')\n"
+        "socket.socket.bind = taken\n"
+        "from megatron_rl.tools.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_RL_FAULT", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", code, "train", "--nproc", "1", *TINY, "trainer.steps=1",
+                           f"run.dir={tmp_path}", "run.name=r"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_00000001")

@@ -19,7 +19,7 @@ from omegaconf import errors as oc_errors
 
 from megatron_rl.config import aliases
 from megatron_rl.config.schema import Config, leaf_types, literal_choices
-from megatron_rl.errors import ConfigError
+from megatron_rl.errors import ConfigError, StorageError
 
 _LEAF_TYPES = leaf_types()
 ALL_KEYS = list(_LEAF_TYPES)
@@ -155,7 +155,17 @@ def to_yaml(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: str) -> None:
+    """Write ``cfg`` to ``path`` atomically; a disk that cannot take it stops with one line and
+    leaves no partial file."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        fh.write(to_yaml(cfg))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(to_yaml(cfg))
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise StorageError(path, None, f"cannot write the run's config: {err.strerror or err}",
+                           "free space on that disk, or set run.dir to a writable directory with space") from None

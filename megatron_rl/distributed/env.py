@@ -18,6 +18,9 @@ class LaunchEnv:
     launcher: str  # "torchrun" | "slurm" | "local" | "single"
 
 
+SINGLE = "single"
+
+
 def _first_slurm_host(nodelist: str) -> str:
     """First host of a Slurm nodelist like ``node[01-04,07],gpu5`` (no scontrol needed)."""
     head = re.split(r",(?![^\[]*\])", nodelist)[0]
@@ -51,7 +54,9 @@ def detect_launch_env() -> LaunchEnv:
             master_port=int(env.get("MASTER_PORT", 20000 + job % 20000)),
             launcher="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
+    # One process, no launcher: an in-memory store, so no TCP port is picked (two single-process
+    # jobs started at once could pick the same free port and one would fail with EADDRINUSE).
+    return LaunchEnv(0, 1, 0, "127.0.0.1", 0, SINGLE)
 
 
 def free_port() -> int:

@@ -1,9 +1,11 @@
 """Fault injection for testing failure handling: ``MEGATRON_RL_FAULT=<kind>@rank=<r>:step=<s>``.
 
-Kinds: ``raise`` (a Python exception), ``hang`` (sleep forever; peers hit the collective
+Kinds injected at the start of step s (the trainer and the smoke job call :func:`maybe_inject`
+there): ``raise`` (a Python exception), ``hang`` (sleep forever; peers hit the collective
 timeout), ``kill`` (SIGKILL itself, as an OOM killer would), ``sigterm`` (ask itself to stop, as
-a scheduler preempting the job would).  Read once per process; a no-op when unset.  The
-trainer and the smoke job call :func:`maybe_inject` at the start of every step.
+a scheduler preempting the job would).  Injected in the checkpoint save of step s, after its
+space check (:func:`maybe_fill_disk`): ``fill_disk`` (another writer takes every free byte of the
+checkpoint's disk, with a file ``disk_filler`` beside the checkpoints).  A no-op when unset.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import time
 import torch.distributed as dist
 
 ENV = "MEGATRON_RL_FAULT"
+STEP_KINDS = ("raise", "hang", "kill", "sigterm")
+SAVE_KINDS = ("fill_disk",)
 
 
 def _parse(spec: str) -> tuple[str, int, int]:
@@ -23,14 +27,40 @@ def _parse(spec: str) -> tuple[str, int, int]:
     return kind, int(fields.get("rank", 0)), int(fields.get("step", 1))
 
 
-def maybe_inject(step: int) -> None:
+def _due(step: int, kinds: tuple[str, ...]) -> tuple[str, str] | None:
+    """``(kind, spec)`` when a fault of one of ``kinds`` is due on this rank at ``step``."""
     spec = os.environ.get(ENV)
     if not spec:
-        return
+        return None
     kind, rank, at_step = _parse(spec)
+    if kind not in STEP_KINDS + SAVE_KINDS:
+        raise ValueError(f"{ENV}: unknown fault kind {kind!r} ({', '.join(STEP_KINDS + SAVE_KINDS)})")
     my_rank = dist.get_rank() if dist.is_initialized() else 0
-    if my_rank != rank or step != at_step:
+    if kind not in kinds or my_rank != rank or step != at_step:
+        return None
+    return kind, spec
+
+
+def maybe_fill_disk(step: int, root: str) -> None:
+    """The ``fill_disk`` fault: write zeros beside ``root`` until the disk refuses more."""
+    if _due(step, SAVE_KINDS) is None:
         return
+    with open(os.path.join(os.path.dirname(os.path.abspath(root)), "disk_filler"), "wb", buffering=0) as fh:
+        for size in (1 << 16, 1 << 10, 1):
+            block = bytes(size)
+            try:
+                while True:
+                    fh.write(block)
+            except OSError:
+                pass
+
+
+def maybe_inject(step: int) -> None:
+    due = _due(step, STEP_KINDS)
+    if due is None:
+        return
+    kind, spec = due
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if kind == "raise":
         raise RuntimeError(f"injected fault on rank {rank} at step {step} ({ENV}={spec})")
     if kind == "hang":
@@ -41,4 +71,3 @@ def maybe_inject(step: int) -> None:
     if kind == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
         return
-    raise ValueError(f"{ENV}: unknown fault kind {kind!r} (raise, hang, kill, sigterm)")

@@ -2,7 +2,8 @@
 
 Each rank is this same command line run again with ``RANK``/``WORLD_SIZE``/``MASTER_*`` set.
 The launcher polls the ranks; when one fails it stops the others (SIGTERM, then SIGKILL),
-prints the first failure's traceback once, and returns that rank's exit code.  A rank stuck in a
+prints the first failure once (a one-line diagnosis, exit code 2, before any traceback), and
+returns that rank's exit code.  A rank stuck in a
 collective with a dead peer is covered by the process-group timeout, so the job always ends.
 
 Signals: SIGTERM, SIGUSR1 and a first Ctrl-C are passed to each rank's main process only (never to
@@ -27,7 +28,7 @@ import time
 
 from megatron_rl.distributed.env import free_port
 from megatron_rl.distributed.guard import ERROR_FILE_ENV
-from megatron_rl.errors import EXIT_INTERRUPTED
+from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -84,7 +85,9 @@ def _first_failure(err_base: str) -> dict | None:
                 records.append(json.load(fh))
         except (OSError, ValueError):
             continue
-    return min(records, key=lambda r: r["time"]) if records else None
+    # A one-line diagnosis (exit code 2: bad input, a full disk) names the cause; the tracebacks
+    # of other ranks at the same moment are its consequence (a peer that left mid-collective).
+    return min(records, key=lambda r: (r["exit_code"] != EXIT_BAD_INPUT, r["time"])) if records else None
 
 
 def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S) -> int:

@@ -20,7 +20,7 @@ from megatron_rl.compat import cuda_available, enable_compat
 from megatron_rl.compat.megatron_fixes import default_batch_p2p_comm
 from megatron_rl.compat.parallel_state import destroy_model_parallel_groups
 from megatron_rl.config.schema import DistributedConfig, ParallelConfig
-from megatron_rl.distributed.env import LaunchEnv, detect_launch_env
+from megatron_rl.distributed.env import SINGLE, LaunchEnv, detect_launch_env
 from megatron_rl.errors import ConfigError
 
 
@@ -127,12 +127,14 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.world_size)))
     if dist.is_initialized():
         return launch
+    where = ({"store": dist.HashStore()} if launch.launcher == SINGLE
+             else {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"})
     dist.init_process_group(
         backend=resolve_backend(dist_cfg, device),
-        init_method=f"tcp://{launch.master_addr}:{launch.master_port}",
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=datetime.timedelta(seconds=dist_cfg.timeout_s),
+        **where,
     )
     return launch
 

@@ -43,7 +43,8 @@ from megatron_rl.compat.megatron_fixes import (
     init_distributed_optimizer_state,
 )
 from megatron_rl.compat.safe_unpickling import UnsafeCheckpointFile
-from megatron_rl.distributed import collectives
+from megatron_rl.distributed import collectives, faults
+from megatron_rl.engine import checkpoint_space
 from megatron_rl.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -207,9 +208,8 @@ def save_checkpoint(
     """Save atomically; every rank must call.  Returns the final directory.
 
     Weights that are not finite are never written: the save raises :class:`CheckpointError` on
-    every rank and the last good checkpoint stays the newest."""
-    from megatron.core import dist_checkpointing
-
+    every rank and the last good checkpoint stays the newest.  A checkpoint that does not fit on
+    the disk stops with :class:`StorageError` (see :mod:`checkpoint_space`)."""
     from megatron_rl.engine.trainable import weights_finite
 
     final = os.path.join(root, step_dir_name(step))
@@ -218,11 +218,33 @@ def save_checkpoint(
             raise CheckpointError("checkpoint", final, f"the {name} weights hold NaN or infinite values; "
                                   "nothing was written", "the last good checkpoint is kept; resume from it with a "
                                   "lower learning rate (or float32 if bfloat16 overflows)")
-    tmp = final + ".tmp"
+    tmp = final + checkpoint_space.STEP_TEMPORARY_SUFFIX
     start = time.perf_counter()
     if _rank() == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        checkpoint_space.remove_stale_temporaries(root)
+    needed = checkpoint_space.require_space(root, step, parts, with_optimizer, keep_last)
+    faults.maybe_fill_disk(step, root)
+    try:
+        _write(root, tmp, final, step, parts, trainer_state, meta, keep_last, with_optimizer)
+    except BaseException as err:
+        if not checkpoint_space.failed_for_space(err, root, tmp, needed):
+            raise
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise checkpoint_space.space_error(root, step, needed, None, keep_last) from None
+    if _rank() == 0:
+        log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
+    _barrier()
+    return final
+
+
+def _write(root: str, tmp: str, final: str, step: int, parts: dict[str, ModelPart], trainer_state: Optional[dict],
+           meta: Optional[dict], keep_last: int, with_optimizer: bool) -> None:
+    """Write the checkpoint into ``tmp``, then rename it to ``final`` and point ``latest`` at it."""
+    from megatron.core import dist_checkpointing
+
+    if _rank() == 0:
         os.makedirs(os.path.join(tmp, "rng"))
         for name in parts:
             os.makedirs(os.path.join(tmp, name))
@@ -251,9 +273,6 @@ def save_checkpoint(
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
         if keep_last > 0:
             _prune(root, keep_last)
-        log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - start)
-    _barrier()
-    return final
 
 
 def _prune(root: str, keep_last: int) -> None:

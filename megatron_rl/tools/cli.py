@@ -248,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(finished_message(cfg, done), flush=True)
                 return 0
         if args.command in ("train", "smoke"):
+            from megatron_rl.engine.checkpoint_space import remove_stale_temporaries
+
             cfg.distributed.nproc = nproc  # the record says how the job was launched, --nproc included
+            remove_stale_temporaries(os.path.join(_run_dir(cfg), "checkpoints"))  # a failed save's leftovers
             save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"))
         if nproc > 1:
             from megatron_rl.distributed.launcher import launch_local
