@@ -42,6 +42,13 @@ class Trainable:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
+    def weights_replaced(self) -> None:
+        """Call after weights were copied into ``chunks`` from elsewhere (HF, a checkpoint without
+        optimizer state, another model, a seeded draw).  megatron-core's mixed-precision
+        optimizers keep fp32 master copies of bf16/fp16 weights from when they were built; left
+        stale, the next step would write them back over the loaded weights."""
+        self.optimizer.reload_model_params()
+
     def step(self) -> StepResult:
         """One optimizer step; skipped (and reported) when the gradients or the learning rate are
         not finite.  With both finite, Adam's update is finite: no non-finite update is applied."""

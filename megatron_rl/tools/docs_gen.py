@@ -57,6 +57,13 @@ RUNTIME_ERRORS = [
     ("checkpoint error: checkpoint=<dir>: the <part> weights hold NaN or infinite values; nothing was written",
      "Training made the weights non-finite; the save was refused and the last good checkpoint kept.",
      "Resume from the last checkpoint with a lower learning rate (or float32 if bfloat16 overflows)."),
+    ("storage error: <dir>/checkpoints: not enough disk space for the step N checkpoint: ... free, it needs about ...",
+     "The checkpoint does not fit on the disk (checked before writing), or the disk filled during the write; nothing "
+     "partial was kept.",
+     "Free space, lower `trainer.keep_last`, or move `run.dir` to a larger disk; the same command resumes from the last "
+     "good checkpoint."),
+    ("storage error: <run dir>/config.yaml: cannot write the run's config", "The run directory is full or not writable.",
+     "Free space or choose another `run.dir`."),
     ("reward error: reward.fn=<name>: did not return within N s", "A plain reward function got `reward.timeout_s` "
      "per response of its batch and did not return; the run stopped.",
      "Make it return in time, raise `reward.timeout_s`, or build it from `@grader` functions (a late sample scores 0)."),

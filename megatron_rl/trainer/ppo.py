@@ -53,6 +53,7 @@ from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
 from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
+from megatron_rl.models.seeded_init import seeded_init
 from megatron_rl.planner.memory import kv_cache_bytes, total_params
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
@@ -216,14 +217,18 @@ class PPOTrainer:
         return build_gpt_chunks(self.cfg.model, self.layout, self.device)
 
     def _init_weights(self) -> None:
-        """Actor from HF / a checkpoint / seeded init, then the SFT warm-up; reference and critic
-        start from the (warmed-up) actor."""
+        """Actor from HF / a checkpoint / a seeded draw that is the same on every layout
+        (:mod:`megatron_rl.models.seeded_init`), then the SFT warm-up; reference and critic start
+        from the (warmed-up) actor."""
         cfg = self.cfg
         if cfg.actor.init_checkpoint:
             checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(self.actor.chunks)},
                                        with_optimizer=False, load_rng=False, model_config=model_config_to_dict(cfg.model))
         elif cfg.model.hf_path:
             load_hf_weights(self.actor.chunks, cfg.model.hf_path)
+        else:
+            seeded_init(self.actor.chunks, cfg.run.seed)
+        self.actor.weights_replaced()
         if cfg.trainer.sft_warmup_steps:
             self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device, self.log)
         if self.reference is None and self.critic is None:
@@ -235,6 +240,7 @@ class PPOTrainer:
             load_canonical(self.critic.chunks, initial, strict=False)
             if cfg.critic.hf_path:
                 load_hf_weights(self.critic.chunks, cfg.critic.hf_path)
+            self.critic.weights_replaced()
 
     def _resume_or_init(self) -> int:
         mode = self.cfg.trainer.resume
