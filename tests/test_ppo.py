@@ -324,6 +324,7 @@ def failing_save_body(run_dir: str, errno_code: int):
 
     from megatron_rl.config.loader import load_config
     from megatron_rl.engine import checkpoint as ckpt
+    from megatron_rl.errors import StorageError
     from megatron_rl.trainer.ppo import PPOTrainer
 
     cfg = load_config(None, TINY + ["trainer.steps=2", f"run.dir={run_dir}", "run.name=f", "trainer.resume=never"])
@@ -345,6 +346,8 @@ def failing_save_body(run_dir: str, errno_code: int):
         raised = None
     except OSError as err:
         raised = err.errno
+    except StorageError as err:  # a full disk: one line, not the OSError
+        raised = err.one_line()
     finally:
         dist_checkpointing.save = original
     root = os.path.join(run_dir, "f", "checkpoints")
@@ -360,9 +363,13 @@ def failing_save_body(run_dir: str, errno_code: int):
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO], ids=["ENOSPC", "EIO"])  # full disk, crash mid-write
 def test_failed_save_leaves_previous_checkpoint_loadable(tmp_path, code):
     out = run_distributed(1, failing_save_body, str(tmp_path), code)[0]
-    assert out["raised"] == code
+    if code == errno.ENOSPC:  # a full disk is named in one line and leaves nothing behind
+        assert out["raised"].startswith("storage error: ") and "disk is full" in out["raised"], out["raised"]
+        assert "step_00000002.tmp" not in out["entries"]
+    else:
+        assert out["raised"] == code
     assert out["latest"] == "step_00000001" and out["start"] == 1
-    assert "step_00000002" not in out["entries"]  # only the .tmp leftover, never a bad final dir
+    assert "step_00000002" not in out["entries"]  # at most a .tmp leftover, never a bad final dir
 
 
 def test_truncated_checkpoint_is_detected_and_previous_used(tmp_path):

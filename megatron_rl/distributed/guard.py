@@ -97,6 +97,23 @@ def _is_resource_tracker(proc) -> bool:
         return False
 
 
+def abort_now(message: str) -> None:
+    """End this rank at once, from a signal handler (a second Ctrl-C): helper processes are killed
+    first, then the rank exits 130 with ``message``.  No exception unwinds through the code that
+    was running, which may be waiting on a helper (megatron's checkpoint writer starting up prints
+    a BrokenPipe traceback when its parent's end of the pipe closes under it)."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except (ImportError, Exception):  # noqa: BLE001 - psutil missing or a child already gone: exit anyway
+        pass
+    print(f"[rank {_rank()}] {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_INTERRUPTED)
+
+
 def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()

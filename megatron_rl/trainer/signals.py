@@ -11,11 +11,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from megatron_rl.distributed import collectives
-
-
-class AbortedByUser(KeyboardInterrupt):
-    """The second Ctrl-C: stop now, without the checkpoint the first one asked for."""
+from megatron_rl.distributed import collectives, guard
 
 
 class StopRequest:
@@ -32,8 +28,8 @@ class StopRequest:
 
     def _handle(self, signum, _frame) -> None:
         if signum == signal.SIGINT:
-            if self.signum == signal.SIGINT:
-                raise AbortedByUser()
+            if self.signum == signal.SIGINT:  # the second: stop now, without the checkpoint
+                guard.abort_now("aborted (Ctrl-C twice); no checkpoint of the current step")
             print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts without one)",
                   file=sys.stderr, flush=True)
         if self.signum is None:
