@@ -42,7 +42,7 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
+if ROOT not in sys.path:  # the GPU machine runs this from a copy of the tree, without installing it
     sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
@@ -158,8 +158,8 @@ def reset_peak(check: Check) -> None:
 
 def _ppo_run(check: Check, steps: int) -> tuple[float, list[str]]:
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.trainer.ppo import run_ppo
+    from megatron_rl.validation import validate
 
     cfg = load_config(None, ppo_overrides(check, steps))
     validate(cfg, 1)

@@ -21,14 +21,10 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megatron_rl.ops.packed_attention import packed_causal_attention  # noqa: E402
+from megatron_rl.ops.packed_attention import packed_causal_attention
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the corpus lives in tests/
 
 from megatron_rl.rewards import math_answer  # noqa: E402
 from tests.data.reward_corpus import ADVERSARIAL, CASES  # noqa: E402

@@ -52,15 +52,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_rl.config.schema import ModelConfig  # noqa: E402
+from megatron_rl.config.schema import ModelConfig
 
 MiB = 2**20
 TARGETS = {"longtail_vs_torch": 2.0, "uniform_vs_hf": 1.0, "kv_allocated_over_needed": 1.25}

@@ -17,15 +17,11 @@ divides the per-token work.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_rl.config.schema import ModelConfig  # noqa: E402
+from megatron_rl.config.schema import ModelConfig
 
 MiB = 2**20
 

@@ -11,12 +11,8 @@ import functools
 import importlib.util
 
 from megatron_rl.compat import cuda_available
+from megatron_rl.config.choices import BACKENDS, DEVICES, TRANSFORMER_IMPLS  # noqa: F401 - read here by users
 from megatron_rl.errors import ConfigError
-
-# Layer implementations ``model.transformer_impl`` accepts besides ``auto``.
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
-DEVICES = ("auto", "cuda", "cpu")
-BACKENDS = ("auto", "nccl", "gloo")
 
 
 @functools.lru_cache(maxsize=1)

@@ -42,8 +42,8 @@ def train_body(config, overrides: list[str]):
     import torch.distributed as dist
 
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.trainer.ppo import run_ppo
+    from megatron_rl.validation import validate
 
     cfg = load_config(config, overrides)
     validate(cfg, dist.get_world_size())

@@ -16,8 +16,8 @@ from megatron_rl.algorithms import advantages, kl, losses, rollout_correction
 from megatron_rl.config.loader import load_config
 from megatron_rl.config.rules import registry_choices
 from megatron_rl.config.schema import iter_fields
-from megatron_rl.config.validate import validate
 from megatron_rl.errors import ConfigError
+from megatron_rl.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

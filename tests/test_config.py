@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.config.loader import load_config, save_config
-from megatron_rl.config.validate import validate
 from megatron_rl.errors import ConfigError
+from megatron_rl.validation import validate
 
 
 def _error(overrides, world=None, path=None) -> str:

@@ -153,8 +153,8 @@ def greedy_ppo_body(overrides: list[str]):
     import torch.distributed as dist
 
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.trainer.ppo import run_ppo
+    from megatron_rl.validation import validate
 
     cfg = load_config(None, TINY + overrides)
     validate(cfg, dist.get_world_size())

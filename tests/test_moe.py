@@ -24,6 +24,7 @@ import os
 import pytest
 import torch
 
+from megatron_rl.capabilities import te_usable, te_version
 from megatron_rl.testing.harness import close_all_pools, run_distributed
 from tests._helpers import ActorCriticHead, check_scores, hf_logprobs, read_metrics, roundtrip_body, score_body
 
@@ -662,8 +663,8 @@ def test_moe_config_maps_to_megatron_fields():
 ])
 def test_moe_layouts_are_refused_before_launch(overrides, key):
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.errors import ConfigError
+    from megatron_rl.validation import validate
 
     cfg = load_config(None, overrides)
     with pytest.raises(ConfigError) as err:
@@ -676,9 +677,9 @@ def test_train_refuses_an_moe_model_with_a_decoder_without_experts():
     """`megatron-rl train` / `validate` check what a training config needs: the torch decoders
     have no MoE layers (scoring an MoE model needs no rollout engine and stays allowed)."""
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.errors import ConfigError
     from megatron_rl.tools.preflight import check_training_inputs
+    from megatron_rl.validation import validate
 
     for engine in ("torch", "tp_sharded"):
         cfg = load_config(os.path.join(ROOT, "configs", "grpo_cpu.yaml"),
@@ -694,7 +695,7 @@ def test_train_refuses_an_moe_model_with_a_decoder_without_experts():
 
 def test_preset_for_qwen3_30b_a3b_at_32k_validates_on_8_gpus():
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
+    from megatron_rl.validation import validate
 
     cfg = load_config(os.path.join(ROOT, "configs", "qwen3_30b_a3b_32k.yaml"))
     validate(cfg, 8)
@@ -791,12 +792,37 @@ def test_planner_moe_activations_match_a_measurement(layout, shared):
     assert abs(error) <= MOE_PLANNER_TOLERANCE
 
 
+def te_moe_logits_body(impl: str, weights):
+    """Logits of a small MoE model with the ``impl`` layer spec on CUDA (``weights``: canonical, or
+    None to keep the seeded init and return it)."""
+    from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import gather_canonical, load_canonical
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout()
+    cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, transformer_impl=impl, params_dtype="float32",
+                      moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=64))
+    device = torch.device("cuda")
+    chunk = build_gpt_chunks(cfg, layout, device)[0]
+    if weights is None:
+        weights = gather_canonical([chunk])
+    else:
+        load_canonical([chunk], weights)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(64, device=device).expand(2, 64)
+    hidden = chunk(tokens, positions, None)
+    return weights, (hidden.float() @ chunk.output_weight().float().t()).cpu()
+
+
+@pytest.mark.skipif(not te_usable(), reason="needs TransformerEngine and CUDA: TE's grouped-GEMM experts have no "
+                    f"CPU kernels (TE: {te_version() or 'not installed'})")
 def test_te_grouped_gemm_spec_matches_local_spec():
-    """TransformerEngine's grouped-GEMM experts give the local spec's numbers (GPU only)."""
-    pytest.importorskip("transformer_engine", reason="TransformerEngine not installed (GPU-only path)")
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA: TransformerEngine's grouped GEMM has no CPU kernels")
-    pytest.skip("not yet run on a GPU: the TE grouped-GEMM spec is built but unverified")
+    """TransformerEngine's grouped-GEMM experts give the local spec's numbers on the same weights."""
+    weights, local = run_distributed(1, te_moe_logits_body, "local", None)[0]
+    _, te = run_distributed(1, te_moe_logits_body, "transformer_engine", weights)[0]
+    assert (local - te).abs().max() < 2e-3
 
 
 # ----------------------------------------------------------------------------- a run that learns

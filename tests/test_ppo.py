@@ -67,9 +67,9 @@ def one_step_body(config, overrides: list[str]):
     import torch.distributed as dist
 
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.engine import forward
     from megatron_rl.trainer.ppo import PPOTrainer
+    from megatron_rl.validation import validate
 
     cfg = load_config(config, overrides)
     validate(cfg, dist.get_world_size())
@@ -197,9 +197,9 @@ def _max_grad_diff(steps_a: list[dict], steps_b: list[dict]) -> float:
 
 def test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it():
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.errors import ConfigError
     from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source
+    from megatron_rl.validation import validate
 
     cases = [
         ([], "training_forward"),

@@ -98,7 +98,7 @@ def test_dynamic_sampling_fills_up_with_dropped_groups_at_the_bound():
 
 def test_gpu_recipes_validate_for_eight_gpus():
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
+    from megatron_rl.validation import validate
 
     found = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*7b_32k.yaml"))}
     assert set(GPU_RECIPES) <= found

@@ -9,7 +9,6 @@ import os
 import pytest
 
 from megatron_rl.config.loader import load_config
-from megatron_rl.config.validate import validate
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.choice import (
     AUTO,
@@ -21,6 +20,7 @@ from megatron_rl.rollout.choice import (
     rollout_engine,
 )
 from megatron_rl.rollout.engine import ENGINES
+from megatron_rl.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "configs", "grpo_cpu.yaml")

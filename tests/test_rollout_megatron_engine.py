@@ -479,8 +479,8 @@ def test_grpo_learns_the_demo_task_with_the_megatron_engine(tmp_path):
 
 def test_config_refuses_the_megatron_engine_with_virtual_pipeline_stages():
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
     from megatron_rl.errors import UserInputError
+    from megatron_rl.validation import validate
 
     cfg = load_config(None, ["rollout.engine=megatron", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"])
     with pytest.raises(UserInputError, match="rollout.engine"):
@@ -555,10 +555,21 @@ def test_flash_paged_kernels_match_the_cpu_stand_in():
     assert (got.float() - sdpa_varlen_paged(qs, k, v, cu_q, cu_k, block_table=table).float()).abs().max() < 2e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def graphs_body(cfg: ModelConfig) -> dict:
+    chunks = _actor({}, cfg, 4)
+    engine = _engine(cfg, chunks)
+    engine.generate(PROMPTS, SAMPLED, seed=2)
+    context = engine._engine.context
+    return {"model": chunks[0].config.cuda_graph_impl, "graph_sizes": list(context.cuda_graph_token_counts or []),
+            "this_step": context.using_cuda_graph_this_step()}
+
+
 def test_cuda_graphs_are_not_captured_by_the_rollout_engine():
-    pytest.skip("CUDA graphs are a model-build switch in megatron-core 0.19 (cuda_graph_impl='local') that also "
-                "routes the training forward through the graph manager; the engine runs eagerly (docs/rollout.md)")
+    """CUDA graphs are a model-build switch in megatron-core 0.19 (``cuda_graph_impl``) that also
+    routes the training forward through the graph manager: the actor is built without them and the
+    engine plans no graph sizes, so it runs eagerly (docs/rollout.md)."""
+    got = run_distributed(1, graphs_body, _cfg())[0]
+    assert got == {"model": "none", "graph_sizes": [], "this_step": False}
 
 
 def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():

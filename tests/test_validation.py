@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from megatron_rl.config.loader import load_config
-from megatron_rl.config.validate import validate
 from megatron_rl.errors import ConfigError
 from megatron_rl.tools.cli import main
+from megatron_rl.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
@@ -160,8 +160,8 @@ def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
     cfg = load_config(DEMO, ["parallel.cp=4", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
                              "model.transformer_impl=auto", "batch.packing=false"])
     validate(cfg, 4)  # local path: 4 heads split over cp=4, 2 KV heads replicated
-    import megatron_rl.config.validate as validate_mod
     import megatron_rl.features as features
+    import megatron_rl.validation as validate_mod
 
     def resolves_to_te(requested):
         return "transformer_engine"
@@ -184,7 +184,7 @@ def test_a2a_heads_must_split_over_the_a2a_group():
 
 def test_config_layer_does_not_import_megatron_core():
     """Validation runs on the launcher before any rank: it must not pay for (or depend on) megatron-core."""
-    code = ("import sys, megatron_rl.config.validate, megatron_rl.config.loader; "
+    code = ("import sys, megatron_rl.validation, megatron_rl.config.loader; "
             "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith(('megatron.', 'megatron_rl.models.'))"
             " and m != 'megatron_rl.models.arch'); print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

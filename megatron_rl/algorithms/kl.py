@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-KL_CONTROLLERS = ("fixed", "adaptive")
+from megatron_rl.config.choices import KL_CONTROLLERS
 
 # exp(r) overflows float32 near r = 88; beyond |r| = 20 the policies disagree completely anyway.
 _K3_LOG_RATIO_LIMIT = 20.0
@@ -171,7 +171,7 @@ def make_kl_controller(kind: str, coef: float, target: float | None = None, hori
         return FixedKLController(coef)
     if kind == "adaptive":
         return AdaptiveKLController(coef, target, horizon)
-    raise ValueError(f"unknown KL controller {kind!r}; valid: fixed, adaptive")
+    raise ValueError(f"unknown KL controller {kind!r}; valid: {', '.join(KL_CONTROLLERS)}")
 
 
 @torch.no_grad()

@@ -23,8 +23,9 @@ from typing import Callable
 
 import torch
 
+from megatron_rl.config.choices import ROLLOUT_CORRECTION_LEVELS as LEVELS  # noqa: F401 - read here by users
+
 _LOG_LIMIT = 20.0
-LEVELS = ("token", "sequence")
 CORRECTIONS: dict[str, Callable] = {}
 MODES: dict[str, Callable] = {"off": None}  # what algorithm.rollout_correction.mode accepts
 

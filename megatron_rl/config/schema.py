@@ -6,8 +6,7 @@ exists here.  Parallel sizes live in :class:`ParallelConfig` only; the data-para
 derived from the world size and never configured.
 
 A field may also declare what it accepts, and validation enforces it for every field alike:
-``Literal`` choices imported from the module that implements them (omegaconf refuses other values
-while loading), ``choices=`` naming a registry that plugins may extend (checked by
+``Literal`` choices from ``config/choices.py`` (omegaconf refuses other values while loading), ``choices=`` naming a registry that plugins may extend (checked by
 ``config/rules.py``), and numeric bounds (``ge``/``gt``/``le``/``lt``).
 """
 
@@ -18,26 +17,29 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from megatron_rl.algorithms.kl import KL_CONTROLLERS
-from megatron_rl.capabilities import BACKENDS, DEVICES, TRANSFORMER_IMPLS
-from megatron_rl.engine.lr_schedules import LR_SCHEDULE_NAMES
-from megatron_rl.models.arch import (
+from megatron_rl.config.choices import (
     ACTIVATION_NAMES,
+    BACKENDS,
+    CP_COMM_TYPES,
+    DEVICES,
+    KL_CONTROLLERS,
+    LR_SCHEDULE_NAMES,
     MOE_DISPATCHERS,
     MOE_DROP_POLICIES,
     MOE_LOAD_BALANCING,
     MOE_ROUTER_DTYPES,
     MOE_SCORE_FUNCTIONS,
     NORMALIZATIONS,
+    OLD_LOGPROB_SOURCES,
     PARAMS_DTYPES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
+    ROLLOUT_CORRECTION_LEVELS,
+    ROLLOUT_ENGINES,
+    SFT_TARGETS,
+    TRANSFORMER_IMPL_CHOICES,
 )
-from megatron_rl.ops.cp_attention import CP_COMM_TYPES
-from megatron_rl.trainer.old_logprobs import OLD_LOGPROB_SOURCES
 
-TRANSFORMER_IMPL_CHOICES = ("auto",) + TRANSFORMER_IMPLS
-SFT_TARGETS = ("true", "shuffled")
 BOUNDS = ("ge", "gt", "le", "lt")
 
 
@@ -212,7 +214,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("auto", choices="megatron_rl.rollout.choice:ENGINE_CHOICES", help="Generation engine: auto (megatron for MoE models and on CUDA with flash-attn >= 2.7.3 without VPP, else torch), torch (KV-cache decoder on a full copy of the actor's weights on every rank), tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP) or megatron (megatron-core's dynamic inference engine on the actor's own TP/PP shards: paged KV cache, continuous batching, chunked prefill; no VPP; docs/rollout.md).")
+    engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: auto (megatron for MoE models and on CUDA with flash-attn >= 2.7.3 without VPP, else torch), torch (KV-cache decoder on a full copy of the actor's weights on every rank), tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP) or megatron (megatron-core's dynamic inference engine on the actor's own TP/PP shards: paged KV cache, continuous batching, chunked prefill; no VPP; docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
     temperature: float = _f(
@@ -242,8 +244,8 @@ class RewardConfig:
 class RolloutCorrectionConfig:
     mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, tis (truncated IS), mis (masked IS).",
                    choices="megatron_rl.algorithms.rollout_correction:MODES")
-    level: str = _f("token", "Importance weight per token, or per sequence (product over its tokens).",
-                    choices="megatron_rl.algorithms.rollout_correction:LEVELS")
+    level: Literal[ROLLOUT_CORRECTION_LEVELS] = _f(
+        "token", "Importance weight per token, or per sequence (product over its tokens).")
     threshold: float = _f(2.0, "Weights above this are truncated to it (tis) or masked to 0 (mis).", ge=1)
 
 

@@ -1,8 +1,8 @@
 """Architecture facts shared by the builder, the HF bridge, the rollout decoder and the planner.
 
-Pure Python and torch (no megatron-core), so config validation can import the choice lists and the
-second implementation of the model's math (``rollout/decoder.py``) reads the same facts the
-megatron model is built from.
+Pure Python and torch (no megatron-core), so validation and the planner read it, and the second
+implementation of the model's math (``rollout/decoder.py``) reads the same facts the megatron
+model is built from.  The choice lists themselves live in ``config/choices.py``.
 """
 
 from __future__ import annotations
@@ -11,23 +11,32 @@ import re
 
 import torch
 
+from megatron_rl.config.choices import (  # noqa: F401 - the choice sets, read here by their users
+    ACTIVATION_NAMES,
+    DTYPE_NAMES,
+    MOE_DISPATCHERS,
+    MOE_DROP_POLICIES,
+    MOE_LOAD_BALANCING,
+    MOE_ROUTER_DTYPES,
+    MOE_SCORE_FUNCTIONS,
+    NORMALIZATIONS,
+    PARAMS_DTYPES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES,
+    require_same,
+)
+
 # model.activation -> (megatron gated_linear_unit, activation function)
 ACTIVATIONS = {
     "swiglu": (True, torch.nn.functional.silu),
     "gelu": (False, torch.nn.functional.gelu),
 }
-ACTIVATION_NAMES = tuple(ACTIVATIONS)
-
-NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+require_same(ACTIVATIONS, ACTIVATION_NAMES, "model.activation")
 
 # model.params_dtype -> torch dtype; "auto" resolves by device (see resolve_dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PARAMS_DTYPES = ("auto",) + tuple(DTYPES)
-
-# megatron-core's activation-recompute settings (TransformerConfig).
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
-RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act")
+require_same(DTYPES, DTYPE_NAMES, "model.params_dtype")
 
 
 def resolve_dtype(name: str, device) -> torch.dtype:
@@ -87,13 +96,8 @@ def local_norm_name(name: str) -> str:
     return name
 
 
-# Mixture of experts (model.moe.*): the choices megatron-core's router and dispatchers take, and
-# which layers hold experts.  Pure Python, so validation and the planner read the same facts.
-MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-MOE_DISPATCHERS = ("alltoall", "allgather")
-MOE_DROP_POLICIES = ("probs", "position")
-MOE_ROUTER_DTYPES = ("float32", "float64", "model")
+# Mixture of experts (model.moe.*): which layers hold experts.  Pure Python, so validation and
+# the planner read the same facts.
 
 
 def moe_layer_pattern(model_cfg) -> list[int]:

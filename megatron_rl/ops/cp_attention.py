@@ -51,13 +51,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_rl.config.choices import CP_COMM_TYPES
 from megatron_rl.ops import attention_kernels
 from megatron_rl.ops.attention_kernels import attention_backward, attention_forward, merge_into
 from megatron_rl.ops.packed_attention import packed_causal_attention
 from megatron_rl.ops.precision import compute_dtype
 from megatron_rl.ops.zigzag import zigzag_index
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # The types that split attention heads over (part of) the CP group.
 A2A_COMM_TYPES = ("a2a", "a2a+p2p")
 

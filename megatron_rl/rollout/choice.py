@@ -13,12 +13,11 @@ One rule, read by config validation (before any process starts) and by the train
 from __future__ import annotations
 
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN, paged_flash_attention_installed
+from megatron_rl.config.choices import ROLLOUT_ENGINES
 from megatron_rl.models.arch import is_moe
 
-AUTO = "auto"
-TORCH, TP_SHARDED, MEGATRON = "torch", "tp_sharded", "megatron"
-# What ``rollout.engine`` accepts; the engines themselves are registered in rollout/engine.py:ENGINES.
-ENGINE_CHOICES = (AUTO, TORCH, TP_SHARDED, MEGATRON)
+# What ``rollout.engine`` accepts (config/choices.py); the engines are registered in rollout/engine.py:ENGINES.
+AUTO, TORCH, TP_SHARDED, MEGATRON = ENGINE_CHOICES = ROLLOUT_ENGINES
 
 
 def pick_engine(requested: str, *, moe: bool, vpp: int | None, cuda: bool, paged_flash: bool) -> str:

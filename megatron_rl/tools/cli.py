@@ -80,7 +80,7 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
     """Load, take the architecture from an HF model directory when one is given, validate; for
     training also check what the config points at (prompt file, reward, tokenizer)."""
     from megatron_rl.config.loader import load_config
-    from megatron_rl.config.validate import validate
+    from megatron_rl.validation import validate
 
     cfg = load_config(config, overrides)
     if hf_model:

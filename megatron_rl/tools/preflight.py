@@ -1,6 +1,6 @@
 """Checks of what a training config points at, before any process starts.
 
-Validation (``config/validate.py``) judges the values; this opens what they name: the prompt file
+Validation (``megatron_rl/validation.py``) judges the values; this opens what they name: the prompt file
 (its first record), the reward function, the tokenizer (its vocabulary must fit the model's), the
 critic's HF directory and the initial checkpoint.  Each failure is one line naming the key.
 """

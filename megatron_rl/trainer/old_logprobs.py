@@ -21,7 +21,7 @@ reward (it changes the advantages).  Config validation enforces it (``megatron_r
 
 from __future__ import annotations
 
-OLD_LOGPROB_SOURCES = ("auto", "recompute", "training_forward", "rollout")
+from megatron_rl.config.choices import OLD_LOGPROB_SOURCES  # noqa: F401 - read here by its users
 
 
 def training_forward_blockers(alg) -> list[str]:

@@ -1,5 +1,6 @@
 """Config validation before any process group: field rules, then what this machine resolves
-``auto`` to, then every constraint of every feature in the registry.
+``auto`` to, then every constraint of every feature in the registry.  It sits above ``config/``
+(which imports nothing of the package but its errors) and the feature registry.
 
 Raises :class:`ConfigError` (one line: key, value, problem, fix, feature-matrix row).  What the
 config points at (prompt file, reward function, tokenizer) is checked by

@@ -1,4 +1,4 @@
-"""The estimators and losses added with the registries, each against a formula written out here.
+"""Advantage estimators, policy losses and loss aggregations, each against a formula written out here.
 
 Every check has a hand-derived case (the arithmetic in the comments) and a random case in float64
 (masks with gaps, odd lengths, empty rows, all-equal and singleton groups) against a plain-Python

@@ -1,0 +1,57 @@
+"""The closed choices of the configuration: every value a key with a fixed set of options accepts.
+
+This module is the bottom of the package: it imports nothing of megatron_rl, the schema declares
+its ``Literal`` types from it, and the modules that implement the choices import their names
+from here (each checks at import that what it implements is exactly this set).  Choices that
+plugins extend (advantage estimators, policy losses, loss aggregations, KL estimators, reward
+functions, rollout-correction modes) are open registries instead: the schema names them by
+string (``choices="module:NAME"``) and validation reads the registry.
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"
+
+# --- machine and runtime
+TRANSFORMER_IMPLS = ("local", "transformer_engine")  # megatron-core layer specs
+TRANSFORMER_IMPL_CHOICES = (AUTO,) + TRANSFORMER_IMPLS
+DEVICES = (AUTO, "cuda", "cpu")
+BACKENDS = (AUTO, "nccl", "gloo")
+
+# --- model
+ACTIVATION_NAMES = ("swiglu", "gelu")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+PARAMS_DTYPES = (AUTO,) + DTYPE_NAMES
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act")
+
+# --- mixture of experts (megatron-core's router and dispatchers)
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_ROUTER_DTYPES = ("float32", "float64", "model")
+
+# --- long context
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+# --- optimisation
+LR_SCHEDULE_NAMES = ("constant", "linear", "cosine")
+KL_CONTROLLERS = ("fixed", "adaptive")
+OLD_LOGPROB_SOURCES = (AUTO, "recompute", "training_forward", "rollout")
+SFT_TARGETS = ("true", "shuffled")
+
+# --- rollout
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON = "torch", "tp_sharded", "megatron"
+ROLLOUT_ENGINES = (AUTO, ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON)
+
+
+def require_same(implemented, declared: tuple, what: str) -> None:
+    """For the implementing module: refuse to import when what it implements (names of a dict, a
+    tuple) is not exactly the declared choice set, so the schema cannot offer a value nothing
+    implements."""
+    if tuple(implemented) != tuple(declared):
+        raise ImportError(f"{what}: implemented {tuple(implemented)} != declared in config/choices.py {declared}")
