@@ -375,7 +375,7 @@ NEW_LOSSES = [("gspo", "seq-mean-token-mean", False), ("cispo", "token-mean", Tr
 
 
 @pytest.mark.parametrize("name,agg,weighted", NEW_LOSSES)
-def test_new_losses_split_invariance(name, agg, weighted):
+def test_loss_pieces_split_invariance(name, agg, weighted):
     """Rows cut into pieces (micro-batches, DP) and CP shards of every row add up to the whole batch."""
     g, mask, _, _ = random_batch(7, width=8)
     mask[0, 2] = 1.0
@@ -440,7 +440,7 @@ def layout_body(layout_kw: dict, micro_batch_size: int, name: str, agg: str, wei
 
 
 @pytest.mark.parametrize("name,agg,weighted", NEW_LOSSES[:3])
-def test_new_losses_gradients_do_not_depend_on_how_the_batch_is_cut(name, agg, weighted):
+def test_loss_gradients_do_not_depend_on_how_the_batch_is_cut(name, agg, weighted):
     ref = run_distributed(1, layout_body, {}, 8, name, agg, weighted, None)[0]
     assert max(float(g.abs().max()) for g in ref["grads"].values()) > 1e-4
     for world, layout, mbs in [(1, {}, 2), (2, {}, 1), (2, dict(cp=2), 2), (4, dict(cp=2), 1)]:
