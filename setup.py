@@ -38,7 +38,8 @@ setup(
         "loggers": ["tensorboard>=2.14", "wandb>=0.16"],
         # benchmarks/vs_trl.py: the TRL side of the per-step time comparison (docs/vs_trl.md).
         "bench": ["trl>=1.16"],
-        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "ruff==0.17.6", "math-verify[antlr4_13_2]>=0.9"],
+        "test": ["pytest>=8", "transformers>=4.45", "safetensors>=0.4", "ruff==0.17.6",
+                 "math-verify[antlr4_13_2]>=0.9"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.tools.cli:main"]},
 )

@@ -440,7 +440,8 @@ def section_sdpa(check: Check):
     yield ("(c) SDPA: trainer, CP=1 BSHD rows (is_causal, GQA)", _probe(lambda: trainer_pass(False)))
     yield ("(c) SDPA: trainer, CP=1 packed THD (is_causal per sequence)", _probe(lambda: trainer_pass(True)))
 
-    heads, kv, d = model_cfg.num_attention_heads, model_cfg.num_query_groups, model_cfg.hidden_size // model_cfg.num_attention_heads
+    heads, kv = model_cfg.num_attention_heads, model_cfg.num_query_groups
+    d = model_cfg.hidden_size // heads
     for dtype in (torch.bfloat16, torch.float32):
         yield (f"(c) fused kernels with LSE, {str(dtype)[6:]}: two key blocks merged vs SDPA (max |d| out, dq, dk)",
                _lse_merge_error(heads, kv, d, dtype, dev))
@@ -497,10 +498,12 @@ def section_mfu(check: Check):
     ppo_tflops = flops / update_s / 1e12
     base_tflops, base_shape = _plain_megatron_tflops(check, model_cfg, int(seq), samples)
     peak = H200_BF16_TFLOPS
-    yield ("(d) actor update MFU (step %d, %d tokens x %d epoch)" % (row.get("step", 0), tokens, cfg.algorithm.ppo_epochs),
+    yield ("(d) actor update MFU (step %d, %d tokens x %d epoch)"
+           % (row.get("step", 0), tokens, cfg.algorithm.ppo_epochs),
            f"{ppo_tflops:.3g} TFLOP/s = {100 * ppo_tflops / peak:.3g}% of {peak:.0f}")
     yield (f"(d) plain megatron-core fwd+bwd, same model, {base_shape}",
-           f"{base_tflops:.3g} TFLOP/s = {100 * base_tflops / peak:.3g}%; PPO update / plain = {ppo_tflops / base_tflops:.2f}")
+           f"{base_tflops:.3g} TFLOP/s = {100 * base_tflops / peak:.3g}%; "
+           f"PPO update / plain = {ppo_tflops / base_tflops:.2f}")
 
 
 def _plain_megatron_tflops(check: Check, model_cfg, seq: int, samples: int) -> tuple[float, str]:

@@ -187,7 +187,8 @@ def measure_rank(args_kw: dict, cp: int, comm: str, mode: str = "train", track: 
             if device.type == "cuda":
                 torch.cuda.synchronize()
         row = {"length": length, "local_tokens": stats["local_tokens"][0], "seconds": time.perf_counter() - start,
-               "cpu": time.process_time() - cpu_start, "threads": torch.get_num_threads(), "rss_peak": rss.peak, "rss_start": rss.start, "cp_rank": ps.get_context_parallel_rank()}
+               "cpu": time.process_time() - cpu_start, "threads": torch.get_num_threads(), "rss_peak": rss.peak,
+               "rss_start": rss.start, "cp_rank": ps.get_context_parallel_rank()}
         if track:
             row["tensor_peak"] = tensors.peak
         if train:

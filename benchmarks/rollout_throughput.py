@@ -305,7 +305,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for workload_name, rows in results.items():
         for name, r in rows.items():
-            print(f"| {workload_name} | `{name}` | {r['tokens_per_cpu_s']:.0f} | {r['tokens_per_s']:.0f} | {r['steps']} "
+            print(f"| {workload_name} | `{name}` | {r['tokens_per_cpu_s']:.0f} | {r['tokens_per_s']:.0f} "
+                  f"| {r['steps']} "
                   f"| {r['ms_per_step_cpu']:.1f} | {r['kv_allocated'] / MiB:.2f} MiB | {r['kv_needed'] / MiB:.2f} MiB "
                   f"| {r['kv_allocated'] / r['kv_needed']:.2f}x |")
     print()

@@ -378,7 +378,8 @@ def format_table(results: list[dict], warmup: int, steps: int, load_start, load_
     trl = next((r for r in results if r["row"] == "trl" and "error" not in r), None)
     lines = [
         f"GRPO per-step time, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples x {MAX_NEW_TOKENS} new "
-        f"tokens; each row {rounds} run(s) of {steps} steps (rows interleaved), median over steps {warmup + 1}..{steps} "
+        f"tokens; each row {rounds} run(s) of {steps} steps (rows interleaved), median over steps "
+        f"{warmup + 1}..{steps} "
         f"of every run; {os.cpu_count()} CPUs{', OMP_WAIT_POLICY=PASSIVE' if OMP_PASSIVE else ''}, load "
         f"average (1/5/15 min) {'/'.join(f'{x:.2f}' for x in load_start)} at start, "
         f"{'/'.join(f'{x:.2f}' for x in load_end)} at end",
@@ -395,7 +396,8 @@ def format_table(results: list[dict], warmup: int, steps: int, load_start, load_
         lines.append(
             f"| {r['label']} | {r['median_step_s']:.3f} | {' '.join(f'{m:.3f}' for m in r['round_medians'])} | "
             f"{min(r['step_s']):.3f} | {r['median_gen_tok_s']:.0f} | "
-            f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['peak_pss_bytes'] / 2**20:.0f} | {ratio} | {r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
+            f"{r['peak_rss_bytes'] / 2**20:.0f} | {r['peak_pss_bytes'] / 2**20:.0f} | {ratio} | "
+            f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | "
             f"{r['wall_s']:.0f} | {' '.join(f'{x:.1f}' for x in r['load_after'])} |")
     lines += ["", "s/step: megatron_rl's timing/step_s, TRL's on_step_begin -> on_step_end; fastest step: the least "
               "disturbed by other load (same steps); generated tok/s: response "
@@ -503,7 +505,8 @@ def run_benchmark(rows: list[str], steps: int, warmup: int, lr: float, workdir: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="steps per run (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the medians (default 3)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="first steps of each run left out of the medians (default 3)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per row, rows interleaved (default 2)")
     parser.add_argument("--rows", default=",".join(ALL_ROWS), help=f"comma-separated subset of {','.join(ALL_ROWS)}")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of both trainers (default 1e-3)")
@@ -512,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument("--max-load", type=float, help="on a shared machine: before each run, wait until the "
                         "1-minute load average is at most this (default: do not wait)")
-    parser.add_argument("--max-wait", type=float, default=600, help="longest wait for --max-load per run (default 600 s)")
+    parser.add_argument("--max-wait", type=float, default=600,
+                        help="longest wait for --max-load per run (default 600 s)")
     parser.add_argument("--omp-passive", action="store_true", help="on a busy machine: OMP_WAIT_POLICY=PASSIVE for "
                         "every row, so that an OpenMP thread waiting for a descheduled sibling sleeps instead of "
                         "spinning on the core the sibling needs")

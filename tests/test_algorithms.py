@@ -365,7 +365,8 @@ def _cp_shards(tlen, cp):
     chunk = tlen // (2 * cp)
     halves = [torch.arange(r * tlen // cp, (r + 1) * tlen // cp) for r in range(cp)]
     balanced = [
-        torch.cat([torch.arange(r * chunk, (r + 1) * chunk), torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
+        torch.cat([torch.arange(r * chunk, (r + 1) * chunk),
+                   torch.arange((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)])
         for r in range(cp)
     ]
     return [halves, balanced]

@@ -58,7 +58,8 @@ def test_table_ratio_against_trl():
     assert trl["step_s"] == [1.0, 1.0, 1.0, 3.0] and trl["round_medians"] == [1.0, 2.0]
     table = bench.format_table([mega, trl], 1, 3, (1.0, 1.0, 1.0), (2.0, 2.0, 2.0), rounds=2)
     assert "| megatron_rl defaults, nproc 1 | 2.000 | 2.000 | 2.000 | 200 | 1024 | 512 | 2.00x |" in table
-    assert "| TRL GRPOTrainer | 1.000 | 1.000 2.000 | 1.000 | 200 | 2048 |" in table and "1.00/1.00/1.00 at start" in table
+    assert "| TRL GRPOTrainer | 1.000 | 1.000 2.000 | 1.000 | 200 | 2048 |" in table
+    assert "1.00/1.00/1.00 at start" in table
     breakdown = bench.format_breakdown([mega, trl])
     assert "rollout 0.500 (25%)" in breakdown and "old_logprob 0.400 (20%)" in breakdown
     assert "other 0.200 (10%)" in breakdown and "loss+backward+optimizer 0.700 (70%)" in breakdown
@@ -75,5 +76,6 @@ def test_two_megatron_steps_fill_the_table(tmp_path, capsys, monkeypatch):
     assert rc == 0, out
     assert "trl is not installed" in out and "| megatron_rl tuned" in out and "n/a" in out
     (result,) = json.loads((tmp_path / "out.json").read_text())
-    assert len(result["runs"][0]["step_s"]) == 2 and len(result["step_s"]) == 1 and math.isfinite(result["median_step_s"]) and result["median_step_s"] > 0
+    assert len(result["runs"][0]["step_s"]) == 2 and len(result["step_s"]) == 1
+    assert math.isfinite(result["median_step_s"]) and result["median_step_s"] > 0
     assert result["peak_rss_bytes"] > 50 * 2**20 and math.isfinite(result["median_gen_tok_s"])

@@ -77,7 +77,8 @@ def real_groups_body():
     summed = collectives.all_reduce(torch.tensor([1.0, float(dist.get_rank())]))
     out = {"cuda_only": collectives.group_device_type(cuda_only), "world": collectives.group_device().type,
            "error": error, "sum": summed.tolist(), "max": collectives.agree_max(dist.get_rank() * 5),
-           "any": collectives.agree_any(dist.get_rank() == 1), "objects": collectives.all_gather_object(dist.get_rank()),
+           "any": collectives.agree_any(dist.get_rank() == 1),
+           "objects": collectives.all_gather_object(dist.get_rank()),
            "broadcast": collectives.broadcast_object(f"from {dist.get_rank()}", src=1),
            # rank 0 sends nothing, rank 1 three values
            "varlen": [t.tolist() for t in collectives.all_gather_varlen(torch.arange(3 * dist.get_rank()) + 0.5)]}

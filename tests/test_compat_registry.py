@@ -204,8 +204,8 @@ def test_bootstrap_without_python_312_says_what_to_install(tmp_path):
     """scripts/bootstrap.sh looks on PATH, then among pyenv's interpreters; with neither it stops
     with one line and exit 2 instead of building a venv megatron-core 0.19 cannot install into."""
     os.makedirs(tmp_path / "scripts")
-    with open(os.path.join(ROOT, "scripts", "bootstrap.sh")) as src, open(tmp_path / "scripts" / "bootstrap.sh", "w") as dst:
-        dst.write(src.read())
+    with open(os.path.join(ROOT, "scripts", "bootstrap.sh")) as src:
+        (tmp_path / "scripts" / "bootstrap.sh").write_text(src.read())
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "no-pyenv")}
     proc = subprocess.run(["bash", str(tmp_path / "scripts" / "bootstrap.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)

@@ -56,9 +56,11 @@ def test_pp2_vpp_with_batched_p2p_is_rejected():
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (["parallel.tpp=2"], "config error: parallel.tpp=2: unknown key (from the command line); fix: did you mean parallel.tp?"),
+    (["parallel.tpp=2"],
+     "config error: parallel.tpp=2: unknown key (from the command line); fix: did you mean parallel.tp?"),
     (["parallel.tp=two"], "config error: parallel.tp=two: wrong type, expected an integer; fix: give an integer"),
-    (["parallel=2"], "config error: parallel=2: is a group of keys, not a value; fix: set one key, e.g. parallel.tp=..."),
+    (["parallel=2"],
+     "config error: parallel=2: is a group of keys, not a value; fix: set one key, e.g. parallel.tp=..."),
     (["tp"], "config error: tp: an override must look like key=value; fix: write e.g. parallel.tp=2"),
 ])
 def test_override_errors_are_one_exact_line(overrides, expected):

@@ -129,7 +129,8 @@ def draw_layout(rng, world: int = 4) -> tuple[dict, dict, dict, dict]:
             layout["cp_comm_type"] = rng.choice(["p2p", "all_gather"] + (["a2a"] if tp == 1 else []))
         if pp > 1 and dp == 1 and rng.random() < 0.5:
             layout["vpp"] = 2  # 2*pp micro-batches per pass: every data-parallel rank needs 4 sequences
-        plan = rng.choice([dict(max_tokens_per_rank=rng.choice([40, 64, 400])), dict(micro_batch_size=rng.choice([1, 2, 3])),
+        plan = rng.choice([dict(max_tokens_per_rank=rng.choice([40, 64, 400])),
+                           dict(micro_batch_size=rng.choice([1, 2, 3])),
                            dict(max_tokens_per_rank=1216, derived=True, min_microbatches=pp)])
         plan["packed"] = rng.random() < 0.75
         if not plan["packed"] and cp > 1 and layout.get("cp_comm_type") == "a2a":

@@ -44,3 +44,45 @@ def test_every_quickstart_command_runs(tmp_path):
             cmd += f" run.dir={tmp_path} trainer.steps=2 trainer.sft_warmup_steps=2"
         proc = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+
+
+def _source_text() -> str:
+    """The package's source with f-string fields blanked and adjacent literals joined, whitespace collapsed."""
+    root = os.path.join(ROOT, "megatron_rl")
+    text = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".py") and name != "docs_gen.py":
+                with open(os.path.join(dirpath, name), encoding="utf-8") as fh:
+                    text.append(fh.read())
+    joined = re.sub(r'"\s*\n\s*[rf]?"', "", "\n".join(text))
+    return " ".join(re.sub(r"\{[^{}]*\}", " ", joined).split())
+
+
+def test_every_runtime_error_row_names_a_message_the_code_prints():
+    """The troubleshooting table is typed by hand: each row's wording (between its placeholders: ``<...>``,
+    ``...``, ``N``) must occur in the package's source, so a message that changes or goes away fails here."""
+    import megatron_rl.rewards.registry  # noqa: F401 - defines RewardFunctionError
+    import megatron_rl.trainer.guards  # noqa: F401 - defines NonFiniteUpdatesError
+    from megatron_rl.errors import UserInputError
+    from megatron_rl.tools.docs_gen import RUNTIME_ERRORS
+
+    source = _source_text()
+    kinds = {cls().one_line().split(":")[0] for cls in _error_classes(UserInputError)}
+    placeholder = re.compile(r"<[^>]*>|\.\.\.|\(\.\.\)|\b[NMKS]\b| / |: |\(|\)")
+    for message, _, _ in RUNTIME_ERRORS:
+        head = message.split(":")[0]
+        if head.endswith(" error"):
+            assert head in kinds, f"{message!r}: no error class prints {head!r}"
+        phrases = [" ".join(f.split()).strip(" :;=,") for f in placeholder.split(message)]
+        phrases = [p for p in phrases if len(p) >= 12 and " " in p and not p.endswith(" error")]
+        if phrases:
+            assert any(p in source for p in phrases), f"{message!r}: none of {phrases} is in the code"
+
+
+def _error_classes(base):
+    out = []
+    for cls in base.__subclasses__():
+        out.append(lambda cls=cls: cls("k", None, "p", "f"))
+        out.extend(_error_classes(cls))
+    return out

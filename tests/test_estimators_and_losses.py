@@ -446,5 +446,6 @@ def test_loss_gradients_do_not_depend_on_how_the_batch_is_cut(name, agg, weighte
     for world, layout, mbs in [(1, {}, 2), (2, {}, 1), (2, dict(cp=2), 2), (4, dict(cp=2), 1)]:
         got = run_distributed(world, layout_body, layout, mbs, name, agg, weighted, ref["weights"])[0]
         worst = max(float((got["grads"][k] - ref["grads"][k]).abs().max()) for k in ref["grads"])
-        print(f"{name} {agg} weighted={weighted} world={world} {layout} micro_batch_size={mbs}: max |dgrad| {worst:.2e}")
+        print(f"{name} {agg} weighted={weighted} world={world} {layout} micro_batch_size={mbs}: "
+              f"max |dgrad| {worst:.2e}")
         assert worst <= 1e-6, (name, agg, world, layout, mbs, worst)

@@ -44,7 +44,8 @@ def test_cuda_settings_follow_the_installed_kernels():
                         masked_softmax_fusion=True, apply_rope_fusion=False, gradient_accumulation_fusion=False,
                         persist_layer_norm=False)
     assert device_settings("cuda", True, False) == dict(bare, apply_rope_fusion=True)
-    assert device_settings("cuda", False, True) == dict(bare, gradient_accumulation_fusion=True, persist_layer_norm=True)
+    with_apex = dict(bare, gradient_accumulation_fusion=True, persist_layer_norm=True)
+    assert device_settings("cuda", False, True) == with_apex
 
 
 def _kwargs(device, **kw):
@@ -93,7 +94,8 @@ def test_plain_gelu_without_bias_is_not_fused():
 
 
 def test_weights_that_are_loaded_next_are_not_initialised():
-    assert _kwargs("cuda", te_available=False, apex_available=False, initialize=False)["perform_initialization"] is False
+    loading = _kwargs("cuda", te_available=False, apex_available=False, initialize=False)
+    assert loading["perform_initialization"] is False
 
 
 # ----------------------------------------------------------------------------- gpu_check

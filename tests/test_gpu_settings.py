@@ -132,7 +132,8 @@ def test_hierarchical_cp_sizes_are_checked():
     assert hierarchical_cp_sizes(ParallelConfig(cp=8, cp_comm_type="a2a+p2p",
                                                 hierarchical_context_parallel_sizes=[2, 4])) == (2, 4)
     assert hierarchical_cp_sizes(ParallelConfig(cp=2)) is None
-    for bad in (dict(cp=8, cp_comm_type="a2a+p2p"), dict(cp=8, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]),
+    for bad in (dict(cp=8, cp_comm_type="a2a+p2p"),
+                dict(cp=8, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]),
                 dict(cp=4, hierarchical_context_parallel_sizes=[2, 2])):
         with pytest.raises(ConfigError, match="hierarchical_context_parallel_sizes"):
             hierarchical_cp_sizes(ParallelConfig(**bad))

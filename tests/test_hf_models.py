@@ -1,7 +1,8 @@
 """Megatron models built from Hugging Face checkpoints compute what HF transformers computes.
 
 Tiny Llama / Qwen2 / Qwen3 / Mistral checkpoints are created with random weights by
-``tests/_helpers.py`` (no downloads).  `score` on each parallel layout must reproduce HF's per-token log-probs in fp32; the
+``tests/_helpers.py`` (no downloads).  `score` on each parallel layout must reproduce HF's per-token log-probs in fp32;
+the
 bridge must round-trip HF -> Megatron (TP2xPP2) -> HF bit-exactly; the critic's values must not
 depend on the layout, and its value head must get the same gradient on every TP rank.
 """

@@ -31,7 +31,8 @@ def one_by_one(seqs, cp_size, cp_rank, align, pad_id):
 def test_packed_microbatch_equals_sequence_by_sequence(cp_size):
     gen = torch.Generator().manual_seed(cp_size)
     lengths = [1, 7, 12, 2, 5, 9]
-    seqs = [{"tokens": torch.randint(3, 50, (n,), generator=gen), "loss_mask": (torch.rand(n, generator=gen) > 0.3).float(),
+    seqs = [{"tokens": torch.randint(3, 50, (n,), generator=gen),
+             "loss_mask": (torch.rand(n, generator=gen) > 0.3).float(),
              "advantages": torch.randn(n, generator=gen, dtype=torch.float64)} for n in lengths]
     align = 2 * cp_size
     for rank in range(cp_size):

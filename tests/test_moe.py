@@ -642,7 +642,8 @@ def test_moe_config_maps_to_megatron_fields():
     assert cfg.add_qkv_bias and not cfg.qk_layernorm
     assert model_config_from_hf(dict(hf, model_type="qwen2", num_experts=None)).moe.num_experts is None
     # TransformerEngine's grouped GEMM names -> the canonical (local-spec, global expert) names.
-    assert global_expert_name("mlp.experts.linear_fc1.weight1", [4, 5]) == "mlp.experts.local_experts.5.linear_fc1.weight"
+    grouped = global_expert_name("mlp.experts.linear_fc1.weight1", [4, 5])
+    assert grouped == "mlp.experts.local_experts.5.linear_fc1.weight"
     assert global_expert_name("mlp.experts.local_experts.0.linear_fc2.weight", [4, 5]) == \
         "mlp.experts.local_experts.4.linear_fc2.weight"
 

@@ -40,7 +40,8 @@ def fake_round(round_: int, prompts: int, n: int, informative_every: int):
     rows = [(p, j) for p in range(prompts) for j in range(n)]
     uid = [round_ * prompts + p for p, _ in rows]
     samples = Samples(prompt_index=[p for p, _ in rows], dataset_index=uid, prompt_ids=[[1, 2]] * len(rows),
-                      response_ids=[[3] * (1 + j) for _, j in rows], rollout_logprob=[[-1.0] * (1 + j) for _, j in rows],
+                      response_ids=[[3] * (1 + j) for _, j in rows],
+                      rollout_logprob=[[-1.0] * (1 + j) for _, j in rows],
                       finish_reason=["stop"] * len(rows))
     varied = [informative_every and (u % informative_every == 0) for u in uid]
     raw = torch.tensor([float(j % 2) if v else 1.0 for (_, j), v in zip(rows, varied)])
@@ -59,7 +60,7 @@ def test_dynamic_sampling_keeps_the_batch_size_and_terminates():
     assert drawn == [0, 1, 2]  # 3 rounds x 2 informative groups = 6: stops as soon as the batch is full
     assert len(out.samples) == prompts * n and out.scores.shape == (prompts * n,)
     assert out.samples.prompt_index == [g for g in range(prompts) for _ in range(n)]
-    for g, rows in out.samples.groups().items():
+    for rows in out.samples.groups().values():
         uid = {out.samples.dataset_index[r] for r in rows}
         assert len(uid) == 1 and uid.pop() % 3 == 0  # one prompt per group, an informative one
         assert len(set(out.scores[rows].tolist())) == n  # the shaped scores travel with their samples

@@ -500,7 +500,8 @@ def test_generate_command_writes_tokens_text_and_logprobs(tmp_path):
         fh.write(json.dumps({"input_ids": [5, 1]}) + "\n")
     out = str(tmp_path / "out.jsonl")
     get_pool(2).run(generate_body, hf_dir, str(tmp_path / "in.jsonl"), out,
-                    ["parallel.tp=2", "data.tokenizer=char", "rollout.engine=megatron", "rollout.n=2", "rollout.max_new_tokens=5",
+                    ["parallel.tp=2", "data.tokenizer=char", "rollout.engine=megatron", "rollout.n=2",
+                     "rollout.max_new_tokens=5",
                      "rollout.temperature=0.8", "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16"])
     rows = [json.loads(line) for line in open(out)]
     assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -88,7 +88,8 @@ def test_derived_seeds_are_stable_and_separate_streams():
                             "print(derive_seed(1234, 'rollout', 3, 0))"], cwd=ROOT, capture_output=True, text=True,
                            env=dict(os.environ, PYTHONHASHSEED="7"), check=True)
     assert int(other.stdout) == derive_seed(1234, "rollout", 3, 0)
-    seeds = {derive_seed(1234, "rollout", 1, 12), derive_seed(1234, "rollout", 11, 2), derive_seed(1235, "rollout", 1, 12),
+    seeds = {derive_seed(1234, "rollout", 1, 12), derive_seed(1234, "rollout", 11, 2),
+             derive_seed(1235, "rollout", 1, 12),
              derive_seed(1234, "mini_batches", 1, 12)}
     assert len(seeds) == 4 and all(0 <= s < 2**63 for s in seeds)
 

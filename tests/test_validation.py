@@ -160,7 +160,7 @@ def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
     cfg = load_config(DEMO, ["parallel.cp=4", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
                              "model.transformer_impl=auto", "batch.packing=false"])
     validate(cfg, 4)  # local path: 4 heads split over cp=4, 2 KV heads replicated
-    import megatron_rl.features as features
+    import megatron_rl.features.base as features
     import megatron_rl.validation as validate_mod
 
     def resolves_to_te(requested):
@@ -185,7 +185,8 @@ def test_a2a_heads_must_split_over_the_a2a_group():
 def test_config_layer_does_not_import_megatron_core():
     """Validation runs on the launcher before any rank: it must not pay for (or depend on) megatron-core."""
     code = ("import sys, megatron_rl.validation, megatron_rl.config.loader; "
-            "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith(('megatron.', 'megatron_rl.models.'))"
+            "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith(('megatron.', "
+            "'megatron_rl.models.'))"
             " and m != 'megatron_rl.models.arch'); print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -11,11 +11,11 @@ log-ratio policy / reference on the sampled token) and ``r = -d``:
 * ``abs``: ``|d|``; gradient ``sign(d)``.
 * ``k3+`` / ``low_var_kl+``: k3's value, k2's gradient ``d`` (straight-through).
 
-k1 is unbiased but can be negative; k2 and k3 are non-negative with lower variance.  k3 is
-bounded above by 10 as in verl: a token on which the policies disagree completely
-(``pi_ref / pi`` above about 13.6, i.e. ``r > 2.61``, or below ``e^-11``) adds 10 and no
-gradient, instead of up to ``e^20 ~ 4.85e8``, so one such token cannot dominate a loss.  ``k3+`` keeps k3's (bounded) value for metrics and the
-loss but takes k2's gradient, which still pulls such tokens back.
+k1 is unbiased but can be negative; k2 and k3 are non-negative with lower variance.  k3 is bounded
+above by 10 as in verl: a token on which the policies disagree completely (``pi_ref / pi`` above
+about 13.6, i.e. ``r > 2.61``, or below ``e^-11``) adds 10 and no gradient, instead of up to
+``e^20 ~ 4.85e8``, so one such token cannot dominate a loss.  ``k3+`` keeps k3's (bounded) value for
+metrics and the loss but takes k2's gradient, which still pulls such tokens back.
 
 Adding an estimator is one decorated function here (``@register_kl("name", "alias")``);
 ``algorithm.kl_kind`` accepts every registered name and alias.

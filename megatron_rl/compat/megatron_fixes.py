@@ -80,7 +80,7 @@ register_workaround(
             "selective recompute of the mlp/layernorm modules needs TransformerEngine layers (and "
             "hangs with linear biases); validation refuses it for the local implementation"
         ),
-        used_in="features.py:model.recompute.modules",
+        used_in="features/memory.py:model.recompute.modules",
     )
 )
 
@@ -102,7 +102,7 @@ register_workaround(
             "interleaved 1F1B with PP=2 and batch_p2p_comm=True gives wrong losses and gradients; "
             "default_batch_p2p_comm() turns it off there and validation refuses it when set"
         ),
-        used_in="distributed/runtime.py:ParallelLayout.from_config; features.py:parallel.batch_p2p_comm",
+        used_in="distributed/runtime.py:ParallelLayout.from_config; features/layouts.py:parallel.batch_p2p_comm",
     )
 )
 
@@ -249,8 +249,8 @@ def _optimizer_ids_to_sharded_params(optimizer, packed_groups: list, model_shard
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 
-    model_of_main = {id(main): model for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
-                     for model, main in zip(models, mains)}
+    groups = zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+    model_of_main = {id(main): model for models, mains in groups for model, main in zip(models, mains)}
     id_of_model = {}
     for group, packed in zip(optimizer.optimizer.param_groups, packed_groups):
         for param, param_id in zip(group["params"], packed["params"]):

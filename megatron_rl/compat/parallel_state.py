@@ -2,8 +2,8 @@
 
 megatron-core 0.19.2's ``parallel_state.destroy_model_parallel()`` destroys only its extra
 ``*_GLOO`` groups and forgets the others: with a gloo world (CPU) those stay alive, three threads
-and open sockets each, and caches inside megatron keep some of them referenced.  Rebuilding layouts (the test pool, elastic restarts) would pile up
-hundreds of busy threads.
+and open sockets each, and caches inside megatron keep some of them referenced.  Rebuilding layouts
+(the test pool, elastic restarts) would pile up hundreds of busy threads.
 """
 
 from __future__ import annotations

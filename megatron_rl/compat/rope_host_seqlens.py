@@ -1,12 +1,13 @@
 """Megatron's unfused THD RoPE without reading ``cu_seqlens`` back from the device.
 
-megatron-core 0.19.2 ``rope_utils._apply_rotary_pos_emb_thd`` (used whenever
-``apply_rope_fusion`` is off, i.e. without TransformerEngine) calls ``cu_seqlens.tolist()``,
-``cu_seqlens[-1].item()`` and, with packed frequencies, ``cu_seqlens[i].item()`` per sequence, for
-query and key in every layer: device reads per layer, each a sync on GPU.  Our micro-batches attach the host values to the ``cu_seqlens``
-they send (:func:`megatron_rl.ops.zigzag.with_host_values`); this replacement reads them there
-and otherwise computes exactly what megatron's function computes (same splits, same frequency
-slices, same ``_apply_rotary_pos_emb_bshd``).  Tensors without host values fall back to one read.
+megatron-core 0.19.2 ``rope_utils._apply_rotary_pos_emb_thd`` (used whenever ``apply_rope_fusion``
+is off, i.e. without TransformerEngine) calls ``cu_seqlens.tolist()``, ``cu_seqlens[-1].item()``
+and, with packed frequencies, ``cu_seqlens[i].item()`` per sequence, for query and key in every
+layer: device reads per layer, each a sync on GPU.  Our micro-batches attach the host values to the
+``cu_seqlens`` they send (:func:`megatron_rl.ops.zigzag.with_host_values`); this replacement reads
+them there and otherwise computes exactly what megatron's function computes (same splits, same
+frequency slices, same ``_apply_rotary_pos_emb_bshd``).  Tensors without host values fall back to
+one read.
 
 megatron gathers each sequence's frequencies with its own slice (two per sequence under CP) and a
 ``torch.cat``, a Python loop over the sequences of the micro-batch for q and k in every layer.  The

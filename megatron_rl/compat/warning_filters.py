@@ -138,7 +138,8 @@ for _known in (
         message=r"MimoModelConfig is experimental and still under active development",
         category=UserWarning,
         module=r"megatron\.core\.models\.mimo",
-        reason="warned when megatron-core's own import chain reaches its multimodal model config, which megatron_rl never uses",
+        reason="warned when megatron-core's own import chain reaches its multimodal model config, which megatron_rl "
+               "never uses",
         megatron_versions=MEGATRON_TESTED,
     ),
     KnownWarning(

@@ -45,14 +45,16 @@ SAME = {
 
 # alias -> (our key, how it differs)
 SIMILAR = {
-    "ppo_mini_batch_size": ("algorithm.mini_batches", "verl gives prompts per mini-batch; ours is the number of mini-batches"),
+    "ppo_mini_batch_size": ("algorithm.mini_batches",
+                            "verl gives prompts per mini-batch; ours is the number of mini-batches"),
     "clip_ratio": ("algorithm.clip_low", "verl's sets both ends; set algorithm.clip_low and algorithm.clip_high"),
     "max_prompt_length": ("data.max_prompt_tokens", "longer prompts are dropped and counted, never truncated"),
     "per_device_train_batch_size": ("batch.micro_batch_size", "or a token budget: batch.max_tokens_per_rank"),
     "gradient_checkpointing": ("model.recompute.granularity", "full or selective"),
     "lr": ("actor.optim.lr", "actor and critic have their own: actor.optim.lr, critic.optim.lr"),
     "output_dir": ("run.dir", "the run directory is run.dir/run.name"),
-    "kl_coef": ("algorithm.kl_coef", "verl's algorithm.kl_ctrl.kl_coef is the in-reward KL: also set algorithm.kl_in_reward=true"),
+    "kl_coef": ("algorithm.kl_coef", "verl's algorithm.kl_ctrl.kl_coef is the in-reward KL: also set "
+                                     "algorithm.kl_in_reward=true"),
 }
 
 

@@ -104,7 +104,8 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
     cfg: DictConfig = OmegaConf.structured(Config)
     if path:
         if not os.path.isfile(path):
-            raise ConfigError("--config", path, "file not found", "give the path of a YAML file, e.g. configs/demo_cpu.yaml")
+            raise ConfigError("--config", path, "file not found", "give the path of a YAML file, e.g. "
+                                                                  "configs/demo_cpu.yaml")
         try:
             file_cfg = OmegaConf.load(path)
         except (yaml.YAMLError, UnicodeDecodeError) as err:

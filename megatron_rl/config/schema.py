@@ -6,8 +6,9 @@ exists here.  Parallel sizes live in :class:`ParallelConfig` only; the data-para
 derived from the world size and never configured.
 
 A field may also declare what it accepts, and validation enforces it for every field alike:
-``Literal`` choices from ``config/choices.py`` (omegaconf refuses other values while loading), ``choices=`` naming a registry that plugins may extend (checked by
-``config/rules.py``), and numeric bounds (``ge``/``gt``/``le``/``lt``).
+``Literal`` choices from ``config/choices.py`` (omegaconf refuses other values while loading),
+``choices=`` naming a registry that plugins may extend (checked by ``config/rules.py``), and numeric
+bounds (``ge``/``gt``/``le``/``lt``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class ParallelConfig:
         None, "Batch pipeline send/recv; null = auto (off for PP=2 with VPP, where megatron-core is wrong)."
     )
     hierarchical_context_parallel_sizes: Optional[list] = _f(
-        None, "With cp_comm_type=a2a+p2p: CP sizes per level, a2a (inner) first, product = cp, e.g. [2, 4]; null otherwise."
+        None, "With cp_comm_type=a2a+p2p: CP sizes per level, a2a (inner) first, product = cp, e.g. [2, 4]; null "
+              "otherwise."
     )
     ep: int = _f(1, "Expert-parallel size (MoE): the routed experts are split over this many ranks, drawn from the "
                  "data- and context-parallel ranks (world size divisible by etp*ep*pp).", ge=1)
@@ -196,9 +198,13 @@ class OptimConfig:
     warmup_steps: int = _f(0, "Linear warm-up steps.", ge=0)
     schedule: Literal[LR_SCHEDULE_NAMES] = _f("constant", "LR schedule after warm-up: constant, linear, cosine.")
     use_distributed_optimizer: bool = _f(False, "Shard optimizer state over data-parallel ranks.")
-    overlap_grad_reduce: bool = _f(True, "On CUDA, reduce gradients bucket by bucket while the backward pass runs; the CPU reduces once after it.")
-    grad_reduce_bucket_size: Optional[int] = _f(None, "Parameters per gradient-reduce bucket when overlapping; null = megatron-core's max(40M, 1M x DP).", ge=1)
-    grad_reduce_dtype: Literal["float32", "bfloat16"] = _f("float32", "Dtype gradients are accumulated and reduced in: bfloat16 halves the reduce traffic of a bf16 model, at bf16 rounding of the sums.")
+    overlap_grad_reduce: bool = _f(True, "On CUDA, reduce gradients bucket by bucket while the backward pass runs; the "
+                                         "CPU reduces once after it.")
+    grad_reduce_bucket_size: Optional[int] = _f(None, "Parameters per gradient-reduce bucket when overlapping; null = "
+                                                      "megatron-core's max(40M, 1M x DP).", ge=1)
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = _f("float32", "Dtype gradients are accumulated and reduced in: "
+                                                                      "bfloat16 halves the reduce traffic of a bf16 "
+                                                                      "model, at bf16 rounding of the sums.")
 
 
 @dataclass
@@ -214,7 +220,14 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: auto (megatron for MoE models and on CUDA with flash-attn >= 2.7.3 without VPP, else torch), torch (KV-cache decoder on a full copy of the actor's weights on every rank), tp_sharded (the same decoder on each rank's tensor-parallel shard: weights and KV cache / TP) or megatron (megatron-core's dynamic inference engine on the actor's own TP/PP shards: paged KV cache, continuous batching, chunked prefill; no VPP; docs/rollout.md).")
+    engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: auto (megatron for MoE models and on CUDA "
+                                                       "with flash-attn >= 2.7.3 without VPP, else torch), torch "
+                                                       "(KV-cache decoder on a full copy of the actor's weights on "
+                                                       "every rank), tp_sharded (the same decoder on each rank's "
+                                                       "tensor-parallel shard: weights and KV cache / TP) or megatron "
+                                                       "(megatron-core's dynamic inference engine on the actor's own "
+                                                       "TP/PP shards: paged KV cache, continuous batching, chunked "
+                                                       "prefill; no VPP; docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
     temperature: float = _f(
@@ -224,9 +237,15 @@ class RolloutConfig:
     top_p: float = _f(1.0, "Nucleus sampling; 1 = off.", gt=0, le=1)
     top_k: int = _f(0, "Top-k sampling; 0 = off.", ge=0)
     stop: list = _f([], "Extra stop strings (EOS always stops).")
-    max_batch_size: Optional[int] = _f(None, "Sequences generated together per rank (megatron engine: most requests in flight at once); null = the step's whole batch on this rank (prompts_per_step x n / dp), at most what 4 GiB of full-length KV cache holds.", ge=1)
-    kv_cache_memory: float = _f(0.4, "rollout.engine=megatron: KV-cache budget per rank: a fraction of the memory free when each rollout starts (<= 1), or bytes (> 1); freed while the actor trains.", gt=0)
-    prefill_chunk_tokens: int = _f(4096, "rollout.engine=megatron: most tokens one forward step takes (longer prompts are prefilled in chunks).", ge=1)
+    max_batch_size: Optional[int] = _f(None, "Sequences generated together per rank (megatron engine: most requests in "
+                                             "flight at once); null = the step's whole batch on this rank "
+                                             "(prompts_per_step x n / dp), at most what 4 GiB of full-length KV cache "
+                                             "holds.", ge=1)
+    kv_cache_memory: float = _f(0.4, "rollout.engine=megatron: KV-cache budget per rank: a fraction of the memory free "
+                                     "when each rollout starts (<= 1), or bytes (> 1); freed while the actor "
+                                     "trains.", gt=0)
+    prefill_chunk_tokens: int = _f(4096, "rollout.engine=megatron: most tokens one forward step takes (longer prompts "
+                                         "are prefilled in chunks).", ge=1)
     kv_block_tokens: int = _f(256, "rollout.engine=megatron: tokens per KV-cache page.", ge=1)
 
 
@@ -242,7 +261,8 @@ class RewardConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, tis (truncated IS), mis (masked IS).",
+    mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, tis (truncated IS), "
+                          "mis (masked IS).",
                    choices="megatron_rl.algorithms.rollout_correction:MODES")
     level: Literal[ROLLOUT_CORRECTION_LEVELS] = _f(
         "token", "Importance weight per token, or per sequence (product over its tokens).")
@@ -255,14 +275,16 @@ class AlgorithmConfig:
                         "reinforce_plus_plus_baseline need rollout.n >= 2.",
                         choices="megatron_rl.algorithms.advantages:ADVANTAGE_ESTIMATORS")
     policy_loss: str = _f("ppo", "Policy loss (docs/algorithms.md): ppo (clipped surrogate), gspo (sequence ratio), "
-                          "cispo (clipped IS weight x log-prob).", choices="megatron_rl.algorithms.losses:POLICY_LOSSES")
+                          "cispo (clipped IS weight x log-prob).",
+                          choices="megatron_rl.algorithms.losses:POLICY_LOSSES")
     gamma: float = _f(1.0, "Discount (GAE, REINFORCE++).", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda.", ge=0, le=1)
     whiten_advantages: bool = _f(True, "Whiten GAE advantages over the batch.")
     norm_by_std: bool = _f(True, "GRPO: divide by the group's std.")
     clip_low: float = _f(0.2, "Ratio clip below 1 (ppo, gspo, cispo).", ge=0, lt=1)
     clip_high: float = _f(0.2, "Ratio clip above 1 (asymmetric clipping / DAPO clip-higher when != clip_low).", ge=0)
-    dual_clip: Optional[float] = _f(None, "Dual-clip bound for negative advantages (e.g. 3; policy_loss=ppo); null = off.",
+    dual_clip: Optional[float] = _f(None, "Dual-clip bound for negative advantages (e.g. 3; policy_loss=ppo); "
+                                          "null = off.",
                                     gt=1)
     value_clip: Optional[float] = _f(0.2, "Critic value clipping around the old values; null = off.", gt=0)
     loss_agg: str = _f("token-mean", "token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm "
@@ -302,20 +324,23 @@ class AlgorithmConfig:
 @dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    init_checkpoint: Optional[str] = _f(None, "megatron_rl checkpoint (step dir) to start from instead of model.hf_path.")
+    init_checkpoint: Optional[str] = _f(None, "megatron_rl checkpoint (step dir) to start from instead of "
+                                              "model.hf_path.")
 
 
 @dataclass
 class CriticConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
-    hf_path: Optional[str] = _f(None, "Reward-model / value checkpoint for the critic; null = start from the actor's weights.")
+    hf_path: Optional[str] = _f(None, "Reward-model / value checkpoint for the critic; null = start from the "
+                                      "actor's weights.")
 
 
 @dataclass
 class TrainerConfig:
     steps: int = _f(20, "PPO steps (rollout + update).", ge=1)
     prompts_per_step: int = _f(16, "Prompts per step (each sampled rollout.n times).", ge=1)
-    sft_warmup_steps: int = _f(0, "Supervised steps on prompt+answer before RL (teaches a tiny model the format).", ge=0)
+    sft_warmup_steps: int = _f(0, "Supervised steps on prompt+answer before RL (teaches a tiny model the format).",
+                               ge=0)
     sft_lr: float = _f(1e-3, "Learning rate of the supervised warm-up.", ge=0)
     sft_answers: Literal[SFT_TARGETS] = _f(
         "true", "Warm-up targets: true (the answers), shuffled (other prompts' answers: format only)."

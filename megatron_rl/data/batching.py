@@ -60,7 +60,8 @@ def split_data_parallel(lengths: Sequence[int], dp_size: int, dp_rank: int) -> l
     """Indices of the sequences this data-parallel rank processes (balanced by cost)."""
     if len(lengths) < dp_size:
         raise DataError(
-            "batch", len(lengths), f"a batch of {len(lengths)} sequences cannot be split over {dp_size} data-parallel ranks",
+            "batch", len(lengths),
+            f"a batch of {len(lengths)} sequences cannot be split over {dp_size} data-parallel ranks",
             "use at least as many sequences per step as data-parallel ranks",
         )
     if dp_size == 1:

@@ -132,7 +132,8 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
                 return 0
             late = stop["asked"] is not None and time.monotonic() - stop["asked"] > grace_s
             if stop["abort"] or late:
-                why = "a second stop signal" if stop["abort"] else f"the ranks were still running {grace_s:.0f} s after the stop signal"
+                why = ("a second stop signal" if stop["abort"]
+                       else f"the ranks were still running {grace_s:.0f} s after the stop signal")
                 print(f"megatron-rl: aborting the job ({why}); no checkpoint of the current step",
                       file=sys.stderr, flush=True)
                 _end_all(procs)

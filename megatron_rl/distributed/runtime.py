@@ -86,8 +86,10 @@ def hierarchical_cp_sizes(parallel: ParallelConfig) -> tuple[int, ...] | None:
                               "set parallel.cp_comm_type=a2a+p2p, or leave this key null")
         return None
     if not sizes or len(sizes) < 2 or any(int(n) < 1 for n in sizes) or math.prod(int(n) for n in sizes) != parallel.cp:
-        raise ConfigError(key, sizes, f"cp_comm_type=a2a+p2p needs CP sizes per level whose product is cp={parallel.cp}",
-                          f"give [a2a size, p2p size] with a2a x p2p = {parallel.cp}, e.g. [{parallel.cp // 2 or 1}, 2]")
+        raise ConfigError(key, sizes,
+                          f"cp_comm_type=a2a+p2p needs CP sizes per level whose product is cp={parallel.cp}",
+                          f"give [a2a size, p2p size] with a2a x p2p = {parallel.cp}, "
+                          f"e.g. [{parallel.cp // 2 or 1}, 2]")
     return tuple(int(n) for n in sizes)
 
 

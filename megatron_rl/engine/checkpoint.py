@@ -307,7 +307,8 @@ def check_checkpoint(path: str) -> dict:
     for name in meta.get("parts", []):
         part_dir = os.path.join(path, name)
         if not os.path.isfile(os.path.join(part_dir, "metadata.json")):
-            raise CheckpointError("checkpoint", path, f"part {name!r} has no metadata.json", "use an earlier checkpoint")
+            raise CheckpointError("checkpoint", path, f"part {name!r} has no metadata.json",
+                                  "use an earlier checkpoint")
         if not any(f.endswith(".distcp") for f in os.listdir(part_dir)):
             raise CheckpointError("checkpoint", path, f"part {name!r} has no tensor files", "use an earlier checkpoint")
     return meta
@@ -440,7 +441,8 @@ def load_checkpoint(
             part.scheduler.load_state_dict(loaded["scheduler"])
     if load_rng:
         rng_path = os.path.join(path, "rng", f"rank_{_rank():05d}.pt")
-        if os.path.isfile(rng_path) and meta.get("world_size") == (dist.get_world_size() if dist.is_initialized() else 1):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if os.path.isfile(rng_path) and meta.get("world_size") == world:
             set_rng_state(load_plain(rng_path, path))
     return meta
 

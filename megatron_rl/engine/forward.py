@@ -123,7 +123,8 @@ def run_sequences(
         lengths, mine, max_tokens_per_rank=plan.max_tokens_per_rank, micro_batch_size=plan.micro_batch_size,
         cp=cp, align=align, packed=plan.packed, dp_group=ps.get_data_parallel_group(),
         multiple_of=pp if interleaved else 1,
-        min_count=max(plan.min_microbatches, interleaved_training_minimum(pp) if interleaved and not forward_only else 1),
+        min_count=max(plan.min_microbatches,
+                      interleaved_training_minimum(pp) if interleaved and not forward_only else 1),
         oversized_alone=plan.derived,
     )
     mbs = [build_microbatch([seqs[i] for i in g], g, cp_size=cp, cp_rank=cp_rank, align=align,

@@ -29,7 +29,7 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.zeros_(self.linear.weight)
         torch.nn.init.zeros_(self.linear.bias)
         for param in self.linear.parameters():
-            setattr(param, "sequence_parallel", sequence_parallel)
+            param.sequence_parallel = sequence_parallel
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

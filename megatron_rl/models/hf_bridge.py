@@ -115,7 +115,7 @@ class HFReader:
                 self.weight_map = json.load(fh)["weight_map"]
         elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
             with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - not a dict
         else:
             raise CheckpointError("model.hf_path", hf_dir, "no model.safetensors or model.safetensors.index.json",
                                   "save the HF model with safe_serialization=True (the default)")

@@ -66,7 +66,8 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
             raise ConfigError("model.hf_path", f"rope_scaling={scaling}",
                               f"only Llama-3 RoPE scaling with low/high frequency factors "
                               f"{fixed['low_freq_factor']:g}/{fixed['high_freq_factor']:g} and original length "
-                              f"{fixed['original_max_position_embeddings']} is supported (megatron-core's fixed values)",
+                              f"{fixed['original_max_position_embeddings']} is supported "
+                              "(megatron-core's fixed values)",
                               "use a model with default or Llama-3.1 style RoPE")
         factor = float(scaling["factor"])
     heads = hf["num_attention_heads"]

@@ -15,15 +15,15 @@ RL needs around it, in :class:`RLTopKRouter`, a ``TopKRouter`` swapped in throug
   they reach the gradient only with ``model.moe.aux_loss_coeff`` / ``z_loss_coeff`` > 0.
 * **Routing replay.**  While the rollout engine (``rollout.engine=megatron``) generates, each
   router stores the experts it picked for every token it routes, keyed by (sample, position)
-  (:func:`moe_rollout`); the recordings travel with the samples (:func:`gather_rollout_routing`)
-  and are loaded before the step's forwards (:func:`load_routing`).  A recording pass over the
-  finished samples (the old-log-prob forward) does the same where no engine recorded them.  The
-  keys do not depend on how the batch was cut or laid out; a store is exchanged over the TP x DP x
-  CP ranks of each pipeline stage.  A replaying pass routes every real token to its recorded experts (the routing weights
-  are recomputed from the current logits at those experts, as megatron's ``RouterReplay`` does)
-  and counts the tokens whose own top-k differs (``actor/routing_replay_mismatch``).  With full
-  activation recompute the routers remember what they used in the forward and use it again when
-  backward recomputes the layer.
+  (:func:`moe_rollout`); the recordings travel with the samples (:func:`gather_rollout_routing`) and
+  are loaded before the step's forwards (:func:`load_routing`).  A recording pass over the finished
+  samples (the old-log-prob forward) does the same where no engine recorded them.  The keys do not
+  depend on how the batch was cut or laid out; a store is exchanged over the TP x DP x CP ranks of
+  each pipeline stage.  A replaying pass routes every real token to its recorded experts (the
+  routing weights are recomputed from the current logits at those experts, as megatron's
+  ``RouterReplay`` does) and counts the tokens whose own top-k differs
+  (``actor/routing_replay_mismatch``).  With full activation recompute the routers remember what
+  they used in the forward and use it again when backward recomputes the layer.
 
 The router hooks megatron-core 0.19.2 in two places: ``MoESubmodules.router`` (the router class a
 spec builds) and the ``router_replay`` object ``topk_routing_with_score_function`` asks for its
@@ -297,8 +297,8 @@ def moe_pass(chunks: list, seqs: Sequence[dict], mode: Optional[str] = "train",
     ``record``: a forward (old log-probs) that stores every real token's experts for routing
     replay, exchanged on exit.  ``replay``: a ``train`` that routes every real token to its
     recorded experts.  ``forward_replay``: a forward without losses that routes the same way (the
-    old-log-prob pass on routing the rollout recorded).  ``rows[i]`` names ``seqs[i]``'s sample (default ``i``): the key a recording
-    is replayed by."""
+    old-log-prob pass on routing the rollout recorded).  ``rows[i]`` names ``seqs[i]``'s sample (default ``i``): the
+    key a recording is replayed by."""
     state = moe_state(chunks)
     if state is None or mode is None:
         yield state

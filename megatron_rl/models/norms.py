@@ -25,7 +25,7 @@ class _FP32Norm(torch.nn.Module):
             None if rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         )
         for param in self.parameters():
-            setattr(param, "sequence_parallel", config.sequence_parallel)
+            param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp32_norm(x, self.weight, self.bias, self.eps, self.rms)

@@ -61,7 +61,7 @@ def local_layer_spec(config: TransformerConfig, moe: bool = False, router=None) 
     return spec
 
 
-def te_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> ModuleSpec:  # pragma: no cover - needs TE + CUDA
+def te_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> ModuleSpec:  # pragma: no cover
     spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
         num_experts=config.num_moe_experts if moe else None, moe_grouped_gemm=moe and config.moe_grouped_gemm,
         qk_layernorm=config.qk_layernorm)

@@ -117,8 +117,8 @@ def _cost(c: Candidate) -> tuple:
     ring over a2a / a2a+p2p (the default), then less memory."""
     lay = c.layout
     return (lay.offload, {None: 0, "selective": 1, "full": 2}[lay.recompute], lay.tp * lay.pp * lay.cp,
-            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.ep, lay.distributed_optimizer, lay.cp_comm_type != "p2p",
-            c.breakdown.total)
+            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.ep, lay.distributed_optimizer,
+            lay.cp_comm_type != "p2p", c.breakdown.total)
 
 
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,

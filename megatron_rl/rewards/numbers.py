@@ -94,7 +94,7 @@ def _grouped_integer(scan: _Scan) -> Optional[str]:
         if not scan.at(sep):
             continue
         parts, save = [head], scan.pos
-        while scan.at(sep) and scan.s[scan.pos + 1:scan.pos + 4].isdigit() and len(scan.s[scan.pos + 1:scan.pos + 4]) == 3:
+        while scan.at(sep) and (group := scan.s[scan.pos + 1:scan.pos + 4]).isdigit() and len(group) == 3:
             end = scan.pos + 4
             if end < len(scan.s) and scan.s[end].isdigit():
                 break
@@ -284,9 +284,7 @@ def read_number(text: str) -> Optional[Number]:
         return None
     value, decimals, significant, integer = core
     percent = False
-    if scan.take("%") or scan.take(" %"):
-        percent = True
-    elif scan.take(" percent") or scan.take(" per cent"):
+    if scan.take("%") or scan.take(" %") or scan.take(" percent") or scan.take(" per cent"):
         percent = True
     rest = scan.s[scan.pos:]
     word = rest.split(maxsplit=1)[0] if rest.startswith(" ") and rest.strip() else ""

@@ -297,7 +297,8 @@ def grade_batch(
             out = fn(prompts, responses, answers, **kwargs)
     except SystemExit as err:  # would end this rank with the function's exit code and no message
         raise RewardFunctionError(KEY, name, f"called sys.exit({err.code!r}) on a batch of {len(responses)} responses",
-                                  "return a reward for every response; raise an exception to report a failure") from None
+                                  "return a reward for every response; raise an exception to report a "
+                                  "failure") from None
     except Exception as err:  # noqa: BLE001 - user code
         i, item_err = _first_failing_item(fn, prompts, responses, answers, kwargs)
         if i is None:

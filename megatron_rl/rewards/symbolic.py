@@ -61,9 +61,7 @@ def _symbols(text: str) -> set[str]:
     """Letters and command names of a canonical answer, case kept."""
     out = set()
     for tok in _TOKEN.findall(text):
-        if tok.startswith("\\") and tok[1:].isalpha():
-            out.add(tok)
-        elif len(tok) == 1 and tok.isalpha():
+        if (tok.startswith("\\") and tok[1:].isalpha()) or (len(tok) == 1 and tok.isalpha()):
             out.add(tok)
     return out
 

@@ -3,7 +3,8 @@
     megatron-rl train    --config configs/demo_cpu.yaml [--nproc N] [key=value ...]
     megatron-rl smoke    [--nproc N] [key=value ...]
     megatron-rl score    --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
-    megatron-rl generate --hf-model DIR | --checkpoint CKPT --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
+    megatron-rl generate --hf-model DIR | --checkpoint CKPT --input IN.jsonl --output OUT.jsonl
+                         [--nproc N] [key=value ...]
     megatron-rl convert  --hf-model DIR --out CKPT_ROOT | --checkpoint CKPT --hf-out DIR [--part critic]
     megatron-rl plan     --model qwen2.5-7b --response-len 32768 --nodes 1 --gpus-per-node 8 --gpu-memory 80
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
@@ -60,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p = sub.add_parser("validate", help="check a config without starting anything")
     p.add_argument("config", nargs="?", help="YAML config file")
-    p.add_argument("--world-size", type=int, help="number of ranks the job will have (default: --nproc / distributed.nproc)")
+    p.add_argument("--world-size", type=int, help="number of ranks the job will have (default: --nproc / "
+                                                  "distributed.nproc)")
     p.add_argument("overrides", nargs="*")
     p = sub.add_parser("plan", help="per-GPU memory of a PPO job and the layouts that fit")
     from megatron_rl.tools.plan import add_arguments

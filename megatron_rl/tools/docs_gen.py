@@ -36,7 +36,8 @@ RUNTIME_ERRORS = [
      "Virtual pipeline parallelism needs a multiple of `pp`, and at least `2*pp` in a training pass, micro-batches "
      "on every DP rank (megatron-core's schedule hangs with exactly `pp`).",
      "Use more sequences per step (`trainer.prompts_per_step` x `rollout.n`) or `parallel.vpp=null`."),
-    ("data error: max_prompt_tokens=...: all N prompts ... are longer", "Every prompt exceeds `data.max_prompt_tokens`.",
+    ("data error: max_prompt_tokens=...: all N prompts ... are longer",
+     "Every prompt exceeds `data.max_prompt_tokens`.",
      "Raise `data.max_prompt_tokens` or shorten the prompts."),
     ("reward error: reward.fn=<name>: raised <Error> on prompt index N", "The reward function failed on that prompt.",
      "Fix the function or the data line N; the run stops before any update uses the bad reward."),
@@ -51,7 +52,7 @@ RUNTIME_ERRORS = [
     ("checkpoint error: checkpoint=<dir>: ... was refused: it names <module>.<name> / asks to load code or classes",
      "A checkpoint file would run code when loaded (a crafted or foreign file); nothing from it ran.",
      "Load only checkpoints megatron_rl wrote; convert others from Hugging Face safetensors."),
-    ("checkpoint error: model.<key>=...: the checkpoint's actor was saved with model.<key>=...",
+    ("checkpoint error: model.<key>=...: the checkpoint's <part> was saved with model.<key>=...",
      "The run builds a model of another shape than the checkpoint holds.",
      "Use the checkpoint's setting, or start a new run (`run.name=<new name>`)."),
     ("checkpoint error: checkpoint=<dir>: the <part> weights hold NaN or infinite values; nothing was written",
@@ -60,13 +61,15 @@ RUNTIME_ERRORS = [
     ("storage error: <dir>/checkpoints: not enough disk space for the step N checkpoint: ... free, it needs about ...",
      "The checkpoint does not fit on the disk (checked before writing), or the disk filled during the write; nothing "
      "partial was kept.",
-     "Free space, lower `trainer.keep_last`, or move `run.dir` to a larger disk; the same command resumes from the last "
-     "good checkpoint."),
-    ("storage error: <run dir>/config.yaml: cannot write the run's config", "The run directory is full or not writable.",
+     "Free space, lower `trainer.keep_last`, or move `run.dir` to a larger disk; the same command resumes from the "
+     "last good checkpoint."),
+    ("storage error: <run dir>/config.yaml: cannot write the run's config",
+     "The run directory is full or not writable.",
      "Free space or choose another `run.dir`."),
     ("reward error: reward.fn=<name>: did not return within N s", "A plain reward function got `reward.timeout_s` "
      "per response of its batch and did not return; the run stopped.",
-     "Make it return in time, raise `reward.timeout_s`, or build it from `@grader` functions (a late sample scores 0)."),
+     "Make it return in time, raise `reward.timeout_s`, or build it from `@grader` functions (a late sample "
+     "scores 0)."),
     ("megatron-rl: aborting the job (a second stop signal / the ranks were still running N s after the stop signal)",
      "A second Ctrl-C or SIGTERM, or ranks that did not reach a step boundary within `distributed.timeout_s`.",
      "The last checkpoint written is intact; resume with `trainer.resume=auto`."),
@@ -77,7 +80,7 @@ RUNTIME_ERRORS = [
      "Use a supported architecture (see the feature matrix)."),
     ("config error: model.vocab_size=...: smaller than the tokenizer's vocabulary",
      "Token ids would fall outside the embedding.", "Raise `model.vocab_size`."),
-    ("megatron-rl: rank N failed (exit code 1); stopped the other K rank(s)",
+    ("megatron-rl: rank N failed (exit code N); stopped the other K rank(s)",
      "A rank raised; its traceback follows, printed once.", "Read the traceback; it is the first failure."),
     ("rank N waited longer than distributed.timeout_s for a collective",
      "Another rank is hung or dead, or a step takes longer than the timeout.",

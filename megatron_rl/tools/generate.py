@@ -31,7 +31,8 @@ DEFAULT_MAX_BATCH_SIZE = 64
 def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
     """Prompt ids, one per non-empty line of ``path``."""
     if not os.path.isfile(path):
-        raise DataError("--input", path, "file not found", "give a JSONL file with input_ids, prompt or messages per line")
+        raise DataError("--input", path, "file not found",
+                        "give a JSONL file with input_ids, prompt or messages per line")
     prompts = []
     with open(path) as fh:
         for lineno, line in enumerate(fh, 1):
@@ -55,7 +56,8 @@ def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
             bad = [t for t in ids if t < 0 or t >= vocab_size]
             if bad or not ids:
                 raise DataError(where, bad[0] if bad else None,
-                                f"token ids must be non-empty and inside the vocabulary (size {vocab_size})", "fix that line")
+                                f"token ids must be non-empty and inside the vocabulary (size {vocab_size})",
+                                "fix that line")
             prompts.append(ids)
     if not prompts:
         raise DataError("--input", path, "no prompts", "add at least one line")

@@ -6,7 +6,8 @@
 ``--model`` is a preset name (``megatron-rl plan --list-models``) or a local HF model directory.
 Prints per-GPU memory of candidate layouts (weights, grads and optimizer states of actor, critic
 and reference; activations with and without recompute; the log-prob path; the rollout's weights
-and KV cache, a full copy or 1/TP with the sharded engine), marks which fit, recommends one with the overrides to paste, and when nothing fits
+and KV cache, a full copy or 1/TP with the sharded engine), marks which fit, recommends one with the overrides to paste,
+and when nothing fits
 names the smallest node count that does.
 """
 

@@ -39,11 +39,13 @@ def read_score_input(path: str, hf_dir: str, vocab_size: int) -> list[list[int]]
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}", None, f"not valid JSON ({err.msg})", "write one JSON object per line") from None
+                raise DataError(f"{path}:{lineno}", None, f"not valid JSON ({err.msg})",
+                                "write one JSON object per line") from None
             if "input_ids" in record:
                 ids = record["input_ids"]
                 if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                    raise DataError(f"{path}:{lineno}", None, "'input_ids' must be a non-empty list of integers", "fix that line")
+                    raise DataError(f"{path}:{lineno}", None, "'input_ids' must be a non-empty list of integers",
+                                    "fix that line")
             elif isinstance(record.get("text"), str):
                 if tokenizer is None:
                     from megatron_rl.data.tokenizer import load_tokenizer
@@ -51,10 +53,12 @@ def read_score_input(path: str, hf_dir: str, vocab_size: int) -> list[list[int]]
                     tokenizer = load_tokenizer(hf_dir)
                 ids = tokenizer.encode(record["text"])
             else:
-                raise DataError(f"{path}:{lineno}", None, "needs 'input_ids' (list of ints) or 'text' (string)", "fix that line")
+                raise DataError(f"{path}:{lineno}", None, "needs 'input_ids' (list of ints) or 'text' (string)",
+                                "fix that line")
             bad = [t for t in ids if t < 0 or t >= vocab_size]
             if bad:
-                raise DataError(f"{path}:{lineno}", bad[0], f"token id outside the vocabulary (size {vocab_size})", "fix that line")
+                raise DataError(f"{path}:{lineno}", bad[0], f"token id outside the vocabulary (size {vocab_size})",
+                                "fix that line")
             out.append(ids)
     if not out:
         raise DataError("--input", path, "no sequences", "add at least one line")

@@ -16,7 +16,7 @@
 What needs the old log-probs *before* the update keeps the recompute pass under ``auto`` and is
 refused with ``training_forward``: more than one optimizer step per rollout (``ppo_epochs`` > 1 or
 ``mini_batches`` > 1), rollout correction (its weights multiply the loss), and a KL penalty in the
-reward (it changes the advantages).  Config validation enforces it (``megatron_rl/features.py``).
+reward (it changes the advantages).  Config validation enforces it (``megatron_rl/features/algorithms.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
    prompt (``rollout/dp.py``: prompts split over data-parallel ranks, samples gathered so every
    rank holds them);
 2. score them (``rewards/distributed.py``: every rank grades a share, each sample bounded by
-   ``reward.timeout_s``, and every rank receives all scores), add the overlong penalty (``algorithms/shaping.py``); with dynamic sampling,
+   ``reward.timeout_s``, and every rank receives all scores), add the overlong penalty (``algorithms/shaping.py``); with
+   dynamic sampling,
    repeat 1-2 on further prompts until the batch holds enough groups whose rewards differ
    (``trainer/dynamic_sampling.py``);
 3. old log-probs (and entropy) -- recomputed by the training model, or taken from the update's own
@@ -197,7 +198,8 @@ class PPOTrainer:
     def _load_prompts(self) -> PromptSet:
         data = self.cfg.data
         prompts = load_prompt_source(data, self.tokenizer)
-        dropped = f"; dropped {prompts.num_dropped} longer than {data.max_prompt_tokens} tokens" if prompts.num_dropped else ""
+        dropped = (f"; dropped {prompts.num_dropped} longer than {data.max_prompt_tokens} tokens"
+                   if prompts.num_dropped else "")
         self.log(f"prompts: {len(prompts)} from {data.train_path}{dropped}")
         return prompts
 
@@ -223,7 +225,8 @@ class PPOTrainer:
         cfg = self.cfg
         if cfg.actor.init_checkpoint:
             checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(self.actor.chunks)},
-                                       with_optimizer=False, load_rng=False, model_config=model_config_to_dict(cfg.model))
+                                       with_optimizer=False, load_rng=False,
+                                       model_config=model_config_to_dict(cfg.model))
         elif cfg.model.hf_path:
             load_hf_weights(self.actor.chunks, cfg.model.hf_path)
         else:

@@ -1,7 +1,8 @@
 """A hand-labelled corpus for the math graders: (class, response, reference, expected score, note).
 
 ``expected`` is what a careful human grader gives under the project's contract (final answer after
-``####`` or in the last ``\\boxed{}``), not what any grader does.  The classes are the false-positive and missed-answer classes found in the old grader:
+``####`` or in the last ``\\boxed{}``), not what any grader does.  The classes are the false-positive and
+missed-answer classes found in the old grader:
 ``fp:*`` are wrong answers a lenient grader pays for, ``miss:*`` right answers a strict one
 misses, ``keep:*`` behaviour to keep, ``base:*`` ordinary GSM8K and MATH cases.
 """
@@ -24,7 +25,8 @@ CASES = [
     ("fp:overflow", "#### 1e309", "1e310", 0, "just past the float range"),
     ("fp:precision", "#### 100000000000000000001", "100000000000000000000", 0, "10^20 + 1 rounds to 10^20 as a float"),
     ("fp:precision", "#### 9007199254740993", "9007199254740992", 0, "2^53 + 1 is not a float"),
-    ("fp:precision", "\\boxed{12345678901234567890}", "12345678901234567891", 0, "20-digit integers differ in the last digit"),
+    ("fp:precision", "\\boxed{12345678901234567890}", "12345678901234567891", 0,
+     "20-digit integers differ in the last digit"),
     ("fp:precision", "#### 0.1000000000000000001", "0.1", 0, "a decimal past float precision"),
     ("fp:whitespace", "#### 7 2", "72", 0, "two numbers, not one"),
     ("fp:whitespace", "#### 3 4/5", "6.8", 0, "a mixed number is 3.8, not 34/5"),
@@ -170,7 +172,8 @@ CASES = [
     ("keep:hashes", "So she sold 72 in total.\n#### 72", GSM8K_SOLUTION, 1, "the reference is a full solution"),
     ("keep:hashes", "first #### 5\nthen #### 6", "6", 1, "the last #### wins"),
     ("keep:hashes", "Half is 24, total 72. The answer is 72.\n#### 72", "72", 1, "an answer phrase before ####"),
-    ("keep:hashes", "48 + 24 = 72 clips, she sold 100 last year.\n#### 72", "72", 1, "a later number in the text is not the answer"),
+    ("keep:hashes", "48 + 24 = 72 clips, she sold 100 last year.\n#### 72", "72", 1, "a later number in the text is "
+                                                                                     "not the answer"),
     ("keep:minus", "#### \u22125", "-5", 1, "U+2212 minus"),
     ("keep:minus", "\\boxed{\u2212\\frac{1}{2}}", "-0.5", 1, "U+2212 before a fraction"),
     ("keep:fbox", "\\fbox{7}", "7", 1, "fbox is a box"),

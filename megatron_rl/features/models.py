@@ -1,0 +1,141 @@
+"""Models: layer specs, architectures, HF import and export, MoE layers, heads."""
+
+from __future__ import annotations
+
+from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, need
+from megatron_rl.models.arch import is_moe
+
+AREA = "models"
+FEATURES = [
+    Feature(
+        "Local layer spec", "models", TESTED_CPU,
+        "megatron-core's local spec with our sequence-parallel norms and our core attention (SDPA; CP; packed "
+        "sequences).",
+        ("tests/test_parallel_parity.py::test_tp2_sequence_parallel",),
+        config="model.transformer_impl=local (auto without TE or CUDA)",
+    ),
+    Feature(
+        "TransformerEngine layer spec", "models", GPU_UNTESTED,
+        "megatron-core's TE spec (fused norms/linears, TE attention incl. its CP); needs `pip install .[gpu]` and "
+        "CUDA.",
+        ("tests/test_models_te.py::test_te_spec_matches_local_spec",),
+        config="model.transformer_impl=transformer_engine",
+    ),
+    Feature(
+        "Llama 2/3 (incl. Llama-3 RoPE scaling)", "models", TESTED_CPU,
+        "GQA, SwiGLU, RMSNorm, rope theta, untied embeddings; Llama-3.1 RoPE scaling with megatron-core's fixed "
+        "factors.",
+        ("tests/test_hf_models.py::test_score_matches_hf_transformers",
+         "tests/test_hf_models.py::test_more_architectures_match_hf"),
+        config="model.hf_path=<dir> (or --hf-model)",
+    ),
+    Feature(
+        "Qwen2 / Qwen2.5", "models", TESTED_CPU,
+        "QKV bias, tied embeddings for small sizes.",
+        ("tests/test_hf_models.py::test_score_matches_hf_transformers",),
+        config="model.hf_path=<dir>",
+    ),
+    Feature(
+        "Qwen3", "models", TESTED_CPU,
+        "Per-head QK RMSNorm, head_dim independent of hidden size.",
+        ("tests/test_hf_models.py::test_score_matches_hf_transformers",),
+        config="model.hf_path=<dir>",
+    ),
+    Feature(
+        "Mistral (no sliding window)", "models", TESTED_CPU,
+        "Mistral v0.2+ style checkpoints; a sliding window shorter than the context is refused (not implemented).",
+        ("tests/test_hf_models.py::test_more_architectures_match_hf",),
+        config="model.hf_path=<dir>",
+    ),
+    Feature(
+        "Vocabulary padding for TP", "models", TESTED_CPU,
+        "The vocabulary is padded to a multiple of make_vocab_size_divisible_by*tp; padded entries are masked out of "
+        "log-probs and entropy.",
+        ("tests/test_logprob_op.py::test_padded_vocab_never_leaks",
+         "tests/test_logprob_op.py::test_tensor_parallel_shards_match_naive"),
+        config="model.make_vocab_size_divisible_by",
+    ),
+    Feature(
+        "Critic value head", "models", TESTED_CPU,
+        "Linear(hidden, 1) in fp32 on the last stage, parameters marked sequence-parallel so TP ranks never drift; "
+        "from the actor or a reward-model checkpoint (HF `score`).",
+        ("tests/test_hf_models.py::test_critic_values_and_head_gradient_do_not_depend_on_layout",),
+        config="critic (PPO with GAE)",
+    ),
+    Feature(
+        "HF import / export (bridge)", "models", TESTED_CPU,
+        "Safetensors into any TP/PP/VPP layout, each rank reading only its slices; export back bit-exact (critic as "
+        "*ForTokenClassification).",
+        ("tests/test_hf_models.py::test_hf_megatron_hf_round_trip_is_bit_exact",
+         "tests/test_hf_models.py::test_convert_command_both_directions"),
+        config="megatron-rl convert",
+    ),
+    Feature(
+        "megatron-rl score", "models", TESTED_CPU,
+        "Per-token log-probs and entropy of an HF model from JSONL, on any layout, same order as the input.",
+        ("tests/test_hf_models.py::test_score_matches_hf_transformers",
+         "tests/test_hf_models.py::test_score_command_line"),
+        config="megatron-rl score --hf-model DIR --input IN --output OUT",
+    ),
+    Feature(
+        "Mixture-of-experts layers", "models", TESTED_CPU,
+        "megatron-core's MoE layer (top-k router, alltoall or allgather token dispatcher, SequentialMLP experts on the "
+        "local spec, shared experts with an optional sigmoid gate, dense layers by model.moe.layer_freq / "
+        "dense_layers) with our router: load-balancing (per micro-batch or per sequence) and z-losses over real "
+        "tokens, divided once by the pass's token count like the policy loss, reported as actor/moe_aux_loss and "
+        "actor/moe_z_loss and in the gradient only with a coefficient > 0; no token dropping unless "
+        "model.moe.capacity_factor is set. Training generates with rollout.engine=megatron (the torch decoders have no "
+        "MoE layers; `megatron-rl train` and `validate` refuse them for an MoE model).",
+        ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
+         "tests/test_moe.py::test_router_losses_enter_the_gradient_with_their_coefficients",
+         "tests/test_moe.py::test_micro_batch_load_balancing_loss_where_the_batch_is_cut_the_same",
+         "tests/test_moe.py::test_moe_config_maps_to_megatron_fields",
+         "tests/test_moe.py::test_grpo_learns_on_a_tiny_moe"),
+        (
+            need("model.moe.router_topk", lambda c, w: c.model.moe.router_topk <= c.model.moe.num_experts,
+                 "router_topk={c.model.moe.router_topk} is more than num_experts={c.model.moe.num_experts}",
+                 "route to at most num_experts experts", "router_topk <= num_experts", when=lambda c: is_moe(c.model)),
+            need("parallel.sequence_parallel", lambda c, w: c.parallel.tp == 1 or c.parallel.sequence_parallel,
+                 "megatron-core's MoE layer refuses tensor parallelism without sequence parallelism in training",
+                 "set parallel.sequence_parallel=true", "tp > 1 needs sequence_parallel=true",
+                 when=lambda c: is_moe(c.model)),
+            need("model.moe.topk_norm", lambda c, w: c.model.moe.topk_norm or c.model.moe.score_function == "softmax",
+                 "megatron-core always renormalises sigmoid scores over the chosen experts",
+                 "set model.moe.topk_norm=true with score_function=sigmoid", "sigmoid scores need topk_norm=true",
+                 when=lambda c: is_moe(c.model)),
+            need("model.moe.dense_layers",
+                 lambda c, w: all(0 <= int(i) < c.model.num_layers for i in c.model.moe.dense_layers),
+                 "names a layer the model does not have", "give indices in [0, model.num_layers)",
+                  "dense_layers within the model", when=lambda c: is_moe(c.model)),
+            need("model.moe.shared_expert_ffn_hidden_size",
+                 lambda c, w: (c.model.moe.shared_expert_ffn_hidden_size or 0) % c.parallel.tp == 0,
+                 "the shared experts' hidden units are not divisible by tp", "choose a tp that divides them",
+                 "shared_expert_ffn_hidden_size % tp == 0", when=lambda c: is_moe(c.model)),
+        ),
+        config="model.moe.num_experts, model.moe.* (docs/moe.md)",
+    ),
+    Feature(
+        "Qwen3-MoE", "models", TESTED_CPU,
+        "Qwen3MoeForCausalLM checkpoints (per-expert tensor names, as on the Hub and as transformers saves them): QK "
+        "norm, top-k routing with or without norm_topk_prob, decoder_sparse_step / mlp_only_layers; score, convert and "
+        "PPO on any TP/PP/CP/EP/ETP layout.",
+        ("tests/test_moe.py::test_score_matches_hf_on_expert_parallel_layouts",
+         "tests/test_moe.py::test_hf_megatron_hf_round_trip_is_bit_exact_on_ep2_pp2",
+         "tests/test_moe.py::test_convert_reshards_experts_between_layouts"),
+        config="model.hf_path=<dir> (configs/qwen3_30b_a3b_32k.yaml)",
+    ),
+    Feature(
+        "Qwen2-MoE", "models", TESTED_CPU,
+        "Qwen2MoeForCausalLM: QKV bias, softmax routing without renormalisation, a shared expert scaled by its sigmoid "
+        "gate, dense layers.",
+        ("tests/test_moe.py::test_qwen2_moe_shared_experts_match_hf",
+         "tests/test_moe.py::test_hf_megatron_hf_round_trip_is_bit_exact_on_ep2_pp2"),
+        config="model.hf_path=<dir>",
+    ),
+    Feature(
+        "MoE critic", "models", TESTED_CPU,
+        "The value head on an MoE model: values and gradients independent of the TP/PP/CP/EP layout.",
+        ("tests/test_moe.py::test_loss_and_gradients_match_one_process",),
+        config="critic (PPO with GAE) on an MoE model",
+    ),
+]

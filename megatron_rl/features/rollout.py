@@ -1,0 +1,98 @@
+"""Rollout: the generation engines and how one is chosen."""
+
+from __future__ import annotations
+
+from megatron_rl.features.base import TESTED_CPU, Feature, Measured, need
+from megatron_rl.rollout.choice import MEGATRON, rollout_engine
+
+AREA = "rollout"
+FEATURES = [
+    Feature(
+        "Greedy rollout (temperature 0)", "rollout", TESTED_CPU,
+        "rollout.temperature=0 samples the argmax and scores log-probs at temperature 1; one rule shared by the "
+        "sampler and the log-prob head, so a greedy PPO run trains.",
+        ("tests/test_greedy_and_dtype.py::test_greedy_ppo_trains",
+         "tests/test_greedy_and_dtype.py::test_head_at_temperature_zero_scores_at_temperature_one",
+         "tests/test_greedy_and_dtype.py::test_sampling_at_temperature_zero_is_argmax_with_temperature_one_logprobs"),
+        config="rollout.temperature=0",
+    ),
+    Feature(
+        "Rollout with KV cache", "rollout", TESTED_CPU,
+        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; with "
+        "rollout.engine=torch the actor's weights are gathered from any TP/PP/VPP/CP layout into one full copy per "
+        "rank (tp_sharded: see below); the engine's weights are freed after each rollout, so training does not carry "
+        "them; rollout vs recomputed log-prob mismatch logged.",
+        ("tests/test_rollout.py::test_kv_cache_greedy_equals_recompute",
+         "tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts"),
+        config="rollout.*",
+        measured=(Measured("10.4x faster than re-running the prefix at 256 new tokens, one thread",
+                           "python benchmarks/rollout_kv_cache.py --threads 1"),),
+    ),
+    Feature(
+        "TP-sharded rollout engine", "rollout", TESTED_CPU,
+        "rollout.engine=tp_sharded: the KV-cache decoder on each rank's tensor-parallel shard, loaded straight from "
+        "megatron's shards (other pipeline stages' layers by broadcast), so weights and KV cache per rank are 1/TP of "
+        "the full copy. Same samples as the full-copy engine for the same seed on TP, TPxPP, tied embeddings, PP+VPP.",
+        ("tests/test_rollout.py::test_tp_sharded_engine_generates_what_one_full_copy_generates",
+         "tests/test_ppo.py::test_ppo_with_tp_sharded_rollout_matches_full_copy"),
+        config="rollout.engine=tp_sharded",
+        measured=(Measured("weights + KV cache per rank 0.500x the full copy at TP=2, 0.250x at TP=4; "
+                           "weight sync 0.03 s instead of a 0.69 s gather at TP=2",
+                           "python benchmarks/rollout_tp_sharded.py"),),
+    ),
+    Feature(
+        "Megatron-core dynamic inference engine", "rollout", TESTED_CPU,
+        "rollout.engine=megatron: megatron-core's DynamicInferenceEngine on the actor's own TP/PP(/SP) shards, no "
+        "weight copy: paged KV cache (rollout.kv_cache_memory, kv_block_tokens), continuous batching of "
+        "rollout.max_batch_size requests, chunked prefill (rollout.prefill_chunk_tokens); suspended (KV freed) while "
+        "the actor trains; greedy tokens equal HF generate's and log-probs HF's teacher-forced ones on TP, PP, TPxPP "
+        "and CP. The project's sampler on the true vocabulary (temperature-scaled log-probs, top-k with top-p, n, "
+        "every stop id and sequence) with keyed noise: a seed gives the same samples whatever the KV budget or "
+        "scheduling. CPU via compat/inference_cpu.py (SDPA over the KV pages); GPU needs flash-attn >= 2.7.3, runs "
+        "without CUDA graphs, untested there. What rollout.engine=auto (the default) runs for MoE models and on CUDA "
+        "with flash-attn (see the next row).",
+        ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
+         "tests/test_rollout_megatron_engine.py::test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling",
+         "tests/test_rollout_megatron_engine.py::test_stop_on_every_eos_id_and_stop_sequences_and_padded_vocab_never_drawn",
+         "tests/test_rollout_megatron_engine.py::test_ppo_runs_with_the_megatron_engine_and_recomputes_its_logprobs",
+         "tests/test_rollout_megatron_engine.py::test_grpo_learns_the_demo_task_with_the_megatron_engine",
+         "tests/test_planner.py::test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards"),
+        constraints=(
+            need("rollout.engine", lambda c, w: not c.parallel.vpp or c.parallel.vpp <= 1,
+                 "megatron-core's inference refuses virtual pipeline stages (interleaved chunks)",
+                 "use rollout.engine=tp_sharded or torch with parallel.vpp, or set parallel.vpp=null",
+                 "no VPP", when=lambda c: rollout_engine(c) == MEGATRON),
+        ),
+        config="rollout.engine=megatron",
+        measured=(Measured("CPU, tokens per CPU-second (fastest of 3 runs): long tail 0.73x the torch decoder's "
+                           "(target 2x) "
+                           "in 0.59x its decode steps, uniform lengths 0.70x HF generate's (target 1x), bounded by "
+                           "megatron's per-step host cost; KV allocated 1.03-1.13x what the live tokens need (target "
+                           "<= 1.25x; static batches 4.4-5.1x on the long tail) (docs/rollout.md)",
+                           "python benchmarks/rollout_throughput.py"),
+                  Measured("CPU stand-in for the paged decode kernel: 2.85x (similar lengths) and 1.13x (one long "
+                           "request among short ones) the CPU time of SDPA over a padded contiguous cache",
+                           "python benchmarks/paged_decode_cpu.py")),
+    ),
+    Feature(
+        "Rollout engine chosen by the layout (auto)", "rollout", TESTED_CPU,
+        "rollout.engine=auto (the default): megatron's dynamic engine for MoE models, and for dense models on CUDA "
+        "with flash-attn >= 2.7.3 (or FA3) and no VPP; the torch decoder for VPP layouts, on CUDA without flash-attn "
+        "and on the CPU (faster there: docs/rollout.md). One rule (rollout/choice.py) read by validation before launch "
+        "and by the trainer and `megatron-rl generate` when they build the engine; the first log lines name the engine "
+        "and the reason. The CUDA branch has not run on a GPU.",
+        ("tests/test_rollout_choice.py::test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere",
+         "tests/test_rollout_choice.py::test_config_and_engine_builder_agree_on_this_machine",
+         "tests/test_rollout_choice.py::test_vpp_runs_the_decoder_under_auto_and_is_refused_for_megatron",
+         "tests/test_moe.py::test_train_refuses_an_moe_model_with_a_decoder_without_experts"),
+        config="rollout.engine=auto",
+    ),
+    Feature(
+        "Rollout without redundant generators", "rollout", TESTED_CPU,
+        "Every DP x CP rank generates a distinct share of the prompts (context-parallel ranks hold the same shards as "
+        "their replica, so they generate as data-parallel ones do); the TP/PP ranks of a generator share one; each "
+        "sample is gathered once.",
+        ("tests/test_rollout_megatron_engine.py::test_every_prompt_is_generated_once_over_the_world",),
+        config="(always on)",
+    ),
+]

@@ -1,0 +1,168 @@
+"""Running a job: the tested stack, launchers, validation, devices, metrics."""
+
+from __future__ import annotations
+
+from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, Measured, model_parallel_size, need
+
+AREA = "runtime"
+FEATURES = [
+    Feature(
+        "CPU execution (gloo)", "runtime", TESTED_CPU,
+        "megatron-core's real TP/PP/CP/DP code on a CPU-only torch through megatron_rl/compat.",
+        ("tests/test_compat.py::test_cpu_trace_lists_megatron_call_sites",
+         "tests/test_parallel_parity.py::test_tp2_sequence_parallel"),
+        config="distributed.device=cpu (auto without CUDA)",
+    ),
+    Feature(
+        "One tested stack (Python 3.12, megatron-core 0.19.2)", "runtime", TESTED_CPU,
+        "scripts/bootstrap.sh builds .venv on Python 3.12 (PATH, then pyenv's interpreters) or says in one line what "
+        "to install; every command stops before launch on a megatron-core outside >=0.19.2,<0.20, naming the range, "
+        "unless run.allow_untested_megatron_core=true (one warning).",
+        ("tests/test_compat_registry.py::test_megatron_core_outside_the_tested_range_stops_before_launch",
+         "tests/test_compat_registry.py::test_bootstrap_without_python_312_says_what_to_install",
+         "tests/test_compat_registry.py::test_ranges_are_what_is_tested"),
+        config="run.allow_untested_megatron_core",
+    ),
+    Feature(
+        "Parallel layouts (world size <= 8)", "runtime", TESTED_CPU,
+        "Megatron parallel_state for every TP x PP x CP x DP (and VPP) layout; DP derived from world size.",
+        ("tests/test_runtime.py::test_parallel_state_every_layout_up_to_8",),
+        (
+            need("parallel.tp", lambda c, w: w is None or w % model_parallel_size(c) == 0,
+                 "world size {w} is not divisible by tp*pp*cp",
+                 "choose tp*pp*cp that divides {w}, or start a multiple of tp*pp*cp processes",
+                 "world size divisible by tp*pp*cp"),
+        ),
+        config="parallel.tp, parallel.pp, parallel.cp, --nproc",
+    ),
+    Feature(
+        "Random init independent of the layout", "runtime", TESTED_CPU,
+        "Without model.hf_path or actor.init_checkpoint the actor's weights are drawn per tensor from run.seed and its "
+        "global name with megatron-core's distributions (constants kept, residual projections scaled by 1/sqrt(2L)), "
+        "on the CPU: the same seed gives the same model on TP/PP/EP/VPP layouts and on CPU or GPU, and the same run "
+        "numbers on every layout.",
+        ("tests/test_seeded_init.py::test_same_seed_same_weights_on_every_layout",
+         "tests/test_seeded_init.py::test_seeded_weights_follow_megatrons_distributions",
+         "tests/test_seeded_init.py::test_a_run_from_random_init_gives_the_same_numbers_on_every_layout"),
+        config="run.seed",
+    ),
+    Feature(
+        "TRL / verl key names", "runtime", TESTED_CPU,
+        "Command-line overrides under TRL's or verl's name for the same setting (num_generations, beta, learning_rate, "
+        "max_completion_length, ppo_max_token_len_per_gpu, ...) are accepted with a one-line note; names that mean "
+        "something else here are refused pointing at our key; docs/coming_from_trl_verl.md lists both.",
+        ("tests/test_config_aliases.py::test_same_meaning_alias_is_accepted_with_one_note",
+         "tests/test_config_aliases.py::test_different_meaning_alias_is_refused_pointing_at_our_key"),
+        config="e.g. num_generations=8",
+    ),
+    Feature(
+        "Local launcher (--nproc)", "runtime", TESTED_CPU,
+        "megatron-rl <command> --nproc N starts N local ranks; torchrun and srun are detected from their environment.",
+        ("tests/test_cli.py::test_smoke_command_runs_on_four_processes",),
+        config="--nproc N or distributed.nproc",
+    ),
+    Feature(
+        "Failing rank ends the job", "runtime", TESTED_CPU,
+        "An exception on any rank stops every rank with a non-zero exit and prints that rank's traceback once.",
+        ("tests/test_cli.py::test_rank_that_raises_ends_job_with_its_traceback",
+         "tests/test_cli.py::test_rank_that_hangs_is_stopped_by_the_timeout"),
+        config="distributed.timeout_s",
+    ),
+    Feature(
+        "Config validation", "runtime", TESTED_CPU,
+        "Unknown keys, wrong types, values outside a key's choices or range, impossible layouts, and what a training "
+        "config points at (prompt file and its first record, reward function, tokenizer and its vocabulary, model "
+        "directories) fail before any process starts: one line naming the key, the value and the fix, exit code 2.",
+        ("tests/test_config.py::test_bad_layouts_are_rejected_with_the_key",
+         "tests/test_cli.py::test_bad_override_exits_2_with_one_line",
+         "tests/test_validation.py::test_unknown_choice_is_refused_with_the_choices",
+         "tests/test_validation.py::test_out_of_range_number_is_refused",
+         "tests/test_validation.py::test_prompt_file_whose_first_record_does_not_parse",
+         "tests/test_validation.py::test_reward_that_does_not_resolve",
+         "tests/test_validation.py::test_tokenizer_vocabulary_larger_than_the_model",
+         "tests/test_validation.py::test_train_refuses_before_starting_any_process"),
+        config="megatron-rl validate CONFIG --world-size N",
+    ),
+    Feature(
+        "Host-side collectives on NCCL-only groups", "runtime", GPU_UNTESTED,
+        "Metrics, agreed micro-batch counts, stop flags, rollout and reward gathers, output and weight gathers over "
+        "PP, and checkpoint barriers all go through megatron_rl/distributed/collectives.py, which puts host values on "
+        "a device the group's backend serves (CPU for gloo, the rank's GPU for NCCL). On CPU: the routing is checked "
+        "while the call sites run and over the source, and the placement on a gloo group registered for CUDA only; "
+        "NCCL itself not yet run.",
+        ("tests/test_collectives.py::test_module_puts_host_values_where_the_group_needs_them",
+         "tests/test_collectives.py::test_host_side_collectives_go_through_the_module",
+         "tests/test_collectives.py::test_no_collective_in_the_package_bypasses_the_module"),
+        config="distributed.backend=nccl (auto on CUDA)",
+    ),
+    Feature(
+        "bf16 end to end", "runtime", TESTED_CPU,
+        "model.params_dtype=bfloat16 for PPO (actor, critic, reference; the first update starts from the loaded "
+        "weights: the optimizer's fp32 master copies are refreshed after every load), checkpoints saved, resumed "
+        "(bit-identical) and resharded (weights, fp32 master weights and Adam state bit for bit; the critic's fp32 "
+        "value head next to bf16 weights), the distributed optimizer, score, CP (ring, all_gather) and the log-prob "
+        "head, against fp32 on one process.",
+        ("tests/test_bf16.py::test_bf16_matches_fp32_one_process",
+         "tests/test_bf16.py::test_bf16_resume_same_layout_is_bit_identical",
+         "tests/test_bf16.py::test_bf16_checkpoint_reshards_weights_master_weights_and_adam_state_exactly",
+         "tests/test_bf16.py::test_bf16_distributed_optimizer_state_reshards_exactly",
+         "tests/test_bf16.py::test_bf16_score_matches_hf_transformers",
+         "tests/test_seeded_init.py::test_bf16_updates_start_from_the_loaded_weights"),
+        config="model.params_dtype=bfloat16 (auto on CUDA)",
+        measured=(Measured("bf16 vs fp32 on CP2, CP4, TP2xCP2: log-probs <= 2.6e-3, values <= 5e-3 and gradients <= "
+                           "8.3e-3 of their largest, loss <= 1.7e-3; score vs HF fp32 3.6e-3",
+                           "pytest -s tests/test_bf16.py -k 'matches_fp32 or score'"),),
+    ),
+    Feature(
+        "No host syncs per layer", "runtime", TESTED_CPU,
+        "cu_seqlens carry their host values with the micro-batch (our attention and megatron's unfused THD RoPE read "
+        "those), the ring's tile plan and device positions are made once per micro-batch; host copies to CUDA are "
+        "pinned and non-blocking.",
+        ("tests/test_host_syncs.py::test_value_reads_do_not_grow_with_the_number_of_layers",),
+        config="(always on)",
+        measured=(Measured("device reads per packed CP2 forward+backward: 52 (2 layers) / 90 (4 layers) before, 6 / 6 "
+                           "after",
+                           "pytest -s tests/test_host_syncs.py"),),
+    ),
+    Feature(
+        "GPU-grade layer settings", "runtime", GPU_UNTESTED,
+        "On CUDA: bias-activation, bias-dropout and masked-softmax fusion, RoPE fusion with TE, gradient-accumulation "
+        "fusion with Apex, weights initialised on the device, TF32 allowed; CPU settings unchanged. The "
+        "TransformerConfig for a CUDA device is unit-tested without one.",
+        ("tests/test_gpu_check.py::test_transformer_config_for_a_cuda_device_without_one",
+         "tests/test_gpu_check.py::test_cuda_settings_follow_the_installed_kernels"),
+        config="distributed.device=cuda (auto with CUDA)",
+    ),
+    Feature(
+        "One-GPU check (benchmarks/gpu_check.py)", "runtime", GPU_UNTESTED,
+        "World size 1 on NCCL: a bf16 PPO step with checkpoint save and load, score vs HF in bf16, the SDPA backend of "
+        "each attention path, actor-update MFU against plain megatron-core, peak memory against the planner, "
+        "generation tokens/s. Without CUDA it says so and exits 0; not yet run on a GPU.",
+        ("tests/test_gpu_check.py::test_without_cuda_it_prints_one_line_and_exits_0",
+         "tests/test_gpu_check.py::test_cpu_dry_run_fills_every_row"),
+        config="python benchmarks/gpu_check.py",
+    ),
+    Feature(
+        "Non-finite gradients skip the update", "runtime", TESTED_CPU,
+        "A NaN/inf gradient norm skips the optimizer step and is reported as actor/skipped_updates, "
+        "critic/skipped_updates; a PPO step in which every actor or critic step was skipped stops the run with one "
+        "line naming the likely cause (exit 2) instead of logging nulls.",
+        ("tests/test_parallel_parity.py::test_non_finite_gradients_skip_the_update",
+         "tests/test_trainer_guards.py::test_run_whose_critic_updates_are_all_non_finite_stops_with_one_line"),
+        config="(always on)",
+    ),
+    Feature(
+        "Metrics, plot, TensorBoard, W&B", "runtime", TESTED_CPU,
+        "metrics.jsonl per step (reward, lengths, losses, KL, entropy, clipfrac, grad norms, explained variance, "
+        "timings, throughput, memory), console progress, plot.png; TensorBoard/W&B optional.",
+        ("tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts", "tests/test_ppo.py::test_run_ppo_sh_demo_learns"),
+        config="trainer.tensorboard, trainer.wandb, trainer.plot",
+    ),
+    Feature(
+        "CPU demo that learns", "runtime", TESTED_CPU,
+        "./run_ppo.sh without a GPU: PPO (GAE + KL) on add_small, TP2xPP2 on 4 gloo ranks; reward rises by more than "
+        "0.3 in about 5 minutes on 2 cores.",
+        ("tests/test_ppo.py::test_run_ppo_sh_demo_learns",),
+        config="configs/demo_cpu.yaml",
+    ),
+]
