@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron_rl.capabilities import resolve_transformer_impl
 from megatron_rl.config.rules import check_field_rules
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import ConfigError
 from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
+from megatron_rl.resolve import resolve
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     check_field_rules(cfg)
-    # TransformerEngine availability is a property of this machine, not of the YAML; rules that
-    # depend on it read the resolved implementation.
-    resolve_transformer_impl(cfg.model.transformer_impl)
+    # Every rule reads the values the run will use: ``auto`` and derived values resolved for this
+    # machine and world size (TransformerEngine, the device, the rollout engine, ...).
+    cfg = resolve(cfg, world_size).config
     for feat in FEATURES:
         if feat.status in (PLANNED, UNSUPPORTED) and feat.in_use is not None and feat.in_use(cfg):
             raise ConfigError(feat.config or feat.name, None, f"'{feat.name}' is {feat.status}",

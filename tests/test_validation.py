@@ -160,14 +160,14 @@ def test_te_dependent_rules_read_the_resolved_implementation(monkeypatch):
     cfg = load_config(DEMO, ["parallel.cp=4", "parallel.tp=1", "parallel.pp=1", "parallel.cp_comm_type=a2a",
                              "model.transformer_impl=auto", "batch.packing=false"])
     validate(cfg, 4)  # local path: 4 heads split over cp=4, 2 KV heads replicated
+    import megatron_rl.capabilities as capabilities
     import megatron_rl.features.base as features
-    import megatron_rl.validation as validate_mod
 
     def resolves_to_te(requested):
         return "transformer_engine"
 
     monkeypatch.setattr(features, "resolve_transformer_impl", resolves_to_te)
-    monkeypatch.setattr(validate_mod, "resolve_transformer_impl", resolves_to_te)
+    monkeypatch.setattr(capabilities, "resolve_transformer_impl", resolves_to_te)
     with pytest.raises(ConfigError, match="TransformerEngine needs"):
         validate(cfg, 4)
 

@@ -155,13 +155,15 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def save_config(cfg: Config, path: str) -> None:
-    """Write ``cfg`` to ``path`` atomically; a disk that cannot take it stops with one line and
-    leaves no partial file."""
+def save_config(cfg: Config, path: str, notes: Iterable[str] = ()) -> None:
+    """Write ``cfg`` to ``path`` atomically, ``notes`` as comments at the end (what ``auto`` and
+    derived values resolved to: the file stays a loadable config of what was asked); a disk that
+    cannot take it stops with one line and leaves no partial file."""
     tmp = path + ".tmp"
+    comments = "".join(f"# {line}\n" for line in notes)
     try:
         with open(tmp, "w") as fh:
-            fh.write(to_yaml(cfg))
+            fh.write(to_yaml(cfg) + comments)
         os.replace(tmp, path)
     except OSError as err:
         try:

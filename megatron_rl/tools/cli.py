@@ -253,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rl.engine.checkpoint_space import remove_stale_temporaries
 
             cfg.distributed.nproc = nproc  # the record says how the job was launched, --nproc included
+            from megatron_rl.resolve import resolve
+
             remove_stale_temporaries(os.path.join(_run_dir(cfg), "checkpoints"))  # a failed save's leftovers
-            save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"))
+            resolved = ["resolved at launch for this machine and world size:"] + [
+                f"  {line}" for line in resolve(cfg, nproc).lines()]
+            save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"), resolved)
         if nproc > 1:
             from megatron_rl.distributed.launcher import launch_local
 

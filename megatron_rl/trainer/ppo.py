@@ -55,10 +55,10 @@ from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.models.seeded_init import seeded_init
-from megatron_rl.planner.memory import kv_cache_bytes, total_params
+from megatron_rl.planner.memory import total_params
+from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, max_sequence_length, resolve
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
-from megatron_rl.rollout.choice import describe_rollout_engine
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import make_rollout_engine
 from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
@@ -74,7 +74,6 @@ from megatron_rl.trainer.metrics import (
     plot_metrics,
     throughput_metrics,
 )
-from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.update import (
@@ -87,9 +86,6 @@ from megatron_rl.trainer.update import (
 )
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
-
-# A derived rollout.max_batch_size generates at most this much full-length KV cache at once.
-ROLLOUT_KV_BUDGET_BYTES = 4 * 2**30
 
 
 def _rank0() -> bool:
@@ -116,7 +112,9 @@ class PPOTrainer:
         # Installed first, so a preemption signal that arrives while models load is honoured
         # at the first step boundary.
         self.stop = StopRequest()
-        self.cfg = cfg
+        # Every auto and derived value, resolved once: everything after reads them from self.cfg.
+        self.resolution = resolve(cfg, dist.get_world_size())
+        self.cfg = cfg = self.resolution.config
         self.log = log if _rank0() else (lambda *_: None)
         self.layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
         init_model_parallel(self.layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
@@ -137,16 +135,14 @@ class PPOTrainer:
         self.plan = batch_plan(cfg.batch, cfg.model, self.layout, self.max_sequence_length(), dtype_bytes,
                                pad_id=self.tokenizer.pad_id)
         self.log(f"batching: {self.plan.describe()}")
-        origin = "rollout.max_batch_size"
-        if cfg.rollout.max_batch_size is None:
-            # Resolved once, here: everything after reads an int from self.cfg.
-            origin = "derived"
-            rollout = dataclasses.replace(cfg.rollout, max_batch_size=self._rollout_batch(dtype_bytes))
-            self.cfg = cfg = dataclasses.replace(cfg, rollout=rollout)
-        self.log(f"rollout: {describe_rollout_engine(cfg)}, up to {cfg.rollout.max_batch_size} sequences per "
-                 f"generation pass per rank ({origin})")
-        self.old_logprobs = resolve_old_logprob_source(alg)
-        self.log(f"old log-probs: {self.old_logprobs}" + (" (auto)" if alg.old_logprobs == "auto" else ""))
+        engine, batch = self.resolution.get("rollout.engine"), self.resolution.get("rollout.max_batch_size")
+        how = f" (auto: {engine.why})" if engine.origin == AUTO_ORIGIN else ""
+        self.log(f"rollout: {engine.value} engine{how}, up to {batch.value} sequences per generation pass per rank "
+                 f"({'derived' if batch.origin == DERIVED else 'rollout.max_batch_size'})")
+        self.old_logprobs = cfg.algorithm.old_logprobs
+        auto = self.resolution.get("algorithm.old_logprobs").origin == AUTO_ORIGIN
+        self.log(f"old log-probs: {self.old_logprobs}" + (" (auto)" if auto else ""))
+        self.log("resolved: " + ", ".join(self.resolution.lines()))
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn)
         self.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -205,15 +201,7 @@ class PPOTrainer:
 
     def max_sequence_length(self) -> int:
         """The longest prompt + response this run can make (what the derived token budget is sized for)."""
-        return self.cfg.data.max_prompt_tokens + self.cfg.rollout.max_new_tokens
-
-    def _rollout_batch(self, dtype_bytes: int) -> int:
-        """``rollout.max_batch_size`` when unset: every sample this rank generates in a step, in one pass,
-        at most what :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds (at least 1)."""
-        cfg = self.cfg
-        per_rank = -(-cfg.trainer.prompts_per_step // self.layout.dp) * cfg.rollout.n
-        per_seq = kv_cache_bytes(cfg.model, 1, self.max_sequence_length(), dtype_bytes)
-        return max(1, min(per_rank, int(ROLLOUT_KV_BUDGET_BYTES // per_seq)))
+        return max_sequence_length(self.cfg)
 
     def _build(self) -> list:
         return build_gpt_chunks(self.cfg.model, self.layout, self.device)

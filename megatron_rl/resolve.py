@@ -1,0 +1,158 @@
+"""Every ``auto`` and every value derived from other settings, resolved in one place.
+
+:func:`resolve` takes the config as the user wrote it, the world size and what this machine can
+do, and returns the resolved config (a copy; the user's is never edited) with each resolved
+value's origin.  Validation checks the resolved config, before any process starts; the trainer
+reads resolved values only and prints them with their origin at start-up; ``config.yaml`` in
+the run directory holds what was asked, with what it resolved to as comments.
+
+Resolving a resolved config changes nothing, so a rank that loads the saved config and resolves
+it again gets the same values on the same machine.  Order matters: the device comes first
+(the backend, the dtype and the rollout engine depend on it).  The micro-batch token budget is
+derived from the model and the layout by :func:`megatron_rl.engine.forward.batch_plan`, which the
+trainer calls once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from megatron_rl.config.choices import AUTO
+from megatron_rl.config.schema import Config
+
+SET, AUTO_ORIGIN, DERIVED = "set", "auto", "derived"
+# A derived rollout.max_batch_size generates at most this much full-length KV cache at once.
+ROLLOUT_KV_BUDGET_BYTES = 4 * 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    key: str
+    value: Any
+    origin: str  # "set" (the user's value), "auto" or "derived"
+    why: str = ""
+
+    def line(self) -> str:
+        why = f": {self.why}" if self.why else ""
+        return f"{self.key}={self.value} ({self.origin}{why})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    config: Config
+    values: tuple[Resolved, ...]
+
+    def get(self, key: str) -> Resolved:
+        return next(v for v in self.values if v.key == key)
+
+    def lines(self) -> list[str]:
+        """One line per value that was not set by the user."""
+        return [v.line() for v in self.values if v.origin != SET]
+
+
+def _replace(cfg: Config, key: str, value) -> Config:
+    section, name = key.split(".")
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+
+
+# ----------------------------------------------------------------------------- the resolvers
+# Each takes (config so far, world size) and returns (value, origin, why); the value is written
+# into the config before the next resolver runs.
+
+def _device(cfg: Config, world: Optional[int]):
+    from megatron_rl.compat import cuda_available
+
+    if cfg.distributed.device != AUTO:
+        return cfg.distributed.device, SET, ""
+    return ("cuda", AUTO_ORIGIN, "CUDA is available") if cuda_available() else ("cpu", AUTO_ORIGIN, "no CUDA")
+
+
+def _backend(cfg: Config, world: Optional[int]):
+    if cfg.distributed.backend != AUTO:
+        return cfg.distributed.backend, SET, ""
+    return ("nccl", AUTO_ORIGIN, "CUDA") if cfg.distributed.device == "cuda" else ("gloo", AUTO_ORIGIN, "CPU")
+
+
+def _params_dtype(cfg: Config, world: Optional[int]):
+    if cfg.model.params_dtype != AUTO:
+        return cfg.model.params_dtype, SET, ""
+    if cfg.distributed.device == "cuda":
+        return "bfloat16", AUTO_ORIGIN, "CUDA"
+    return "float32", AUTO_ORIGIN, "CPU"
+
+
+def _transformer_impl(cfg: Config, world: Optional[int]):
+    from megatron_rl.capabilities import resolve_transformer_impl
+
+    impl = resolve_transformer_impl(cfg.model.transformer_impl)
+    if cfg.model.transformer_impl != AUTO:
+        return impl, SET, ""
+    why = "TransformerEngine and CUDA present" if impl == "transformer_engine" else "no TransformerEngine with CUDA"
+    return impl, AUTO_ORIGIN, why
+
+
+def _rollout_engine(cfg: Config, world: Optional[int]):
+    from megatron_rl.rollout.choice import auto_reason, engine_facts, pick_engine
+
+    if cfg.rollout.engine != AUTO:
+        return cfg.rollout.engine, SET, ""
+    facts = engine_facts(cfg.model, cfg.parallel.vpp, cfg.distributed.device == "cuda")
+    engine = pick_engine(AUTO, **facts)
+    return engine, AUTO_ORIGIN, auto_reason(engine, **facts)
+
+
+def _old_logprobs(cfg: Config, world: Optional[int]):
+    from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source, training_forward_blockers
+
+    if cfg.algorithm.old_logprobs != AUTO:
+        return cfg.algorithm.old_logprobs, SET, ""
+    blockers = training_forward_blockers(cfg.algorithm)
+    why = "needed before the update: " + "; ".join(blockers) if blockers else "exactly on-policy"
+    return resolve_old_logprob_source(cfg.algorithm), AUTO_ORIGIN, why
+
+
+def max_sequence_length(cfg: Config) -> int:
+    """The longest prompt + response a run can make."""
+    return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def _rollout_batch(cfg: Config, world: Optional[int]):
+    """Every sample a rank generates in a step in one pass, at most what
+    :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds (at least 1)."""
+    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.planner.memory import kv_cache_bytes
+
+    if cfg.rollout.max_batch_size is not None:
+        return cfg.rollout.max_batch_size, SET, ""
+    if world is None:
+        return None, DERIVED, "at launch, from the world size"
+    dp = ParallelLayout.from_config(cfg.parallel, world).dp
+    per_rank = -(-cfg.trainer.prompts_per_step // dp) * cfg.rollout.n
+    dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
+    per_seq = kv_cache_bytes(cfg.model, 1, max_sequence_length(cfg), dtype_bytes)
+    batch = max(1, min(per_rank, int(ROLLOUT_KV_BUDGET_BYTES // per_seq)))
+    return batch, DERIVED, (f"every sample of the rank's share of a step, within {ROLLOUT_KV_BUDGET_BYTES >> 30} GiB "
+                            "of KV cache")
+
+
+RESOLVERS: tuple[tuple[str, Callable], ...] = (
+    ("distributed.device", _device),
+    ("distributed.backend", _backend),
+    ("model.params_dtype", _params_dtype),
+    ("model.transformer_impl", _transformer_impl),
+    ("rollout.engine", _rollout_engine),
+    ("algorithm.old_logprobs", _old_logprobs),
+    ("rollout.max_batch_size", _rollout_batch),
+)
+
+
+def resolve(cfg: Config, world_size: Optional[int] = None) -> Resolution:
+    """``cfg`` with every ``auto`` and derived value resolved for ``world_size`` ranks on this machine."""
+    values = []
+    for key, resolver in RESOLVERS:
+        value, origin, why = resolver(cfg, world_size)
+        cfg = _replace(cfg, key, value)
+        values.append(Resolved(key, value, origin, why))
+    return Resolution(cfg, tuple(values))

@@ -1,0 +1,62 @@
+"""Every ``auto`` and derived value is resolved in one place (:mod:`megatron_rl.resolve`), once,
+with its origin; resolving again changes nothing; the run directory's config.yaml keeps what was
+asked and notes what it resolved to."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from megatron_rl.config.loader import load_config, save_config
+from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, SET, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_CONFIGS = ["demo_cpu.yaml", "grpo_cpu.yaml", "dapo_cpu.yaml", "gspo_cpu.yaml", "reinforce_pp_cpu.yaml"]
+# Modes read when the run starts, not values to resolve: resume=auto picks the newest checkpoint.
+MODES = {"trainer.resume"}
+
+
+def _leaves(obj, prefix=""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _leaves(value, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", value
+
+
+@pytest.mark.parametrize("name", CPU_CONFIGS)
+def test_nothing_auto_is_left_and_resolving_again_changes_nothing(name):
+    asked = load_config(os.path.join(ROOT, "configs", name), [])
+    once = resolve(asked, 4)
+    left = [key for key, value in _leaves(once.config) if value == "auto" and key not in MODES]
+    assert left == []
+    twice = resolve(once.config, 4)
+    assert twice.config == once.config
+    assert {v.origin for v in twice.values} == {SET}
+    assert asked.rollout.engine == "auto"  # the user's config is never edited
+
+
+def test_each_value_says_where_it_came_from():
+    asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), ["rollout.engine=tp_sharded"])
+    got = resolve(asked, 4)
+    assert got.get("rollout.engine").origin == SET and got.get("rollout.engine").value == "tp_sharded"
+    assert got.get("distributed.device").origin == AUTO_ORIGIN
+    batch = got.get("rollout.max_batch_size")
+    # demo: tp2 x pp2 on 4 ranks -> dp 1; 16 prompts x 8 samples, far inside the KV-cache budget
+    assert batch.origin == DERIVED and batch.value == 16 * 8
+    assert resolve(asked, 8).get("rollout.max_batch_size").value == 8 * 8  # dp 2
+    assert resolve(asked, None).get("rollout.max_batch_size").value is None  # unknown until launch
+    old = got.get("algorithm.old_logprobs")
+    assert old.origin == AUTO_ORIGIN and old.value == "recompute" and "mini_batches" in old.why
+
+
+def test_config_yaml_keeps_what_was_asked_and_notes_what_it_resolved_to(tmp_path):
+    asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), [])
+    notes = resolve(asked, 4).lines()
+    save_config(asked, str(tmp_path / "config.yaml"), notes)
+    text = (tmp_path / "config.yaml").read_text()
+    assert all(f"# {line}" in text for line in notes)
+    assert load_config(str(tmp_path / "config.yaml"), []) == asked
