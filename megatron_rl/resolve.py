@@ -103,7 +103,7 @@ def _rollout_engine(cfg: Config, world: Optional[int]):
 
 
 def _old_logprobs(cfg: Config, world: Optional[int]):
-    from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source, training_forward_blockers
+    from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source, training_forward_blockers
 
     if cfg.algorithm.old_logprobs != AUTO:
         return cfg.algorithm.old_logprobs, SET, ""

@@ -196,9 +196,9 @@ def _max_grad_diff(steps_a: list[dict], steps_b: list[dict]) -> float:
 
 
 def test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it():
+    from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source
     from megatron_rl.config.loader import load_config
     from megatron_rl.errors import ConfigError
-    from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source
     from megatron_rl.validation import validate
 
     cases = [

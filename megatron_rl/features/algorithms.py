@@ -5,10 +5,10 @@ from __future__ import annotations
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
+from megatron_rl.algorithms.old_logprobs import training_forward_blockers
 from megatron_rl.features.base import TESTED_CPU, Feature, _needs_groups, _old_logprob_source, _registry_names, need
 from megatron_rl.models.arch import is_moe
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
-from megatron_rl.trainer.old_logprobs import training_forward_blockers
 
 AREA = "algorithms"
 FEATURES = [

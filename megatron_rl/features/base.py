@@ -9,10 +9,10 @@ from typing import Callable, Optional
 from packaging.version import Version
 
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.models.arch import attention_dims
 from megatron_rl.ops.cp_attention import kv_replication
-from megatron_rl.trainer.old_logprobs import resolve_old_logprob_source
 
 TESTED_CPU = "tested on CPU"
 TESTED_GPU = "tested on GPU"

@@ -9,7 +9,7 @@
    repeat 1-2 on further prompts until the batch holds enough groups whose rewards differ
    (``trainer/dynamic_sampling.py``);
 3. old log-probs (and entropy) -- recomputed by the training model, or taken from the update's own
-   forward when it is exactly on-policy, or the rollout engine's (``trainer/old_logprobs.py``) --,
+   forward when it is exactly on-policy, or the rollout engine's (``algorithms/old_logprobs.py``) --,
    reference log-probs, values; token rewards, KL, advantages (the registered estimator),
    rollout-correction weights;
 4. update actor and critic over ``ppo_epochs`` x ``mini_batches`` optimizer steps, and stop the
