@@ -57,16 +57,16 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
     return RolloutBatch(
         prompt_index=[r[0] for r in merged], prompt_ids=[list(r[2]) for r in merged],
         response_ids=[list(r[3]) for r in merged], response_logprobs=[list(r[4]) for r in merged],
-        finish_reason=[r[5] for r in merged], routing=_gathered_routing(engine, local, share, merged),
+        finish_reason=[r[5] for r in merged], routing=_gathered_routing(local, share, merged),
     )
 
 
-def _gathered_routing(engine: RolloutEngine, local: RolloutBatch, share: range, merged: list) -> list | None:
+def _gathered_routing(local: RolloutBatch, share: range, merged: list) -> list | None:
     """The MoE routing the engine recorded, per sample of the gathered batch, for this rank's
     pipeline stage (each stage's TP x DP x CP ranks exchange theirs); None when not recorded."""
-    recorded = getattr(engine, "last_routing", None)
-    if recorded is None:
+    if local.routing is None:
         return None
+    recorded = dict(enumerate(local.routing))
     from megatron_rl.models.moe import gather_rollout_routing
 
     position = {row[:2]: k for k, row in enumerate(merged)}

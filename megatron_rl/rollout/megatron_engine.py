@@ -249,7 +249,8 @@ class MegatronRolloutEngine:
     """The rollout interface over megatron-core's dynamic inference engine (see the module doc)."""
 
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None, *,
-                 kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256):
+                 kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256,
+                 record_routing: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -263,10 +264,9 @@ class MegatronRolloutEngine:
         self._engine = None
         self._kv_bytes = 0
         self._suspended = False
-        # MoE routing replay: the routers record every token's experts while generating, and
-        # ``last_routing`` holds them after each generate ({request: {layer: [length, topk]}}).
-        self.record_routing = False
-        self.last_routing: Optional[dict] = None
+        # MoE routing replay: the routers record every token's experts while generating; each
+        # generate returns them in ``RolloutBatch.routing`` ({layer: [length, topk]} per sample).
+        self.record_routing = record_routing
 
     # -- weights -------------------------------------------------------------------------------
     def load_from_chunks(self, chunks: list) -> None:
@@ -469,15 +469,16 @@ class MegatronRolloutEngine:
             events = failed[0].requests[-1].events
             raise RuntimeError(f"megatron inference failed request {failed[0].request_id}: {events}")
         responses = [controller.responses[rid] for rid in range(len(samples))]
-        self.last_routing = None
+        recorded = None
         if self.record_routing:  # cut each recording to the sample's prompt + response
-            self.last_routing = {rid: {layer: table[: len(prompt_ids[samples[rid][0]]) + len(responses[rid])]
-                                       for layer, table in routing.get(rid, {}).items()}
-                                 for rid in range(len(samples))}
+            recorded = [{layer: table[: len(prompt_ids[samples[rid][0]]) + len(responses[rid])]
+                         for layer, table in routing.get(rid, {}).items()}
+                        for rid in range(len(samples))]
         return RolloutBatch(
             prompt_index=[i for i, _ in samples],
             prompt_ids=[list(prompt_ids[i]) for i, _ in samples],
             response_ids=responses,
             response_logprobs=[controller.logprobs[rid] for rid in range(len(samples))],
             finish_reason=["stop" if stopped(r, params) else "length" for r in responses],
+            routing=recorded,
         )

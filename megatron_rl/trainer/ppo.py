@@ -162,9 +162,8 @@ class PPOTrainer:
                                                  ("critic", self.use_critic)) if on)
         self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
                  f"hidden {cfg.model.hidden_size}); built {built}")
-        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device, vpp=cfg.parallel.vpp)
-        if cfg.algorithm.routing_replay and hasattr(self.engine, "record_routing"):
-            self.engine.record_routing = True  # MoE: the experts of every generated token, for replay
+        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device, vpp=cfg.parallel.vpp,
+                                          record_routing=cfg.algorithm.routing_replay)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
@@ -331,7 +330,7 @@ class PPOTrainer:
             samples, scores, sampling_metrics = self._sample(step, timings)
             with timed("experience", timings):
                 exp = self._experience(samples, scores, timings)
-            metrics = self._update(exp, step, timings)
+            metrics, exp = self._update(exp, step, timings)
             metrics.update(self._update_kl_coef(exp))
             metrics.update(experience_metrics(exp))
             metrics.update(sampling_metrics)
@@ -429,7 +428,7 @@ class PPOTrainer:
                 with timed("values", timings):
                     self._phase("critic")
                     values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
-        # training_forward: filled in by the update (_measure_in_update); rollout: the engine's.
+        # training_forward: filled in by the update (_measured_in_update); rollout: the engine's.
         old_logprob = entropy = None
         if old is not None:
             old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
@@ -458,80 +457,95 @@ class PPOTrainer:
                           advantage_rows, returns, kl, rollout_weights=weights, metrics=metrics,
                           trainer_logprob=old_logprob if old is not None else None)
 
-    def _update(self, exp: Experience, step: int, timings: dict) -> dict:
+    def _update(self, exp: Experience, step: int, timings: dict) -> tuple[dict, Experience]:
+        """The actor's, then the critic's updates on the same mini-batches; returns their metrics
+        and the experience completed with what only the update's first forward measures (with
+        ``training_forward``/``rollout`` old log-probs: the trainer's log-probs, entropy and KL)."""
         alg = self.cfg.algorithm
-        kl_in_loss = self.reference is not None and not alg.kl_in_reward
         fields = {"advantages": exp.advantages}
         if self.old_logprobs != "training_forward":  # without the field the loss takes its own forward's
             fields["old_logprob"] = exp.old_logprob
-        if kl_in_loss:
+        if self.reference is not None and not alg.kl_in_reward:
             fields["ref_logprob"] = exp.ref_logprob
         if exp.rollout_weights is not None:
             fields["rollout_weight"] = exp.rollout_weights
-        horizon = self.cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm
         if self.critic is not None:
             fields.update(old_value=exp.values, returns=exp.returns)
         seqs = exp.training_sequences(fields)
         valid = [len(r) for r in exp.samples.response_ids]
-        kl_loss_coef = self.kl_ctl.value if kl_in_loss else 0.0
-        # Without the recompute pass, the first training forward also measures entropy and the trainer's log-probs.
-        measure = self.old_logprobs != "recompute"
-        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
-                           with_entropy=alg.entropy_coef > 0 or measure)
-        actor_logs, critic_logs, results = [], [], {"actor": [], "critic": []}
-        first_forward = None
+        batches = []  # (members, their sequences, their response lengths, the loss denominator), every epoch
         for epoch in range(alg.ppo_epochs):
             order_seed = None if alg.mini_batches == 1 else derive_seed(self.cfg.run.seed, "mini_batches", step, epoch)
             for members in mini_batches(len(seqs), alg.mini_batches, order_seed):
-                sub = [seqs[i] for i in members]
                 lengths = [valid[i] for i in members]
-                den = loss_denominator(alg.loss_agg, lengths)
-                with timed("actor_update", timings):
-                    self._phase("actor")
-                    self.actor.zero_grad()
-                    with moe_pass(self.actor.chunks, sub, "replay" if alg.routing_replay else "train", members):
-                        outs, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
-                                                   loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
-                                                   forward_only=False)
-                    results["actor"].append(self.actor.step())
-                    actor_logs.append(logs)
-                    if measure and first_forward is None:
-                        first_forward = (members, outs)  # the weights before any update of this step
-                if self.critic is not None:
-                    with timed("critic_update", timings):
-                        self._phase("critic")
-                        self.critic.zero_grad()
-                        with moe_pass(self.critic.chunks, sub, "train", members):
-                            _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
-                                                    loss_fn=critic_loss_fn(alg, den, lengths, horizon),
-                                                    forward_only=False)
-                        results["critic"].append(self.critic.step())
-                        critic_logs.append(logs)
+                batches.append((members, [seqs[i] for i in members], lengths, loss_denominator(alg.loss_agg, lengths)))
+        actor_results, actor_logs, first_forward = self._update_actor(batches, timings)
+        critic_results, critic_logs = self._update_critic(batches, timings) if self.critic is not None else ([], [])
         if first_forward is not None:
-            self._measure_in_update(exp, *first_forward)
+            exp = self._measured_in_update(exp, *first_forward)
         # A critic whose updates all failed also poisons the actor's advantages: name it first.
-        check_updates_applied("critic", results["critic"], step, self.cfg)
-        check_updates_applied("actor", results["actor"], step, self.cfg)
-        updates = len(results["actor"])
+        check_updates_applied("critic", critic_results, step, self.cfg)
+        check_updates_applied("actor", actor_results, step, self.cfg)
+        updates = len(actor_results)
         flat = [log for logs in actor_logs for log in logs]
         out = {k: v / updates for k, v in reduce_sums(flat, ["actor/pg_loss", "actor/entropy_loss",
                                                                "actor/kl_loss"]).items()}
         out.update(reduce_sum_count(flat, actor_metric_names(alg)))
-        out.update(optimizer_step_metrics("actor", results["actor"]))
+        out.update(optimizer_step_metrics("actor", actor_results))
         out["actor/lr"] = self.actor.lr
         out.update(moe_metrics(self.actor.chunks))  # MoE: router losses, routing-replay mismatch
         if self.critic is not None:
             flat = [log for logs in critic_logs for log in logs]
             out["critic/vf_loss"] = reduce_sums(flat, ["critic/vf_loss"])["critic/vf_loss"] / updates
             out.update(reduce_sum_count(flat, ["critic/vf_clipfrac", "critic/vpred_mean"]))
-            out.update(optimizer_step_metrics("critic", results["critic"]))
+            out.update(optimizer_step_metrics("critic", critic_results))
             out.update(moe_metrics(self.critic.chunks, "critic/"))
-        return out
+        return out, exp
 
-    def _measure_in_update(self, exp: Experience, members: list[int], outs: list[dict]) -> None:
-        """Trainer log-probs and entropy of the samples ``members`` from the update's first forward;
-        with ``training_forward`` (one mini-batch: every sample) they are the old log-probs, and the
-        KL to the reference is measured from them as the recompute pass would have."""
+    def _update_actor(self, batches: list, timings: dict) -> tuple[list, list, Optional[tuple]]:
+        """One optimizer step per mini-batch; returns the step results, the loss logs and, where the
+        old log-probs are not recomputed, the first forward's outputs (the weights before any update)."""
+        alg = self.cfg.algorithm
+        kl_loss_coef = self.kl_ctl.value if self.reference is not None and not alg.kl_in_reward else 0.0
+        measure = self.old_logprobs != "recompute"
+        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
+                           with_entropy=alg.entropy_coef > 0 or measure)
+        horizon = self.cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm
+        results, logs_all, first_forward = [], [], None
+        for members, sub, lengths, den in batches:
+            with timed("actor_update", timings):
+                self._phase("actor")
+                self.actor.zero_grad()
+                with moe_pass(self.actor.chunks, sub, "replay" if alg.routing_replay else "train", members):
+                    outs, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
+                                               loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
+                                               forward_only=False)
+                results.append(self.actor.step())
+                logs_all.append(logs)
+                if measure and first_forward is None:
+                    first_forward = (members, outs)
+        return results, logs_all, first_forward
+
+    def _update_critic(self, batches: list, timings: dict) -> tuple[list, list]:
+        alg = self.cfg.algorithm
+        horizon = self.cfg.rollout.max_new_tokens
+        results, logs_all = [], []
+        for members, sub, lengths, den in batches:
+            with timed("critic_update", timings):
+                self._phase("critic")
+                self.critic.zero_grad()
+                with moe_pass(self.critic.chunks, sub, "train", members):
+                    _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
+                                            loss_fn=critic_loss_fn(alg, den, lengths, horizon), forward_only=False)
+                results.append(self.critic.step())
+                logs_all.append(logs)
+        return results, logs_all
+
+    def _measured_in_update(self, exp: Experience, members: list[int], outs: list[dict]) -> Experience:
+        """``exp`` with the trainer log-probs and entropy of the samples ``members`` from the
+        update's first forward; with ``training_forward`` (one mini-batch: every sample) they are
+        the old log-probs, and the KL to the reference is measured from them as the recompute pass
+        would have."""
         samples = exp.samples
         logprob = [torch.zeros(len(p) + len(r)) for p, r in zip(samples.prompt_ids, samples.response_ids)]
         entropy = list(logprob)
@@ -539,14 +553,15 @@ class PPOTrainer:
         for i, out in zip(members, outs):
             logprob[i], entropy[i], measured[i] = out["logprob"], out["entropy"], True
         mask = exp.mask * measured[:, None]
-        exp.trainer_logprob = samples.pad_responses(logprob) * mask
-        exp.entropy = samples.pad_responses(entropy) * mask
-        exp.measured = measured
+        trainer_logprob = samples.pad_responses(logprob) * mask
+        found = dict(trainer_logprob=trainer_logprob, entropy=samples.pad_responses(entropy) * mask,
+                     measured=measured)
         if self.old_logprobs == "training_forward":
-            exp.old_logprob = exp.trainer_logprob
+            found["old_logprob"] = trainer_logprob
             if exp.ref_logprob is not None:  # measured only: the KL is never in the reward here
-                _, exp.kl = apply_kl_penalty(exp.token_rewards, exp.old_logprob, exp.ref_logprob, exp.mask, 0.0,
-                                             self.cfg.algorithm.kl_kind)
+                _, found["kl"] = apply_kl_penalty(exp.token_rewards, trainer_logprob, exp.ref_logprob, exp.mask, 0.0,
+                                                  self.cfg.algorithm.kl_kind)
+        return dataclasses.replace(exp, **found)
 
     def _update_kl_coef(self, exp: Experience) -> dict:
         """Move the KL coefficient by the KL to the reference measured this step; both as metrics."""
