@@ -25,3 +25,9 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     monkeypatch.setattr(import_graph, "ROOT", str(pkg))
     assert import_graph.upward_from_config() == ["megatron_rl/config/bad.py:2 -> megatron_rl.trainer"]
     assert import_graph.cycles(import_graph.package_graph()) == [["config", "trainer"]]
+
+
+def test_no_module_level_import_cycle():
+    """Registries are leaves: the modules that register (rewards, compat records) import the
+    decorators' module, and the registry imports them, never the other way round."""
+    assert import_graph.cycles(import_graph.module_graph()) == []

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.compat.registry import MEGATRON_TESTED, TORCH_TESTED, Patch, register_patch
+from megatron_rl.compat.records import MEGATRON_TESTED, TORCH_TESTED, Patch, register_patch
 
 _TYPE_STRINGS = {
     torch.float32: "torch.cuda.FloatTensor",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.compat.registry import (
+from megatron_rl.compat.records import (
     MEGATRON_TESTED,
     TORCH_TESTED,
     Patch,

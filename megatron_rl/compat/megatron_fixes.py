@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rl.compat.registry import MEGATRON_TESTED, Patch, Workaround, register_patch, register_workaround
+from megatron_rl.compat.records import MEGATRON_TESTED, Patch, Workaround, register_patch, register_workaround
 
 
 def transformer_config_fixes() -> dict:

@@ -12,7 +12,7 @@ import gc
 
 import torch.distributed as dist
 
-from megatron_rl.compat.registry import MEGATRON_TESTED, Workaround, register_workaround
+from megatron_rl.compat.records import MEGATRON_TESTED, Workaround, register_workaround
 
 
 def release_group_caches() -> None:

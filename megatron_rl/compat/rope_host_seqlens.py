@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from megatron_rl.compat.registry import MEGATRON_TESTED, Patch, register_patch
+from megatron_rl.compat.records import MEGATRON_TESTED, Patch, register_patch
 
 
 def _apply_rotary_pos_emb_thd_host(

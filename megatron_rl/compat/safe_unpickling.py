@@ -24,7 +24,7 @@ import pickle
 
 import torch
 
-from megatron_rl.compat.registry import MEGATRON_TESTED, TORCH_TESTED, Patch, register_patch
+from megatron_rl.compat.records import MEGATRON_TESTED, TORCH_TESTED, Patch, register_patch
 
 
 class UnsafeCheckpointFile(pickle.UnpicklingError):

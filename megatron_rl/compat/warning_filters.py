@@ -18,15 +18,15 @@ import logging
 import re
 import warnings
 
-from megatron_rl.compat.registry import (
+from megatron_rl.compat.records import (
     MEGATRON_TESTED,
     TORCH_TESTED,
     KnownLogMessage,
     KnownWarning,
-    all_known_log_messages,
-    all_known_warnings,
     register_log_message,
     register_warning,
+    registered_log_messages,
+    registered_warnings,
 )
 
 _CPU_MODE = r"megatron_rl\.compat\.cpu"
@@ -205,7 +205,7 @@ def quiet_known_log_messages() -> None:
     """One :class:`KnownLogFilter` per logger named by a :class:`KnownLogMessage` (replacing an
     earlier one, so calling this again does not stack filters)."""
     by_logger: dict[str, list[str]] = {}
-    for known in all_known_log_messages():
+    for known in registered_log_messages():
         by_logger.setdefault(known.logger, []).append(known.message)
     for name, patterns in by_logger.items():
         logger = logging.getLogger(name)
@@ -218,10 +218,10 @@ def quiet_known_warnings(cpu: bool | None = None) -> None:
     """Install a filter for every :class:`KnownWarning` (the CPU-only ones when ``cpu``) and every
     :class:`KnownLogMessage`."""
     if cpu is None:
-        from megatron_rl.compat import cuda_available
+        from megatron_rl.compat.devices import cuda_available
 
         cpu = not cuda_available()
-    for known in all_known_warnings():
+    for known in registered_warnings():
         if known.cpu_only and not cpu:
             continue
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
@@ -231,4 +231,4 @@ def quiet_known_warnings(cpu: bool | None = None) -> None:
 def pytest_filter_lines() -> list[str]:
     """The ``filterwarnings`` lines of ``pytest.ini`` (pytest cannot call into the package)."""
     return [f"ignore:{k.message}:{k.category.__name__}" + (f":{k.module}" if k.module else "")
-            for k in all_known_warnings()]
+            for k in registered_warnings()]

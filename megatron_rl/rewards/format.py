@@ -16,7 +16,7 @@ from megatron_rl.rewards.graders import (  # noqa: F401  (re-exported)
     score_format,
     score_math_answer_with_format,
 )
-from megatron_rl.rewards.registry import batch_reward, register_reward
+from megatron_rl.rewards.registration import batch_reward, register_reward
 
 format_reward = register_reward("format")(batch_reward(score_format, "format_reward", __name__))
 math_answer_with_format = register_reward("math_answer_with_format")(

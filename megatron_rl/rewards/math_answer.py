@@ -13,7 +13,7 @@ from megatron_rl.rewards.compare import answers_match  # noqa: F401  (re-exporte
 from megatron_rl.rewards.extract import extract_answer, reference_answer  # noqa: F401  (re-exported)
 from megatron_rl.rewards.graders import is_correct, score_math_answer  # noqa: F401  (re-exported)
 from megatron_rl.rewards.numbers import parse_number  # noqa: F401  (re-exported)
-from megatron_rl.rewards.registry import batch_reward, register_reward
+from megatron_rl.rewards.registration import batch_reward, register_reward
 from megatron_rl.rewards.symbolic import score_math_verify
 
 math_answer = register_reward("math_answer", "gsm8k")(batch_reward(score_math_answer, "math_answer", __name__))

@@ -22,86 +22,32 @@ import importlib
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 
 from megatron_rl.errors import UserInputError
-from megatron_rl.rewards.bounded import DEFAULT_TIMEOUT_S, Scores, bounded_map
 
 if TYPE_CHECKING:
     import torch
 
-RewardFn = Callable[..., object]
+from megatron_rl.rewards.registration import (  # noqa: F401 - resolved and listed here
+    _NAMES,
+    _REWARDS,
+    RewardFn,
+    _qualified,
+    batch_reward,
+    grader,
+    register_grader,
+    register_reward,
+    reward_name,
+)
 
 KEY = "reward.fn"
-
-_REWARDS: dict[str, RewardFn] = {}
-_NAMES: dict[RewardFn, str] = {}  # fn -> the name it was first registered under
-
 
 class RewardFunctionError(UserInputError):
     def one_line(self) -> str:
         return "reward error: " + super().one_line()
-
-
-def register_reward(name: str, *aliases: str):
-    """Decorator: make ``fn`` resolvable by ``name`` (and any ``aliases``) in ``reward.fn``."""
-
-    def decorator(fn: RewardFn) -> RewardFn:
-        for key in (name, *aliases):
-            old = _REWARDS.get(key)
-            # Re-registering the same function (a reloaded module) is fine; a different one is a clash.
-            if old is not None and _qualified(old) != _qualified(fn):
-                raise ValueError(f"reward name {key!r} is already registered to {reward_name(old)}")
-            _REWARDS[key] = fn
-        _NAMES.setdefault(fn, name)
-        return fn
-
-    return decorator
-
-
-def batch_reward(score: RewardFn, name: Optional[str] = None, module: Optional[str] = None) -> RewardFn:
-    """The batch reward of a per-sample grader ``score(response, answer, **kwargs) -> float``.
-
-    It returns :class:`Scores` (a list that also counts timed-out samples) and takes two keyword
-    arguments of its own: ``timeout_s`` (per sample; None grades in-process, unbounded) and
-    ``grading_workers`` (child processes grading at once, default 1).  ``name`` and ``module`` say
-    where the batch function is bound, so that it pickles by reference."""
-
-    def reward(prompts, responses, answers, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
-               grading_workers: int = 1, **kwargs) -> Scores:
-        for response in responses:
-            if not isinstance(response, str):
-                raise TypeError(f"a response must be a str, got {type(response).__name__}")
-        return bounded_map(score, list(zip(responses, answers)), kwargs, timeout_s, grading_workers)
-
-    reward.__name__ = reward.__qualname__ = name or score.__name__
-    reward.__module__ = module or score.__module__
-    reward.__doc__ = score.__doc__
-    reward.bounded = True
-    reward.grader = score
-    score.batch_reward = reward
-    return reward
-
-
-def grader(score: RewardFn) -> RewardFn:
-    """Decorator: mark a module-level ``score(response, answer, **kwargs) -> float`` as a grader, so
-    ``reward.fn: package.module:score`` resolves to its bounded batch reward.
-
-    The function itself is returned unchanged: the worker process imports it by module and name."""
-    batch_reward(score)
-    return score
-
-
-def register_grader(name: str, *aliases: str):
-    """Decorator: :func:`grader`, and register its batch reward under ``name`` (and ``aliases``)."""
-
-    def decorator(score: RewardFn) -> RewardFn:
-        register_reward(name, *aliases)(batch_reward(score, name))
-        return score
-
-    return decorator
 
 
 def _load_builtins() -> None:
@@ -114,19 +60,6 @@ def list_rewards() -> list[str]:
     """Every registered name, aliases included, sorted."""
     _load_builtins()
     return sorted(_REWARDS)
-
-
-def _qualified(fn: RewardFn) -> str:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    return f"{module}:{qualname}" if module and qualname else repr(fn)
-
-
-def reward_name(fn: RewardFn) -> str:
-    """The name used in messages: the registered name, else ``module:qualname``."""
-    try:
-        return _NAMES.get(fn) or _qualified(fn)
-    except TypeError:  # an unhashable callable object
-        return _qualified(fn)
 
 
 def get_reward_fn(spec: str) -> RewardFn:

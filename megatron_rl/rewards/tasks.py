@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.rewards.registry import register_reward
+from megatron_rl.rewards.registration import register_reward
 
 
 @register_reward("digit_sum")

@@ -57,6 +57,35 @@ def source_files() -> list[str]:
     return files
 
 
+def _imported_modules(path: str, known: set[str]) -> set[str]:
+    """The package's modules the file imports: ``from pkg import mod`` counts ``pkg.mod`` when that
+    is a module, else ``pkg``."""
+    with open(path, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), path)
+    here = _module_name(path).split(".")
+    if not path.endswith("__init__.py"):
+        here = here[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(here[: len(here) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                out.add(full if full in known else base)
+    return {m for m in out if m in known}
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (itself excluded)."""
+    files = {_module_name(p): p for p in source_files()}
+    known = set(files)
+    return {m: _imported_modules(p, known) - {m} for m, p in files.items()}
+
+
 def package_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = defaultdict(set)
     for path in source_files():
@@ -125,6 +154,10 @@ def main() -> int:
     arrows = upward_from_config()
     print(f"packages: {len(graph)}; package-level import cycles: {len(found)}")
     for component in found:
+        print(f"  cycle of {len(component)}: {', '.join(component)}")
+    modules = cycles(module_graph())
+    print(f"module-level import cycles: {len(modules)}")
+    for component in modules:
         print(f"  cycle of {len(component)}: {', '.join(component)}")
     print(f"imports out of config/ into packages above it: {len(arrows)}")
     for arrow in arrows:
