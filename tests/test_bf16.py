@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import ppo_body, read_metrics
+from tests.support.helpers import ppo_body, read_metrics
 from tests.test_context_parallel import hf_llama  # noqa: F401 - the fixture
 
 BF16 = ["model.params_dtype=bfloat16"]
@@ -310,7 +310,7 @@ def test_bf16_distributed_optimizer_state_reshards_exactly(tmp_path):
 def test_bf16_score_matches_hf_transformers(hf_llama, layout, tmp_path):  # noqa: F811 - the fixture
     """``megatron-rl score`` in bf16 against HF transformers in fp32 on the same random Llama (GQA,
     non-trivial norms): the 90 log-probs of six sequences agree to bf16 rounding."""
-    from tests._helpers import check_scores, score_body
+    from tests.support.helpers import check_scores, score_body
     from tests.test_context_parallel import HF_LAYOUTS
 
     hf_dir, reference_logprobs = hf_llama

@@ -117,7 +117,7 @@ def param_count_body(overrides: list[str]) -> int:
 
 def test_train_says_what_it_loaded_and_a_finished_rerun_exits_at_once(tmp_path):
     from megatron_rl.testing.harness import run_distributed
-    from tests._helpers import TINY
+    from tests.support.helpers import TINY
 
     args = ("train", *TINY, "trainer.steps=1", f"run.dir={tmp_path}", "run.name=r")
     first, first_s = cli(*args)
@@ -150,7 +150,7 @@ def test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_
     """trainer.resume=never where an earlier run saved step 2: the fresh run's step 1 is kept (the
     old step 2 used to outrank it, and retention deleted it), the old run is moved aside, not
     deleted, and a later trainer.resume=auto continues the fresh run."""
-    from tests._helpers import TINY
+    from tests.support.helpers import TINY
 
     common = ["train", *TINY, f"run.dir={tmp_path}", "run.name=r"]
     first, _ = cli(*common, "trainer.steps=2")

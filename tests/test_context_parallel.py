@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import CP_LENGTHS as LENGTHS
-from tests._helpers import CP_MODEL as MODEL
-from tests._helpers import CP_TOL as TOL
-from tests._helpers import (  # noqa: F401 - ActorCriticHead, build_with_value_head: tests/test_bf16.py uses them
+from tests.support.helpers import CP_LENGTHS as LENGTHS
+from tests.support.helpers import CP_MODEL as MODEL
+from tests.support.helpers import CP_TOL as TOL
+from tests.support.helpers import (  # noqa: F401 - ActorCriticHead, build_with_value_head: tests/test_bf16.py uses them
     ActorCriticHead,
     actor_critic_step,
     build_with_value_head,
@@ -25,8 +25,8 @@ from tests._helpers import (  # noqa: F401 - ActorCriticHead, build_with_value_h
     cp_reference,
     make_sequences,
 )
-from tests._helpers import max_diff_outputs as _max_diff_outputs
-from tests._helpers import max_diff_tensors as _max_diff_grads
+from tests.support.helpers import max_diff_outputs as _max_diff_outputs
+from tests.support.helpers import max_diff_tensors as _max_diff_grads
 
 
 def train_body(layout_kw: dict, weights, lengths, plan_kw: dict, forward_only: bool = False):
@@ -71,7 +71,7 @@ def hf_llama(tmp_path_factory):
     import json
     import os
 
-    from tests._helpers import COMMON, hf_logprobs, make_hf_model
+    from tests.support.helpers import COMMON, hf_logprobs, make_hf_model
 
     path = str(tmp_path_factory.mktemp("hf_cp") / "llama")
     model = make_hf_model("llama", path)
@@ -94,7 +94,7 @@ HF_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(HF_LAYOUTS))
 def test_score_matches_hf_transformers(hf_llama, layout, tmp_path):
-    from tests._helpers import check_scores, score_body
+    from tests.support.helpers import check_scores, score_body
 
     hf_dir, reference_logprobs = hf_llama
     world, overrides = HF_LAYOUTS[layout]

@@ -21,7 +21,7 @@ import random
 
 import pytest
 
-from tests._helpers import CP_STEP_OPTIM, check_against_reference
+from tests.support.helpers import CP_STEP_OPTIM, check_against_reference
 
 # Every comm type of the local attention path.  a2a groups have 2 ranks: the test model's 4 heads
 # and 2 KV heads split to 2 and 1 per rank; at TP2 to 1 head per rank, the one KV head replicated.

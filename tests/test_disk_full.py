@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests._helpers import TINY
+from tests.support.helpers import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

@@ -415,7 +415,7 @@ def layout_body(layout_kw: dict, micro_batch_size: int, name: str, agg: str, wei
     from megatron_rl.models.canonical import gather_canonical
     from megatron_rl.models.heads import LogProbHead
     from megatron_rl.trainer.update import actor_loss_fn, loss_denominator
-    from tests._helpers import CUT_BATCH_LENGTHS, response_mask, small_actor
+    from tests.support.helpers import CUT_BATCH_LENGTHS, response_mask, small_actor
 
     trainable, weights = small_actor(layout_kw, weights)
     g = torch.Generator().manual_seed(11)

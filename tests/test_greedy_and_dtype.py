@@ -18,7 +18,7 @@ import torch
 
 from megatron_rl.ops.logprob import logprob_temperature, naive_logprobs, vocab_parallel_logprobs
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import TINY
+from tests.support.helpers import TINY
 
 VOCAB, PADDED = 1000, 1024
 

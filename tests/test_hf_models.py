@@ -1,10 +1,10 @@
 """Megatron models built from Hugging Face checkpoints compute what HF transformers computes.
 
 Tiny Llama / Qwen2 / Qwen3 / Mistral checkpoints are created with random weights by
-``tests/_helpers.py`` (no downloads).  `score` on each parallel layout must reproduce HF's per-token log-probs in fp32;
-the
-bridge must round-trip HF -> Megatron (TP2xPP2) -> HF bit-exactly; the critic's values must not
-depend on the layout, and its value head must get the same gradient on every TP rank.
+``tests/support/helpers.py`` (no downloads).  `score` on each parallel layout must reproduce HF's
+per-token log-probs in fp32; the bridge must round-trip HF -> Megatron (TP2xPP2) -> HF bit-exactly;
+the critic's values must not depend on the layout, and its value head must get the same gradient on
+every TP rank.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import ARCHS, COMMON, check_scores, hf_logprobs, make_hf_model, roundtrip_body, score_body
+from tests.support.helpers import ARCHS, COMMON, check_scores, hf_logprobs, make_hf_model, roundtrip_body, score_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {

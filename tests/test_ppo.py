@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import TINY, ppo_body, read_metrics
+from tests.support.helpers import TINY, ppo_body, read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED = ("step", "reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/entropy",
@@ -397,7 +397,7 @@ def normalisation_body(layout_kw: dict, micro_batch_size: int, agg: str, weights
     from megatron_rl.models.canonical import gather_canonical
     from megatron_rl.models.heads import LogProbHead
     from megatron_rl.trainer.update import actor_loss_fn, loss_denominator
-    from tests._helpers import CUT_BATCH_LENGTHS, response_mask, small_actor
+    from tests.support.helpers import CUT_BATCH_LENGTHS, response_mask, small_actor
 
     trainable, weights = small_actor(layout_kw, weights)
     g = torch.Generator().manual_seed(11)

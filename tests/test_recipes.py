@@ -19,7 +19,7 @@ import torch
 from megatron_rl.testing.harness import run_distributed
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.experience import Samples
-from tests._helpers import TINY, read_metrics, train_body
+from tests.support.helpers import TINY, read_metrics, train_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_RECIPES = ["grpo_cpu", "dapo_cpu", "gspo_cpu", "reinforce_pp_cpu"]

@@ -126,7 +126,7 @@ def _optimizer_step(chunks, batch):
     from megatron_rl.engine.forward import BatchPlan, run_sequences
     from megatron_rl.engine.trainable import make_trainable
     from megatron_rl.models.heads import LogProbHead
-    from tests._helpers import response_mask
+    from tests.support.helpers import response_mask
 
     trainable = make_trainable(chunks, OptimConfig(lr=1e-2), total_steps=1)
     seqs = [{"tokens": torch.tensor(p + r), "mask": response_mask(len(p), len(r))}
@@ -213,8 +213,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    """The tiny random HF checkpoints of ``tests/_helpers.py``: ``{kind: (directory, model)}``."""
-    from tests._helpers import make_hf_model
+    """The tiny random HF checkpoints of ``tests/support/helpers.py``: ``{kind: (directory, model)}``."""
+    from tests.support.helpers import make_hf_model
 
     root = tmp_path_factory.mktemp("hf")
     return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in ("llama", "qwen2")}
@@ -444,7 +444,7 @@ def test_ppo_runs_with_the_megatron_engine_and_recomputes_its_logprobs(tmp_path)
     """Two PPO steps at TP=2 with rollout.engine=megatron: the engine is suspended while the actor
     trains and generates from the updated shards; the trainer's recomputed old log-probs match
     what the engine sampled with."""
-    from tests._helpers import ppo_body, read_metrics
+    from tests.support.helpers import ppo_body, read_metrics
 
     run_distributed(2, ppo_body, ["parallel.tp=2", "rollout.engine=megatron", "rollout.kv_cache_memory=4e6",
                                   "rollout.kv_block_tokens=16", "trainer.steps=2", f"run.dir={tmp_path}",
@@ -462,7 +462,7 @@ LEARNING_STEPS = 20
 def test_grpo_learns_the_demo_task_with_the_megatron_engine(tmp_path):
     """The GRPO recipe on the demo task (configs/grpo_cpu.yaml, add_small) generating with
     rollout.engine=megatron: the reward rises, and the trainer's old log-probs match the engine's."""
-    from tests._helpers import read_metrics, train_body
+    from tests.support.helpers import read_metrics, train_body
 
     overrides = ["rollout.engine=megatron", "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16",
                  f"trainer.steps={LEARNING_STEPS}", f"run.dir={tmp_path}", "run.name=r"]
@@ -491,7 +491,7 @@ def test_config_refuses_the_megatron_engine_with_virtual_pipeline_stages():
 def test_generate_command_writes_tokens_text_and_logprobs(tmp_path):
     """megatron-rl generate on a tiny HF model: n samples per prompt line, log-probs included."""
     from megatron_rl.testing.harness import get_pool
-    from tests._helpers import make_hf_model
+    from tests.support.helpers import make_hf_model
 
     hf_dir = str(tmp_path / "hf")
     make_hf_model("llama", hf_dir)

@@ -133,7 +133,7 @@ def test_a_single_process_job_needs_no_tcp_port(tmp_path):
     import subprocess
     import sys
 
-    from tests._helpers import TINY
+    from tests.support.helpers import TINY
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = (

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests._helpers import TINY, ppo_body, read_metrics
+from tests.support.helpers import TINY, ppo_body, read_metrics
 
 MODEL = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
              vocab_size=61)

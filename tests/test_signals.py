@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests._helpers import TINY
+from tests.support.helpers import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests._helpers import TINY
+from tests.support.helpers import TINY
 from tests.support.local_slurm import TERMINAL_STATES, LocalSlurm, SlurmUnavailable, run_log_path
 
 pytestmark = pytest.mark.slow

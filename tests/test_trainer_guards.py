@@ -14,7 +14,7 @@ from megatron_rl.testing.harness import run_distributed
 from megatron_rl.trainer.experience import Samples, response_positions
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed
-from tests._helpers import TINY
+from tests.support.helpers import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,10 +152,10 @@ def test_plain_reward_that_never_returns_stops_the_job_with_one_line(tmp_path):
 
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *TINY,
-                           "reward.fn=tests._helpers:never_returns", "reward.timeout_s=0.5",
+                           "reward.fn=tests.support.helpers:never_returns", "reward.timeout_s=0.5",
                            "distributed.timeout_s=30", "trainer.steps=3", f"run.dir={tmp_path}", "run.name=h"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     print(f"job ended after {time.monotonic() - start:.1f} s")
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "reward error: reward.fn=tests._helpers:never_returns: did not return within 2 s " \
+    assert "reward error: reward.fn=tests.support.helpers:never_returns: did not return within 2 s " \
            "(reward.timeout_s=0.5 per response, 4 responses" in proc.stderr, proc.stderr[-3000:]

@@ -17,7 +17,7 @@ TINY = [
     "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
     "model.num_query_groups=2", "model.vocab_size=64", "model.max_position_embeddings=64",
     "data.train_path=task:add_small", "data.tokenizer=char", "data.max_prompt_tokens=16",
-    "reward.fn=tests._helpers:digit_share", "rollout.n=2", "rollout.max_new_tokens=3",
+    "reward.fn=tests.support.helpers:digit_share", "rollout.n=2", "rollout.max_new_tokens=3",
     "trainer.prompts_per_step=4", "trainer.plot=false", "actor.optim.lr=0.003", "critic.optim.lr=0.003",
     "batch.micro_batch_size=2", "algorithm.kl_coef=0.05", "algorithm.mini_batches=2",
 ]
