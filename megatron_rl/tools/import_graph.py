@@ -3,9 +3,9 @@ cycles among them, and the imports that run up out of ``config/`` (the bottom la
 
     python -m megatron_rl.tools.import_graph          # counts, the cycles, the upward imports
 
-Every ``import``/``from ... import`` counts, at module level or inside a function (a deferred
-import is still a dependency).  Package = the first name below ``megatron_rl`` (a module at the
-top, ``errors.py``, counts as its own package).
+Every ``import``/``from ... import`` counts, at module level or inside a function (a deferred import
+is still a dependency), except under ``if TYPE_CHECKING:``.  Package = the first name below
+``megatron_rl`` (a module at the top, ``errors.py``, counts as its own package).
 """
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ def _module_name(path: str) -> str:
     return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (type-only imports are no
+    dependency at run time)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for child in node.body for n in ast.walk(child))
+    return (n for n in ast.walk(tree) if id(n) not in skip)
+
+
 def imports_of(path: str) -> list[tuple[int, str]]:
     """``(line, imported module)`` for every import in the file (relative ones resolved)."""
     with open(path, encoding="utf-8") as fh:
@@ -38,7 +48,7 @@ def imports_of(path: str) -> list[tuple[int, str]]:
     if not path.endswith("__init__.py"):
         here = here[:-1]
     out = []
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.extend((node.lineno, alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -66,7 +76,7 @@ def _imported_modules(path: str, known: set[str]) -> set[str]:
     if not path.endswith("__init__.py"):
         here = here[:-1]
     out = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names if alias.name in known)
         elif isinstance(node, ast.ImportFrom):
