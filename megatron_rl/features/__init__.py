@@ -75,4 +75,12 @@ def render_markdown(versions: dict[str, str]) -> str:
             summary = f.summary + "".join(f"<br>Measured: {m.figure} (`{m.command}`)" for m in f.measured)
             lines.append(f"| **{f.name}**: {summary} | {f.status} | {f.config or '-'} | {cons} | {ev} |")
         lines.append("")
+    lines += ["## What does not work together", "",
+              "Every combination config validation refuses before launch, by the feature whose rule it is "
+              "(the same rules as the Constraints column above).", "",
+              "| Area | Feature | Needs |", "|---|---|---|"]
+    for module in AREA_MODULES:
+        for f in module.FEATURES:
+            lines += [f"| {module.AREA} | {f.name} | {c.text} |" for c in f.constraints]
+    lines.append("")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, need
+from megatron_rl.features.base import GPU_UNTESTED, PLANNED, TESTED_CPU, Feature, need
 from megatron_rl.models.arch import is_moe
 
 AREA = "models"
@@ -137,5 +137,10 @@ FEATURES = [
         "The value head on an MoE model: values and gradients independent of the TP/PP/CP/EP layout.",
         ("tests/test_moe.py::test_loss_and_gradients_match_one_process",),
         config="critic (PPO with GAE) on an MoE model",
+    ),
+    Feature(
+        "YaRN RoPE scaling", "models", PLANNED,
+        "HF rope_scaling type yarn (Qwen2.5 long context) mapped onto megatron-core's YaRN embedding; today such a "
+        "model is refused before launch.",
     ),
 ]

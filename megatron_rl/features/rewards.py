@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import TESTED_CPU, Feature, Measured
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured
 
 AREA = "rewards"
 FEATURES = [
@@ -68,5 +68,10 @@ FEATURES = [
         "watchdog ends the rank even when the function is stuck in C).",
         ("tests/test_trainer_guards.py::test_plain_reward_that_never_returns_stops_the_job_with_one_line",),
         config="reward.timeout_s",
+    ),
+    Feature(
+        "verl reward functions (compute_score)", "rewards", PLANNED,
+        "verl's compute_score(data_source, solution_str, ground_truth, extra_info) called with the record's "
+        "data_source and extra_info; today reward functions take (prompts, responses, answers).",
     ),
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import TESTED_CPU, Feature, Measured, need
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 AREA = "rollout"
@@ -94,5 +94,21 @@ FEATURES = [
         "sample is gathered once.",
         ("tests/test_rollout_megatron_engine.py::test_every_prompt_is_generated_once_over_the_world",),
         config="(always on)",
+    ),
+    Feature(
+        "Generation on its own layout with weight refit", "rollout", PLANNED,
+        "Rollout on a layout of its own (e.g. TP1 replicas while training runs TP4 x CP2 with recompute), weights "
+        "moved by megatron-core's resharding (swap_model_weights) each step; today rollout runs on the training "
+        "layout.",
+    ),
+    Feature(
+        "Asynchronous RL (one-step-off and fully async)", "rollout", PLANNED,
+        "Generators and trainers on separate ranks, generation of step k+1 overlapping the update of step k, with "
+        "staleness bounds and importance correction; today every step generates, then trains.",
+    ),
+    Feature(
+        "Multi-turn rollouts with tools and environments", "rollout", PLANNED,
+        "Token-in-token-out trajectories over several turns, tool calls and environment feedback masked out of the "
+        "loss; today a rollout is one response per prompt.",
     ),
 ]
