@@ -136,7 +136,7 @@ def run_sequences(
 
     def forward_step(mb: Microbatch, model):
         inputs, packed_params = _model_inputs(mb, device)
-        for hook in getattr(unwrap(model), "microbatch_hooks", ()):  # e.g. MoE routers (models/moe.py)
+        for hook in getattr(unwrap(model), "microbatch_hooks", ()):  # e.g. MoE routers (models/moe/router.py)
             hook(mb)
         hidden = model(inputs["tokens"], inputs["position_ids"], None, packed_seq_params=packed_params)
 
