@@ -26,7 +26,15 @@ import torch
 
 from megatron_rl.capabilities import te_usable, te_version
 from megatron_rl.testing.harness import close_all_pools, run_distributed
-from tests.support.helpers import ActorCriticHead, check_scores, hf_logprobs, read_metrics, roundtrip_body, score_body
+from tests.support.helpers import (
+    ActorCriticHead,
+    check_scores,
+    hf_logprobs,
+    read_metrics,
+    roundtrip_body,
+    score_body,
+    spec_logits_body,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 1e-5
@@ -793,36 +801,13 @@ def test_planner_moe_activations_match_a_measurement(layout, shared):
     assert abs(error) <= MOE_PLANNER_TOLERANCE
 
 
-def te_moe_logits_body(impl: str, weights):
-    """Logits of a small MoE model with the ``impl`` layer spec on CUDA (``weights``: canonical, or
-    None to keep the seeded init and return it)."""
-    from megatron_rl.config.schema import ModelConfig, MoEConfig
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.canonical import gather_canonical, load_canonical
-    from megatron_rl.testing.layouts import use_layout
-
-    layout = use_layout()
-    cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=256, transformer_impl=impl, params_dtype="float32",
-                      moe=MoEConfig(num_experts=4, router_topk=2, ffn_hidden_size=64))
-    device = torch.device("cuda")
-    chunk = build_gpt_chunks(cfg, layout, device)[0]
-    if weights is None:
-        weights = gather_canonical([chunk])
-    else:
-        load_canonical([chunk], weights)
-    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
-    positions = torch.arange(64, device=device).expand(2, 64)
-    hidden = chunk(tokens, positions, None)
-    return weights, (hidden.float() @ chunk.output_weight().float().t()).cpu()
-
-
 @pytest.mark.skipif(not te_usable(), reason="needs TransformerEngine and CUDA: TE's grouped-GEMM experts have no "
                     f"CPU kernels (TE: {te_version() or 'not installed'})")
 def test_te_grouped_gemm_spec_matches_local_spec():
     """TransformerEngine's grouped-GEMM experts give the local spec's numbers on the same weights."""
-    weights, local = run_distributed(1, te_moe_logits_body, "local", None)[0]
-    _, te = run_distributed(1, te_moe_logits_body, "transformer_engine", weights)[0]
+    experts = dict(num_experts=4, router_topk=2, ffn_hidden_size=64)
+    weights, local = run_distributed(1, spec_logits_body, "local", None, experts)[0]
+    _, te = run_distributed(1, spec_logits_body, "transformer_engine", weights, experts)[0]
     assert (local - te).abs().max() < 2e-3
 
 

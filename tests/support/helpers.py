@@ -365,3 +365,30 @@ def check_against_reference(world, layout_kw, plan_kw, lengths=CP_LENGTHS, model
     assert all(float(g.abs().max()) > 0 for g in ref["grads"].values())
     rank0["per_rank_tokens"] = [rank0["local_tokens"]] + got[1:]
     return rank0
+
+
+def spec_logits_body(impl: str, weights, moe: dict | None = None):
+    """Harness body (CUDA): logits of a small model built with the ``impl`` layer spec -- with routed
+    experts when ``moe`` (MoEConfig fields) is given -- on ``weights`` (canonical), or on its own
+    init when ``weights`` is None; returns ``(weights, logits)`` so a second spec can reuse them."""
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import gather_canonical, load_canonical
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout()
+    cfg = ModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=256, transformer_impl=impl, params_dtype="float32",
+                      moe=MoEConfig(**moe) if moe else MoEConfig())
+    device = torch.device("cuda")
+    chunk = build_gpt_chunks(cfg, layout, device)[0]
+    if weights is None:
+        weights = gather_canonical([chunk])
+    else:
+        load_canonical([chunk], weights)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(64, device=device).expand(2, 64)
+    hidden = chunk(tokens, positions, None)
+    return weights, (hidden.float() @ chunk.output_weight().float().t()).cpu()
