@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -161,7 +162,7 @@ def old_logprob_body(source: str, overrides: list[str]):
         metrics = trainer.train_step(2)
     finally:
         hook.remove()
-    return {"grads": grads, "metrics": metrics, "forwards": forwards[0], "source": trainer.old_logprobs}
+    return {"grads": grads, "metrics": metrics, "forwards": forwards[0], "source": trainer.old_logprobs.name}
 
 
 def test_on_policy_shortcut_gives_the_recompute_gradients_with_one_forward_fewer(tmp_path):
@@ -220,6 +221,43 @@ def test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it()
                       ["algorithm.old_logprobs=rollout", "algorithm.rollout_correction.mode=tis"]):
         with pytest.raises(ConfigError, match=r"^config error: algorithm.old_logprobs="):
             validate(load_config(None, overrides), 1)
+
+
+def test_old_policy_is_assembled_the_same_way_for_every_source():
+    """The experience is never edited after the update: the old policy combines it with what the
+    update's first forward measured, by the resolved source's strategy."""
+    from megatron_rl.algorithms.kl import estimate
+    from megatron_rl.algorithms.old_logprobs import SOURCES, old_logprob_source
+    from megatron_rl.trainer.experience import Experience, Samples
+    from megatron_rl.trainer.old_policy import PolicyPass, old_policy
+
+    assert {n: (s.recompute, s.loss_reads_old, s.measured_in_update) for n, s in SOURCES.items()} == {
+        "recompute": (True, True, False), "training_forward": (False, False, True), "rollout": (False, True, True)}
+    with pytest.raises(ValueError, match="not resolved"):
+        old_logprob_source("auto")
+    samples = Samples([0, 0], [0, 0], [[1, 2], [1, 2, 3]], [[4, 5, 6], [7]], [[-1.0, -2.0, -3.0], [-0.5]],
+                      ["stop", "length"])
+    mask = samples.response_mask()
+    outs = [{"logprob": torch.arange(5.0) * -0.1, "entropy": torch.full((5,), 0.7)},
+            {"logprob": torch.arange(4.0) * -0.2, "entropy": torch.full((4,), 0.3)}]
+    ref = torch.tensor([[-1.1, -2.2, -2.9], [-0.4, 0.0, 0.0]]) * mask
+    exp = Experience(samples, torch.tensor([1.0, 0.0]), mask, None, ref, None, torch.zeros_like(mask),
+                     torch.zeros_like(mask), None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        exp.old_logprob = ref
+    # training_forward: the update's first forward (every sample) is the old policy, KL from it.
+    every = PolicyPass.from_outputs(samples, mask, outs)
+    torch.testing.assert_close(every.logprob, torch.tensor([[-0.1, -0.2, -0.3], [-0.4, 0.0, 0.0]]))
+    pol = old_policy(exp, every, "k1")
+    assert pol.logprob is every.logprob and pol.measured is None
+    torch.testing.assert_close(pol.kl, estimate(every.logprob, ref, "k1") * mask)
+    # rollout, two mini-batches: the loss read the engine's; the trainer measured sample 1 only.
+    rollout = dataclasses.replace(exp, old_logprob=samples.rollout_logprobs() * mask)
+    part = PolicyPass.from_outputs(samples, mask, outs[1:], [1])
+    pol = old_policy(rollout, part, "k1")
+    assert pol.measured.tolist() == [False, True] and pol.trainer_logprob[0].abs().sum() == 0
+    assert pol.entropy[1, 0] == pytest.approx(0.3) and pol.logprob is rollout.old_logprob
+    assert pol.kl[0].tolist() == pytest.approx([0.1, 0.2, -0.1])  # k1: old - ref, from the engine's
 
 
 # ----------------------------------------------------------------------------- exact resume

@@ -21,7 +21,9 @@ reward (it changes the advantages).  Config validation enforces it (``megatron_r
 
 from __future__ import annotations
 
-from megatron_rl.config.choices import OLD_LOGPROB_SOURCES  # noqa: F401 - read here by its users
+import dataclasses
+
+from megatron_rl.config.choices import AUTO, OLD_LOGPROB_SOURCES, require_same
 
 
 def training_forward_blockers(alg) -> list[str]:
@@ -43,3 +45,45 @@ def resolve_old_logprob_source(alg) -> str:
     if alg.old_logprobs != "auto":
         return alg.old_logprobs
     return "recompute" if training_forward_blockers(alg) else "training_forward"
+
+
+@dataclasses.dataclass(frozen=True)
+class OldLogprobSource:
+    """How one ``algorithm.old_logprobs`` source obtains the policy before the update.
+
+    ``recompute``: a no-grad pass of the actor before the update measures it;
+    ``from_rollout``: the loss reads the engine's sampling log-probs;
+    neither: the loss reads its own forward's, detached.  Without ``recompute`` the trainer's
+    log-probs, entropy and (with ``training_forward``) the KL are measured on the update's first
+    forward, on the weights before any update of the step."""
+
+    name: str
+    recompute: bool
+    from_rollout: bool
+
+    @property
+    def measured_in_update(self) -> bool:
+        return not self.recompute
+
+    @property
+    def loss_reads_old(self) -> bool:
+        """Whether the loss gets the old log-probs as an input (else it takes its own forward's)."""
+        return self.recompute or self.from_rollout
+
+
+SOURCES: dict[str, OldLogprobSource] = {
+    "recompute": OldLogprobSource("recompute", recompute=True, from_rollout=False),
+    "training_forward": OldLogprobSource("training_forward", recompute=False, from_rollout=False),
+    "rollout": OldLogprobSource("rollout", recompute=False, from_rollout=True),
+}
+
+
+def old_logprob_source(name: str) -> OldLogprobSource:
+    """The strategy for a resolved ``algorithm.old_logprobs`` (``auto`` is resolved before launch)."""
+    try:
+        return SOURCES[name]
+    except KeyError:
+        raise ValueError(f"algorithm.old_logprobs={name!r} is not resolved; resolve the config first") from None
+
+
+require_same((AUTO, *SOURCES), OLD_LOGPROB_SOURCES, "algorithm.old_logprobs")

@@ -16,6 +16,7 @@ import torch
 from megatron_rl.algorithms import advantages as adv
 from megatron_rl.config.schema import AlgorithmConfig
 from megatron_rl.rollout.engine import RolloutBatch
+from megatron_rl.trainer.old_policy import PolicyPass
 
 
 def response_positions(prompt_len: int, response_len: int) -> slice:
@@ -98,25 +99,25 @@ class Samples:
         return mask
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Experience:
+    """Everything the update reads, complete before it starts and never edited after it; what only
+    the update's first forward measures comes back separately
+    (:class:`megatron_rl.trainer.old_policy.PolicyPass`)."""
+
     samples: Samples
     scores: torch.Tensor           # [B] reward of each sample
     mask: torch.Tensor             # [B, R]
-    old_logprob: Optional[torch.Tensor]  # [B, R]; None until the update with old_logprobs=training_forward
-    entropy: Optional[torch.Tensor]      # [B, R] of the trainer's policy before this step's update
+    old_logprob: Optional[torch.Tensor]  # [B, R]; None with old_logprobs=training_forward (the loss's own)
     ref_logprob: Optional[torch.Tensor]
     values: Optional[torch.Tensor]
-    token_rewards: torch.Tensor
+    token_rewards: torch.Tensor    # with the KL penalty subtracted when it is in the reward
     advantages: torch.Tensor
     returns: Optional[torch.Tensor]
-    kl: Optional[torch.Tensor]
     rollout_weights: Optional[torch.Tensor] = None  # [B, R] rollout-correction loss multipliers
     metrics: dict = dataclasses.field(default_factory=dict)  # algorithm metrics of this step
-    # The trainer's own log-probs before this step's update (the recompute pass, or the update's
-    # first forward), on the rows ``measured`` marks (None: every row).
-    trainer_logprob: Optional[torch.Tensor] = None
-    measured: Optional[torch.Tensor] = None
+    # The recompute pass's log-probs and entropy (old_logprobs=recompute; else None).
+    trainer_pass: Optional[PolicyPass] = None
 
     def full_length(self, i: int, rows: torch.Tensor) -> torch.Tensor:
         """Row ``i`` of a ``[B, R]`` tensor placed at its response positions of the full sequence."""

@@ -17,6 +17,7 @@ import torch
 from megatron_rl.algorithms import losses
 from megatron_rl.engine.trainable import StepResult
 from megatron_rl.trainer.experience import Experience
+from megatron_rl.trainer.old_policy import OldPolicy
 
 KEY_FIGURES = {"reward/mean": "reward", "actor/kl": "kl", "actor/pg_loss": "pg_loss", "critic/vf_loss": "vf_loss",
                "actor/entropy": "entropy", "response_length/mean": "resp_len", "actor/grad_norm": "grad_norm"}
@@ -95,14 +96,14 @@ class MetricsWriter:
             self._wandb.finish()
 
 
-def experience_metrics(exp: Experience) -> dict:
+def experience_metrics(exp: Experience, policy: OldPolicy) -> dict:
     """Rewards, response lengths, entropy, advantages, rollout-vs-trainer log-prob mismatch, values.
 
     Entropy and the mismatch are over the samples the trainer's pre-update log-probs were measured
-    on (``exp.measured``; every sample unless old_logprobs=rollout with several mini-batches)."""
+    on (``policy.measured``; every sample unless old_logprobs=rollout with several mini-batches)."""
     mask, samples = exp.mask, exp.samples
     lengths = mask.sum(-1)
-    measured = mask if exp.measured is None else mask * exp.measured[:, None]
+    measured = mask if policy.measured is None else mask * policy.measured[:, None]
     out = {
         "reward/mean": float(exp.scores.mean()), "reward/std": float(exp.scores.std()) if len(exp.scores) > 1 else 0.0,
         "reward/max": float(exp.scores.max()), "reward/min": float(exp.scores.min()),
@@ -110,10 +111,10 @@ def experience_metrics(exp: Experience) -> dict:
         "response_length/stopped_frac": sum(r == "stop" for r in samples.finish_reason) / len(samples),
         "advantages/mean": float(losses.aggregate(exp.advantages, mask, "token-mean")),
     }
-    if exp.entropy is not None:
-        out["actor/entropy"] = float(losses.aggregate(exp.entropy, measured, "token-mean"))
-    if exp.trainer_logprob is not None:
-        diff = (samples.rollout_logprobs() - exp.trainer_logprob).abs() * measured
+    if policy.entropy is not None:
+        out["actor/entropy"] = float(losses.aggregate(policy.entropy, measured, "token-mean"))
+    if policy.trainer_logprob is not None:
+        diff = (samples.rollout_logprobs() - policy.trainer_logprob).abs() * measured
         out["rollout/logprob_mismatch_mean"] = float(diff.sum() / measured.sum().clamp(min=1))
         out["rollout/logprob_mismatch_max"] = float(diff.max())
     if exp.values is not None:

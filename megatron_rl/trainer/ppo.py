@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_rl.algorithms import losses
 from megatron_rl.algorithms.advantages import needs_critic
 from megatron_rl.algorithms.kl import apply_kl_penalty, make_kl_controller
+from megatron_rl.algorithms.old_logprobs import old_logprob_source
 from megatron_rl.algorithms.rollout_correction import correction_weights
 from megatron_rl.algorithms.shaping import overlong_penalty
 from megatron_rl.config.model_io import model_config_to_dict
@@ -74,6 +75,7 @@ from megatron_rl.trainer.metrics import (
     plot_metrics,
     throughput_metrics,
 )
+from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.update import (
@@ -139,9 +141,9 @@ class PPOTrainer:
         how = f" (auto: {engine.why})" if engine.origin == AUTO_ORIGIN else ""
         self.log(f"rollout: {engine.value} engine{how}, up to {batch.value} sequences per generation pass per rank "
                  f"({'derived' if batch.origin == DERIVED else 'rollout.max_batch_size'})")
-        self.old_logprobs = cfg.algorithm.old_logprobs
+        self.old_logprobs = old_logprob_source(cfg.algorithm.old_logprobs)
         auto = self.resolution.get("algorithm.old_logprobs").origin == AUTO_ORIGIN
-        self.log(f"old log-probs: {self.old_logprobs}" + (" (auto)" if auto else ""))
+        self.log(f"old log-probs: {self.old_logprobs.name}" + (" (auto)" if auto else ""))
         self.log("resolved: " + ", ".join(self.resolution.lines()))
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn)
@@ -330,9 +332,9 @@ class PPOTrainer:
             samples, scores, sampling_metrics = self._sample(step, timings)
             with timed("experience", timings):
                 exp = self._experience(samples, scores, timings)
-            metrics, exp = self._update(exp, step, timings)
-            metrics.update(self._update_kl_coef(exp))
-            metrics.update(experience_metrics(exp))
+            metrics, policy = self._update(exp, step, timings)
+            metrics.update(self._update_kl_coef(exp, policy))
+            metrics.update(experience_metrics(exp, policy))
             metrics.update(sampling_metrics)
             metrics.update(exp.metrics)
         metrics.update(timings)
@@ -408,17 +410,18 @@ class PPOTrainer:
         seqs = samples.sequences()
         mask = samples.response_mask()
         head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
-        old = ref = values = None
+        ref = values = recomputed = None
         # Routing replay: the experts the rollout engine routed to, else the old-log-prob pass's.
         replay_mode = None
         if alg.routing_replay:
             replay_mode = "forward_replay" if load_routing(self.actor.chunks, samples.routing) else "record"
         with torch.no_grad():
-            if self.old_logprobs == "recompute":
+            if self.old_logprobs.recompute:
                 with timed("old_logprob", timings):
                     self._phase("actor")
                     with moe_pass(self.actor.chunks, seqs, replay_mode):
-                        old, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
+                        outs, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
+                recomputed = PolicyPass.from_outputs(samples, mask, outs)
             if self.reference is not None:
                 with timed("ref_logprob", timings):
                     self._phase("reference")
@@ -428,23 +431,21 @@ class PPOTrainer:
                 with timed("values", timings):
                     self._phase("critic")
                     values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
-        # training_forward: filled in by the update (_measured_in_update); rollout: the engine's.
-        old_logprob = entropy = None
-        if old is not None:
-            old_logprob = samples.pad_responses([o["logprob"] for o in old]) * mask
-            entropy = samples.pad_responses([o["entropy"] for o in old]) * mask
-        elif self.old_logprobs == "rollout":
+        # training_forward: none here, the loss reads its own forward's (detached).
+        old_logprob = None
+        if recomputed is not None:
+            old_logprob = recomputed.logprob
+        elif self.old_logprobs.from_rollout:
             old_logprob = samples.rollout_logprobs() * mask
         ref_logprob = samples.pad_responses([o["logprob"] for o in ref]) * mask if ref is not None else None
         value_rows = samples.pad_responses([o["value"] for o in values]) * mask if values is not None else None
         token_rewards = token_rewards_from_scores(scores, mask)
-        kl = None
-        if ref_logprob is not None and old_logprob is not None:
-            # The per-token KL is always measured (metrics, controller); it is subtracted from the
-            # rewards only with kl_in_reward -- otherwise the actor loss carries it (coefficient 0 here).
-            # Outcome estimators (GRPO, RLOO, ...) see it as the row sum of the penalised token rewards.
-            coef = self.kl_ctl.value if alg.kl_in_reward else 0.0
-            token_rewards, kl = apply_kl_penalty(token_rewards, old_logprob, ref_logprob, mask, coef, alg.kl_kind)
+        if ref_logprob is not None and alg.kl_in_reward:
+            # The KL penalty in the reward (else the actor loss carries it); outcome estimators (GRPO,
+            # RLOO, ...) see it as the row sum of the penalised token rewards.  Validation keeps
+            # old_logprobs=training_forward away from it, so the old log-probs are known here.
+            token_rewards, _ = apply_kl_penalty(token_rewards, old_logprob, ref_logprob, mask, self.kl_ctl.value,
+                                                alg.kl_kind)
         advantage_rows, returns = compute_advantages(
             alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows, alg,
         )
@@ -453,17 +454,16 @@ class PPOTrainer:
         if correction.mode != "off":
             weights, metrics = correction_weights(old_logprob, samples.rollout_logprobs(), mask, correction.mode,
                                                   correction.level, correction.threshold)
-        return Experience(samples, scores, mask, old_logprob, entropy, ref_logprob, value_rows, token_rewards,
-                          advantage_rows, returns, kl, rollout_weights=weights, metrics=metrics,
-                          trainer_logprob=old_logprob if old is not None else None)
+        return Experience(samples, scores, mask, old_logprob, ref_logprob, value_rows, token_rewards,
+                          advantage_rows, returns, rollout_weights=weights, metrics=metrics, trainer_pass=recomputed)
 
-    def _update(self, exp: Experience, step: int, timings: dict) -> tuple[dict, Experience]:
+    def _update(self, exp: Experience, step: int, timings: dict) -> tuple[dict, OldPolicy]:
         """The actor's, then the critic's updates on the same mini-batches; returns their metrics
-        and the experience completed with what only the update's first forward measures (with
-        ``training_forward``/``rollout`` old log-probs: the trainer's log-probs, entropy and KL)."""
+        and the policy before the update (:mod:`megatron_rl.trainer.old_policy`), measured by the
+        recompute pass or by the update's first forward."""
         alg = self.cfg.algorithm
         fields = {"advantages": exp.advantages}
-        if self.old_logprobs != "training_forward":  # without the field the loss takes its own forward's
+        if self.old_logprobs.loss_reads_old:  # without the field the loss takes its own forward's
             fields["old_logprob"] = exp.old_logprob
         if self.reference is not None and not alg.kl_in_reward:
             fields["ref_logprob"] = exp.ref_logprob
@@ -481,8 +481,10 @@ class PPOTrainer:
                 batches.append((members, [seqs[i] for i in members], lengths, loss_denominator(alg.loss_agg, lengths)))
         actor_results, actor_logs, first_forward = self._update_actor(batches, timings)
         critic_results, critic_logs = self._update_critic(batches, timings) if self.critic is not None else ([], [])
+        trainer_pass = exp.trainer_pass
         if first_forward is not None:
-            exp = self._measured_in_update(exp, *first_forward)
+            members, outs = first_forward
+            trainer_pass = PolicyPass.from_outputs(exp.samples, exp.mask, outs, members)
         # A critic whose updates all failed also poisons the actor's advantages: name it first.
         check_updates_applied("critic", critic_results, step, self.cfg)
         check_updates_applied("actor", actor_results, step, self.cfg)
@@ -500,14 +502,14 @@ class PPOTrainer:
             out.update(reduce_sum_count(flat, ["critic/vf_clipfrac", "critic/vpred_mean"]))
             out.update(optimizer_step_metrics("critic", critic_results))
             out.update(moe_metrics(self.critic.chunks, "critic/"))
-        return out, exp
+        return out, old_policy(exp, trainer_pass, alg.kl_kind)
 
     def _update_actor(self, batches: list, timings: dict) -> tuple[list, list, Optional[tuple]]:
         """One optimizer step per mini-batch; returns the step results, the loss logs and, where the
         old log-probs are not recomputed, the first forward's outputs (the weights before any update)."""
         alg = self.cfg.algorithm
         kl_loss_coef = self.kl_ctl.value if self.reference is not None and not alg.kl_in_reward else 0.0
-        measure = self.old_logprobs != "recompute"
+        measure = self.old_logprobs.measured_in_update
         head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
                            with_entropy=alg.entropy_coef > 0 or measure)
         horizon = self.cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm
@@ -541,33 +543,11 @@ class PPOTrainer:
                 logs_all.append(logs)
         return results, logs_all
 
-    def _measured_in_update(self, exp: Experience, members: list[int], outs: list[dict]) -> Experience:
-        """``exp`` with the trainer log-probs and entropy of the samples ``members`` from the
-        update's first forward; with ``training_forward`` (one mini-batch: every sample) they are
-        the old log-probs, and the KL to the reference is measured from them as the recompute pass
-        would have."""
-        samples = exp.samples
-        logprob = [torch.zeros(len(p) + len(r)) for p, r in zip(samples.prompt_ids, samples.response_ids)]
-        entropy = list(logprob)
-        measured = torch.zeros(len(samples), dtype=torch.bool)
-        for i, out in zip(members, outs):
-            logprob[i], entropy[i], measured[i] = out["logprob"], out["entropy"], True
-        mask = exp.mask * measured[:, None]
-        trainer_logprob = samples.pad_responses(logprob) * mask
-        found = dict(trainer_logprob=trainer_logprob, entropy=samples.pad_responses(entropy) * mask,
-                     measured=measured)
-        if self.old_logprobs == "training_forward":
-            found["old_logprob"] = trainer_logprob
-            if exp.ref_logprob is not None:  # measured only: the KL is never in the reward here
-                _, found["kl"] = apply_kl_penalty(exp.token_rewards, trainer_logprob, exp.ref_logprob, exp.mask, 0.0,
-                                                  self.cfg.algorithm.kl_kind)
-        return dataclasses.replace(exp, **found)
-
-    def _update_kl_coef(self, exp: Experience) -> dict:
+    def _update_kl_coef(self, exp: Experience, policy: OldPolicy) -> dict:
         """Move the KL coefficient by the KL to the reference measured this step; both as metrics."""
-        if exp.kl is None:
+        if policy.kl is None:
             return {}
-        current_kl = float(losses.aggregate(exp.kl, exp.mask, "token-mean"))
+        current_kl = float(losses.aggregate(policy.kl, exp.mask, "token-mean"))
         self.kl_ctl.update(current_kl, len(exp.samples))
         return {"actor/kl": current_kl, "actor/kl_coef": self.kl_ctl.value}
 
