@@ -8,9 +8,10 @@ the run directory holds what was asked, with what it resolved to as comments.
 
 Resolving a resolved config changes nothing, so a rank that loads the saved config and resolves
 it again gets the same values on the same machine.  Order matters: the device comes first
-(the backend, the dtype and the rollout engine depend on it).  The micro-batch token budget is
-derived from the model and the layout by :func:`megatron_rl.engine.forward.batch_plan`, which the
-trainer calls once.
+(the backend, the dtype and the rollout engine depend on it).  Values that are not config keys
+(``batch.token_budget``) are resolved the same way and read from the :class:`Resolution`.
+Commands that know more than the config says (``score``: the longest input sequence;
+``generate``: the prompts it was given) pass it as a :class:`Job`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class Resolved:
 
 
 @dataclasses.dataclass(frozen=True)
+class Job:
+    """What a command knows that the config does not say (None: read the config)."""
+
+    max_seq_len: Optional[int] = None   # the longest prompt + response (default: data + rollout lengths)
+    prompts: Optional[int] = None       # prompts per generation step (default: trainer.prompts_per_step)
+
+
+@dataclasses.dataclass(frozen=True)
 class Resolution:
     config: Config
     values: tuple[Resolved, ...]
@@ -52,15 +61,17 @@ class Resolution:
 
 
 def _replace(cfg: Config, key: str, value) -> Config:
+    if key in NOT_IN_CONFIG:
+        return cfg
     section, name = key.split(".")
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
 
 
 # ----------------------------------------------------------------------------- the resolvers
-# Each takes (config so far, world size) and returns (value, origin, why); the value is written
+# Each takes (config so far, world size, job) and returns (value, origin, why); the value is written
 # into the config before the next resolver runs.
 
-def _device(cfg: Config, world: Optional[int]):
+def _device(cfg: Config, world: Optional[int], job: Job):
     from megatron_rl.compat import cuda_available
 
     if cfg.distributed.device != AUTO:
@@ -68,13 +79,13 @@ def _device(cfg: Config, world: Optional[int]):
     return ("cuda", AUTO_ORIGIN, "CUDA is available") if cuda_available() else ("cpu", AUTO_ORIGIN, "no CUDA")
 
 
-def _backend(cfg: Config, world: Optional[int]):
+def _backend(cfg: Config, world: Optional[int], job: Job):
     if cfg.distributed.backend != AUTO:
         return cfg.distributed.backend, SET, ""
     return ("nccl", AUTO_ORIGIN, "CUDA") if cfg.distributed.device == "cuda" else ("gloo", AUTO_ORIGIN, "CPU")
 
 
-def _params_dtype(cfg: Config, world: Optional[int]):
+def _params_dtype(cfg: Config, world: Optional[int], job: Job):
     if cfg.model.params_dtype != AUTO:
         return cfg.model.params_dtype, SET, ""
     if cfg.distributed.device == "cuda":
@@ -82,7 +93,7 @@ def _params_dtype(cfg: Config, world: Optional[int]):
     return "float32", AUTO_ORIGIN, "CPU"
 
 
-def _transformer_impl(cfg: Config, world: Optional[int]):
+def _transformer_impl(cfg: Config, world: Optional[int], job: Job):
     from megatron_rl.capabilities import resolve_transformer_impl
 
     impl = resolve_transformer_impl(cfg.model.transformer_impl)
@@ -92,7 +103,7 @@ def _transformer_impl(cfg: Config, world: Optional[int]):
     return impl, AUTO_ORIGIN, why
 
 
-def _rollout_engine(cfg: Config, world: Optional[int]):
+def _rollout_engine(cfg: Config, world: Optional[int], job: Job):
     from megatron_rl.rollout.choice import auto_reason, engine_facts, pick_engine
 
     if cfg.rollout.engine != AUTO:
@@ -102,7 +113,7 @@ def _rollout_engine(cfg: Config, world: Optional[int]):
     return engine, AUTO_ORIGIN, auto_reason(engine, **facts)
 
 
-def _old_logprobs(cfg: Config, world: Optional[int]):
+def _old_logprobs(cfg: Config, world: Optional[int], job: Job):
     from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source, training_forward_blockers
 
     if cfg.algorithm.old_logprobs != AUTO:
@@ -112,12 +123,14 @@ def _old_logprobs(cfg: Config, world: Optional[int]):
     return resolve_old_logprob_source(cfg.algorithm), AUTO_ORIGIN, why
 
 
-def max_sequence_length(cfg: Config) -> int:
+def max_sequence_length(cfg: Config, job: Job = Job()) -> int:
     """The longest prompt + response a run can make."""
+    if job.max_seq_len is not None:
+        return job.max_seq_len
     return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
 
 
-def _rollout_batch(cfg: Config, world: Optional[int]):
+def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     """Every sample a rank generates in a step in one pass, at most what
     :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds (at least 1)."""
     from megatron_rl.distributed.runtime import ParallelLayout
@@ -129,13 +142,33 @@ def _rollout_batch(cfg: Config, world: Optional[int]):
     if world is None:
         return None, DERIVED, "at launch, from the world size"
     dp = ParallelLayout.from_config(cfg.parallel, world).dp
-    per_rank = -(-cfg.trainer.prompts_per_step // dp) * cfg.rollout.n
+    prompts = job.prompts if job.prompts is not None else cfg.trainer.prompts_per_step
+    per_rank = -(-prompts // dp) * cfg.rollout.n
     dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
-    per_seq = kv_cache_bytes(cfg.model, 1, max_sequence_length(cfg), dtype_bytes)
+    per_seq = kv_cache_bytes(cfg.model, 1, max_sequence_length(cfg, job), dtype_bytes)
     batch = max(1, min(per_rank, int(ROLLOUT_KV_BUDGET_BYTES // per_seq)))
     return batch, DERIVED, (f"every sample of the rank's share of a step, within {ROLLOUT_KV_BUDGET_BYTES >> 30} GiB "
                             "of KV cache")
 
+
+def _token_budget(cfg: Config, world: Optional[int], job: Job):
+    """Tokens per micro-batch per rank when the config sets neither a budget nor a micro-batch size."""
+    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.engine.forward import derived_token_budget
+    from megatron_rl.models.arch import resolve_dtype
+
+    if cfg.batch.max_tokens_per_rank or cfg.batch.micro_batch_size:
+        return None, SET, "batch.max_tokens_per_rank / batch.micro_batch_size"
+    if world is None:
+        return None, DERIVED, "at launch, from the world size"
+    layout = ParallelLayout.from_config(cfg.parallel, world)
+    dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
+    budget = derived_token_budget(cfg.batch, cfg.model, layout, max_sequence_length(cfg, job), dtype_bytes)
+    return budget, DERIVED, "the longest sequence and the model's activation memory per token on this layout"
+
+
+# Resolved values that are not config keys: read from the Resolution.
+NOT_IN_CONFIG = frozenset({"batch.token_budget"})
 
 RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("distributed.device", _device),
@@ -145,14 +178,16 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("rollout.engine", _rollout_engine),
     ("algorithm.old_logprobs", _old_logprobs),
     ("rollout.max_batch_size", _rollout_batch),
+    ("batch.token_budget", _token_budget),
 )
 
 
-def resolve(cfg: Config, world_size: Optional[int] = None) -> Resolution:
-    """``cfg`` with every ``auto`` and derived value resolved for ``world_size`` ranks on this machine."""
+def resolve(cfg: Config, world_size: Optional[int] = None, job: Job = Job()) -> Resolution:
+    """``cfg`` with every ``auto`` and derived value resolved for ``world_size`` ranks on this
+    machine, for ``job`` (what the command knows beyond the config)."""
     values = []
     for key, resolver in RESOLVERS:
-        value, origin, why = resolver(cfg, world_size)
+        value, origin, why = resolver(cfg, world_size, job)
         cfg = _replace(cfg, key, value)
         values.append(Resolved(key, value, origin, why))
     return Resolution(cfg, tuple(values))

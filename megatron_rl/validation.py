@@ -15,14 +15,16 @@ from megatron_rl.config.rules import check_field_rules
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import ConfigError
 from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
-from megatron_rl.resolve import resolve
+from megatron_rl.resolve import Resolution, resolve
 
 
-def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+def validate(cfg: Config, world_size: Optional[int] = None) -> Resolution:
+    """Raises on the first problem; returns the resolution the checks ran on."""
     check_field_rules(cfg)
     # Every rule reads the values the run will use: ``auto`` and derived values resolved for this
     # machine and world size (TransformerEngine, the device, the rollout engine, ...).
-    cfg = resolve(cfg, world_size).config
+    resolution = resolve(cfg, world_size)
+    cfg = resolution.config
     for feat in FEATURES:
         if feat.status in (PLANNED, UNSUPPORTED) and feat.in_use is not None and feat.in_use(cfg):
             raise ConfigError(feat.config or feat.name, None, f"'{feat.name}' is {feat.status}",
@@ -32,3 +34,4 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             if problem is not None:
                 key, value, text, fix = problem
                 raise ConfigError(key, value, text, fix, row=feat.name)
+    return resolution

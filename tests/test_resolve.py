@@ -10,7 +10,7 @@ import os
 import pytest
 
 from megatron_rl.config.loader import load_config, save_config
-from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, SET, resolve
+from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, NOT_IN_CONFIG, SET, Job, resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIGS = ["demo_cpu.yaml", "grpo_cpu.yaml", "dapo_cpu.yaml", "gspo_cpu.yaml", "reinforce_pp_cpu.yaml"]
@@ -35,7 +35,8 @@ def test_nothing_auto_is_left_and_resolving_again_changes_nothing(name):
     assert left == []
     twice = resolve(once.config, 4)
     assert twice.config == once.config
-    assert {v.origin for v in twice.values} == {SET}
+    assert {v.origin for v in twice.values if v.key not in NOT_IN_CONFIG} == {SET}
+    assert [twice.get(k) for k in NOT_IN_CONFIG] == [once.get(k) for k in NOT_IN_CONFIG]
     assert asked.rollout.engine == "auto"  # the user's config is never edited
 
 
@@ -60,3 +61,26 @@ def test_config_yaml_keeps_what_was_asked_and_notes_what_it_resolved_to(tmp_path
     text = (tmp_path / "config.yaml").read_text()
     assert all(f"# {line}" in text for line in notes)
     assert load_config(str(tmp_path / "config.yaml"), []) == asked
+
+
+def test_the_token_budget_is_resolved_before_launch_for_the_job():
+    """The micro-batch token budget is derived once, from the layout, the model and the longest
+    sequence the job makes: the config's lengths for training, what ``score`` was given for it."""
+    from megatron_rl.data.batching import default_token_budget
+    from megatron_rl.data.microbatch import alignment
+    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.engine.forward import activation_bytes_per_token
+
+    asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), ["batch.micro_batch_size=null"])
+    got = resolve(asked, 4)
+    budget = got.get("batch.token_budget")
+    layout = ParallelLayout.from_config(got.config.parallel, 4)
+    longest = asked.data.max_prompt_tokens + asked.rollout.max_new_tokens
+    want = default_token_budget(longest, activation_bytes_per_token(got.config.model, layout, 4), cp=layout.cp,
+                                align=alignment(layout.cp, layout.tp, layout.sequence_parallel))
+    assert budget.origin == DERIVED and budget.value == want and budget.value >= longest
+    assert resolve(asked, 4, Job(max_seq_len=4 * longest)).get("batch.token_budget").value > want
+    assert resolve(asked, None).get("batch.token_budget").value is None  # the layout is known at launch
+    for setting in ("batch.micro_batch_size=2", "batch.max_tokens_per_rank=512"):
+        fixed = resolve(load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), [setting]), 4)
+        assert fixed.get("batch.token_budget").value is None and fixed.get("batch.token_budget").origin == SET

@@ -72,17 +72,25 @@ def activation_bytes_per_token(model, layout, dtype_bytes: int) -> float:
     return activation_bytes(model, option, 1, dtype_bytes) + head_bytes(model, option, 1, dtype_bytes)["saved"]
 
 
-def batch_plan(batch, model, layout, max_seq_len: int, dtype_bytes: int, pad_id: int = 0) -> BatchPlan:
-    """The plan for ``batch`` (a BatchConfig): ``max_tokens_per_rank`` when set, else
-    ``micro_batch_size`` when set, else a budget derived from ``max_seq_len`` (the longest sequence
-    the run makes) and the model's activation memory per token on ``layout``
-    (:func:`megatron_rl.data.batching.default_token_budget`)."""
+def derived_token_budget(batch, model, layout, max_seq_len: int, dtype_bytes: int) -> Optional[int]:
+    """The micro-batch token budget per rank when the config sets neither ``max_tokens_per_rank``
+    nor ``micro_batch_size`` (else None): derived from ``max_seq_len`` (the longest sequence the job
+    makes) and the model's activation memory per token on ``layout``
+    (:func:`megatron_rl.data.batching.default_token_budget`).  Resolved before launch
+    (``batch.token_budget`` in :mod:`megatron_rl.resolve`)."""
     if batch.max_tokens_per_rank or batch.micro_batch_size:
-        return BatchPlan(batch.max_tokens_per_rank, batch.micro_batch_size, batch.packing, pad_id=pad_id)
+        return None
     align = alignment(layout.cp, layout.tp, layout.sequence_parallel)
-    budget = default_token_budget(max_seq_len, activation_bytes_per_token(model, layout, dtype_bytes),
-                                  cp=layout.cp, align=align)
-    return BatchPlan(budget, None, batch.packing, pad_id=pad_id, derived=True, min_microbatches=layout.pp)
+    return default_token_budget(max_seq_len, activation_bytes_per_token(model, layout, dtype_bytes),
+                                cp=layout.cp, align=align)
+
+
+def batch_plan(batch, layout, derived_budget: Optional[int], pad_id: int = 0) -> BatchPlan:
+    """The plan for ``batch`` (a BatchConfig): ``max_tokens_per_rank`` when set, else
+    ``micro_batch_size`` when set, else the resolved ``derived_budget``."""
+    if derived_budget is None:
+        return BatchPlan(batch.max_tokens_per_rank, batch.micro_batch_size, batch.packing, pad_id=pad_id)
+    return BatchPlan(derived_budget, None, batch.packing, pad_id=pad_id, derived=True, min_microbatches=layout.pp)
 
 
 def _model_inputs(mb: Microbatch, device):

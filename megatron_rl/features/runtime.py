@@ -71,10 +71,13 @@ FEATURES = [
     Feature(
         "Resolved values with their origin", "runtime", TESTED_CPU,
         "Every auto and derived value (device, backend, dtype, layer implementation, rollout engine, old-log-prob "
-        "source, rollout batch) is resolved in one place for this machine and world size; validation checks the "
-        "resolved values, the trainer prints them with their origin, and config.yaml lists them as comments.",
+        "source, rollout batch, micro-batch token budget) is resolved in one place for this machine and world "
+        "size, before launch; validation checks the resolved values; train, score and generate read them (score "
+        "and generate for their own inputs); the trainer prints them with their origin, and config.yaml lists "
+        "them as comments.",
         ("tests/test_resolve.py::test_nothing_auto_is_left_and_resolving_again_changes_nothing",
          "tests/test_resolve.py::test_each_value_says_where_it_came_from",
+         "tests/test_resolve.py::test_the_token_budget_is_resolved_before_launch_for_the_job",
          "tests/test_resolve.py::test_config_yaml_keeps_what_was_asked_and_notes_what_it_resolved_to"),
         config="(always on); any key left at auto",
     ),

@@ -80,7 +80,8 @@ def _under_launcher() -> bool:
 def _load(config: str | None, overrides: list[str], world: int | None, hf_model: str | None = None,
           command: str | None = "train"):
     """Load, take the architecture from an HF model directory when one is given, validate; for
-    training also check what the config points at (prompt file, reward, tokenizer)."""
+    training also check what the config points at (prompt file, reward, tokenizer).  Returns the
+    config and what validation resolved it to."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.validation import validate
 
@@ -91,7 +92,7 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
         from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 
         cfg.model = model_config_from_hf(read_hf_config(cfg.model.hf_path), cfg.model)
-    validate(cfg, world)
+    resolution = validate(cfg, world)
     if command is not None:
         from megatron_rl.compat.versions import require_tested_megatron_core
 
@@ -100,7 +101,7 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
         from megatron_rl.tools.preflight import check_training_inputs
 
         check_training_inputs(cfg)
-    return cfg
+    return cfg, resolution
 
 
 def _run_dir(cfg) -> str:
@@ -117,7 +118,7 @@ def _rank_main(args) -> int:
     launch = detect_launch_env()
 
     def work() -> int:
-        cfg = _load(args.config, args.overrides, launch.world_size, getattr(args, "hf_model", None), args.command)
+        cfg, _ = _load(args.config, args.overrides, launch.world_size, getattr(args, "hf_model", None), args.command)
         init_distributed(cfg.distributed, launch)
         return _COMMANDS[args.command](cfg, args)
 
@@ -179,7 +180,7 @@ def _features(args) -> int:
 def _validate(args) -> int:
     from megatron_rl.config.loader import to_yaml
 
-    cfg = _load(args.config, args.overrides, None, command=None)
+    cfg, _ = _load(args.config, args.overrides, None, command=None)
     world = args.world_size or cfg.distributed.nproc
     _load(args.config, args.overrides, world, command="validate")
     print(f"config OK for {world} rank(s)")
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg0 = load_config(args.config, args.overrides)
         nproc = args.nproc or cfg0.distributed.nproc
-        cfg = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command)
+        cfg, resolution = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command)
         if args.command == "train":
             from megatron_rl.trainer.finished import finished_message, finished_step
 
@@ -253,11 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rl.engine.checkpoint_space import remove_stale_temporaries
 
             cfg.distributed.nproc = nproc  # the record says how the job was launched, --nproc included
-            from megatron_rl.resolve import resolve
-
             remove_stale_temporaries(os.path.join(_run_dir(cfg), "checkpoints"))  # a failed save's leftovers
             resolved = ["resolved at launch for this machine and world size:"] + [
-                f"  {line}" for line in resolve(cfg, nproc).lines()]
+                f"  {line}" for line in resolution.lines()]
             save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"), resolved)
         if nproc > 1:
             from megatron_rl.distributed.launcher import launch_local

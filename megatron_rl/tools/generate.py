@@ -25,8 +25,6 @@ import torch.distributed as dist
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import CheckpointError, DataError
 
-DEFAULT_MAX_BATCH_SIZE = 64
-
 
 def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
     """Prompt ids, one per non-empty line of ``path``."""
@@ -81,6 +79,7 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
     from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
     from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.resolve import Job, resolve
     from megatron_rl.rollout.dp import generate_data_parallel
     from megatron_rl.rollout.engine import make_rollout_engine
     from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
@@ -90,6 +89,10 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
         model_cfg, source = _model_from_checkpoint(checkpoint, part)
     tokenizer = load_tokenizer(tokenizer_spec(cfg.data, source))
     prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size)
+    # The rollout batch and engine for these prompts and this model (every sample of a rank's
+    # share in one pass, within the KV budget, unless rollout.max_batch_size says otherwise).
+    job = Job(max_seq_len=max(map(len, prompts)) + cfg.rollout.max_new_tokens, prompts=len(prompts))
+    resolution = resolve(dataclasses.replace(cfg, model=model_cfg), dist.get_world_size(), job)
     layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
@@ -102,9 +105,7 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
         from megatron_rl.models.hf_bridge import load_hf_weights
 
         load_hf_weights(chunks, hf_dir)
-    rollout = cfg.rollout
-    if rollout.max_batch_size is None:
-        rollout = dataclasses.replace(rollout, max_batch_size=DEFAULT_MAX_BATCH_SIZE)
+    rollout = resolution.config.rollout
     engine = make_rollout_engine(rollout, model_cfg, device, vpp=cfg.parallel.vpp)
     engine.load_from_chunks(chunks)
     params = SamplingParams(

@@ -10,6 +10,7 @@ check a converted model against its source -- and what the parity tests use.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -20,11 +21,11 @@ from megatron_rl.config.schema import Config
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.errors import DataError
-from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import LogProbHead
 from megatron_rl.models.hf_bridge import load_hf_weights
 from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+from megatron_rl.resolve import Job, resolve
 
 
 def read_score_input(path: str, hf_dir: str, vocab_size: int) -> list[list[int]]:
@@ -66,8 +67,12 @@ def read_score_input(path: str, hf_dir: str, vocab_size: int) -> list[list[int]]
 
 
 def run_score(cfg: Config, hf_dir: str, input_path: str, output_path: str, temperature: float = 1.0) -> int:
-    model_cfg = cfg.model if cfg.model.hf_path else model_config_from_hf(read_hf_config(hf_dir), cfg.model)
-    sequences = read_score_input(input_path, hf_dir, model_cfg.vocab_size)
+    if not cfg.model.hf_path:  # the architecture is the HF model's
+        cfg = dataclasses.replace(cfg, model=model_config_from_hf(read_hf_config(hf_dir), cfg.model))
+    sequences = read_score_input(input_path, hf_dir, cfg.model.vocab_size)
+    resolution = resolve(cfg, dist.get_world_size(), Job(max_seq_len=max(map(len, sequences))))
+    cfg = resolution.config
+    model_cfg = cfg.model
     layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
@@ -76,8 +81,7 @@ def run_score(cfg: Config, hf_dir: str, input_path: str, output_path: str, tempe
     for chunk in chunks:
         chunk.eval()
     seqs = [{"tokens": torch.tensor(ids, dtype=torch.long)} for ids in sequences]
-    plan = batch_plan(cfg.batch, model_cfg, layout, max(map(len, sequences)),
-                      resolve_dtype(model_cfg.params_dtype, device).itemsize)
+    plan = batch_plan(cfg.batch, layout, resolution.get("batch.token_budget").value)
     head = LogProbHead(temperature=temperature, chunk_size=cfg.batch.logprob_chunk_size)
     with torch.no_grad():
         outputs, _ = run_sequences(chunks, seqs, head, plan, device)

@@ -48,7 +48,6 @@ from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
-from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
@@ -57,7 +56,7 @@ from megatron_rl.models.hf_config import read_hf_config
 from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.models.seeded_init import seeded_init
 from megatron_rl.planner.memory import total_params
-from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, max_sequence_length, resolve
+from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, resolve
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
@@ -133,8 +132,7 @@ class PPOTrainer:
         self.tokenizer = load_tokenizer(spec)
         self.log(f"tokenizer: {spec} (vocab {self.tokenizer.vocab_size})")
         self.prompts = self._load_prompts()
-        dtype_bytes = resolve_dtype(cfg.model.params_dtype, self.device).itemsize
-        self.plan = batch_plan(cfg.batch, cfg.model, self.layout, self.max_sequence_length(), dtype_bytes,
+        self.plan = batch_plan(cfg.batch, self.layout, self.resolution.get("batch.token_budget").value,
                                pad_id=self.tokenizer.pad_id)
         self.log(f"batching: {self.plan.describe()}")
         engine, batch = self.resolution.get("rollout.engine"), self.resolution.get("rollout.max_batch_size")
@@ -199,10 +197,6 @@ class PPOTrainer:
                    if prompts.num_dropped else "")
         self.log(f"prompts: {len(prompts)} from {data.train_path}{dropped}")
         return prompts
-
-    def max_sequence_length(self) -> int:
-        """The longest prompt + response this run can make (what the derived token budget is sized for)."""
-        return max_sequence_length(self.cfg)
 
     def _build(self) -> list:
         return build_gpt_chunks(self.cfg.model, self.layout, self.device)
