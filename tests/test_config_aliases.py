@@ -176,6 +176,16 @@ def test_two_names_for_one_key_with_different_values_are_refused(capsys, overrid
     assert capsys.readouterr().err == ""  # the refusal is the only line: no note on a name that was not used
 
 
+def test_a_verl_section_in_a_config_file_points_at_the_mapping(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="section of verl's config: docs/coming_from_trl_verl.md maps its keys"):
+        load_config(str(path))
+    path.write_text("data:\n  train_files: prompts.jsonl\n")
+    with pytest.raises(ConfigError, match=r"did you mean data\.train_path\? \(data\.train_files is verl's name"):
+        load_config(str(path))
+
+
 def test_two_names_for_one_key_with_the_same_value_are_fine():
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-6", "actor.optim.lr=0.000001",
                              "parallel.tp=2", "parallel.tp=4"])  # one name twice: the last value, as ever

@@ -87,6 +87,12 @@ def _close(word: str, candidates, cutoff: float) -> Optional[str]:
     return found[0] if found else None
 
 
+def verl_section(key: str, known: set[str]) -> bool:
+    """``key`` is a whole section of verl's config that we do not have (``actor_rollout_ref``)."""
+    ours = {k.split(".")[0] for k in known}
+    return key not in ours and any(name.split(".")[0] == key for name in verl_keys.VERL)
+
+
 def suggestion(key: str, keys: list[str]) -> Optional[str]:
     """A "did you mean" for a misspelt key, made only when it is likely: the whole dotted key is
     close to one of ours, or its last part is close to the last part of exactly one of ours (a

@@ -65,6 +65,8 @@ def _nearest_key(key: str) -> str:
     if match:
         problem, fix = aliases.refusal(match, "", _KNOWN)
         return f"{fix} ({problem})"
+    if aliases.verl_section(key, _KNOWN):
+        return "it is a section of verl's config: docs/coming_from_trl_verl.md maps its keys to ours"
     near = aliases.suggestion(key, ALL_KEYS)
     return f"did you mean {near}?" if near else "see docs/config.md for the valid keys"
 

@@ -91,9 +91,8 @@ def _megatron(prefix: str, role: Optional[str]) -> dict[str, Alias]:
         table[prefix + "megatron." + key] = same(ours) if role is None else differs(
             ours, f"the {role} uses the actor's settings: set {ours}")
     table[prefix + "megatron.use_distributed_optimizer"] = (
-        same("actor.optim.use_distributed_optimizer") if role is None else
-        differs(f"{'critic' if role == 'critic' else 'actor'}.optim.use_distributed_optimizer",
-                "set per optimizer here" if role == "critic" else "the reference model has no optimizer"))
+        same(f"{role or 'actor'}.optim.use_distributed_optimizer") if role != "reference model" else
+        absent("the reference model has no optimizer"))
     table.update({prefix + "megatron." + key: alias for key, alias in _MEGATRON_OTHER.items()})
     return table
 
@@ -137,7 +136,7 @@ VERL = {
     A + "loss_scale_factor": differs("algorithm.loss_agg", "seq-mean-token-sum-norm divides by "
                                                            "rollout.max_new_tokens"),
     A + "entropy_coeff": same("algorithm.entropy_coef"),
-    A + "calculate_entropy": absent("the entropy is always logged"),
+    A + "calculate_entropy": absent(),
     A + "use_kl_loss": differs("algorithm.kl_coef", "the KL is in the loss whenever algorithm.kl_coef > 0 "
                                                     "and algorithm.kl_in_reward=false"),
     A + "kl_loss_coef": same("algorithm.kl_coef"), A + "kl_loss_type": same("algorithm.kl_kind"),
@@ -206,7 +205,8 @@ VERL = {
     "critic.enable": differs("algorithm.advantage", "the critic is used with algorithm.advantage=gae"),
     "critic.model.path": same("critic.hf_path"),
     "critic.model.tokenizer_path": differs("data.tokenizer", "one tokenizer for the run"),
-    "critic.ppo_mini_batch_size": _shared("algorithm.mini_batches"),
+    "critic.ppo_mini_batch_size": differs("algorithm.mini_batches", "verl gives prompts per mini-batch; ours is "
+                                                                    "the number of mini-batches, for actor and critic"),
     "critic.ppo_micro_batch_size": _shared("batch.micro_batch_size"),
     "critic.ppo_micro_batch_size_per_gpu": _shared("batch.micro_batch_size"),
     "critic.use_dynamic_bsz": _shared("batch.max_tokens_per_rank"),
@@ -275,12 +275,13 @@ _NONE = {
            model.external_lib model.override_config.model_config critic.model.override_config.model_config
            critic.model.external_lib critic.model.trust_remote_code""",
     "the chat template comes with data.tokenizer": "model.custom_chat_template data.apply_chat_template_kwargs",
-    "records are read by the format in docs/data.md": """data.return_raw_input_ids data.return_raw_chat
+    "prompt records are read with data.prompt_key, data.messages_key and data.answer_key":
+        """data.return_raw_input_ids data.return_raw_chat
            data.return_full_prompt data.dataloader_num_workers data.filter_overlong_prompts_workers
            data.trust_remote_code data.custom_cls.path data.custom_cls.name data.sampler.class_path
            data.sampler.class_name data.datagen.path data.datagen.name data.train_max_samples""",
     "text models only": """data.image_patch_size data.image_key data.video_key data.return_multi_modal_inputs""",
-    "no validation settings beyond the evaluation keys in docs/config.md": """data.val_max_samples
+    "not configurable here": """data.val_max_samples
            data.val_batch_size data.validation_shuffle trainer.log_val_generations trainer.val_before_train""",
 }
 _SHORT_ROOTS = {"actor.": A, "ref.": R, "model.": M}
@@ -304,7 +305,7 @@ VERL_GROUPS = (
     ("actor_rollout_ref.model.mtp.*", absent()), ("actor_rollout_ref.rollout.mtp", absent()),
     ("*.checkpoint.*", absent("a checkpoint always holds the model, optimizer and run state")),
     ("*.router_replay.*", absent()),
-    ("actor_rollout_ref.rollout.val_kwargs.*", absent("evaluation samples with the rollout.* settings")),
+    ("actor_rollout_ref.rollout.val_kwargs.*", absent("no separate validation sampling settings")),
     ("actor_rollout_ref.rollout.multi_turn.*", absent("single-turn generation only")),
     ("actor_rollout_ref.rollout.agent.*", absent("single-turn generation only")),
     ("data.tool_config_path", absent("single-turn generation only")),
