@@ -167,6 +167,8 @@ def test_an_unlikely_match_gets_no_suggestion(typed):
      ("actor_rollout_ref.actor.kl_loss_coef=0.2", "kl_loss_coef=0.1")),
     (["data.train_batch_size=8", "trainer.prompts_per_step=16"], ("trainer.prompts_per_step=16",
                                                                    "data.train_batch_size=8")),
+    (["parallel.tp=2", "tensor_model_parallel_size=2", "parallel.tp=4"], ("parallel.tp=4",
+                                                                          "tensor_model_parallel_size=2")),
 ])
 def test_two_names_for_one_key_with_different_values_are_refused(capsys, overrides, names):
     with pytest.raises(ConfigError) as info:

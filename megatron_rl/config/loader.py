@@ -63,7 +63,7 @@ def _nearest_key(key: str) -> str:
     if match and match.alias.kind == aliases.SAME and match.alias.ours in _KNOWN:
         return f"did you mean {match.alias.ours}? ({match.name} is {match.alias.origin}'s name for it)"
     if match:
-        problem, fix = aliases.refusal(match, "", _KNOWN)
+        problem, fix = aliases.refusal(match, "N", _KNOWN)
         return f"{fix} ({problem})"
     if aliases.verl_section(key, _KNOWN):
         return "it is a section of verl's config: docs/coming_from_trl_verl.md maps its keys to ours"
@@ -139,10 +139,12 @@ def _resolve_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
         typed, value = _parse_override(item)
         key, note = _our_key(typed, value)
         notes += [note] if note else []
-        first = given.setdefault(key, (typed, value))
-        if first[0] != typed and not _same_value(first[1], value):
-            raise ConfigError(typed, value, f"conflicts with {first[0]}={first[1]}: both set {key}",
+        names = given.setdefault(key, {})  # every name used for this key -> its last value
+        other = next(((name, v) for name, v in names.items() if name != typed and not _same_value(v, value)), None)
+        if other:
+            raise ConfigError(typed, value, f"conflicts with {other[0]}={other[1]}: both set {key}",
                               "give only one of them")
+        names[typed] = value
         if _KEY_TYPES[key] in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
             # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.  Not
             # ASCII-escaped: YAML cannot read the surrogate pairs json writes for characters
