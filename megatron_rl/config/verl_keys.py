@@ -303,7 +303,7 @@ VERL_GROUPS = (
     ("actor_rollout_ref.model.target_modules", absent(_LORA)),
     ("actor_rollout_ref.model.exclude_modules", absent(_LORA)),
     ("actor_rollout_ref.model.mtp.*", absent()), ("actor_rollout_ref.rollout.mtp", absent()),
-    ("*.checkpoint.*", absent("a checkpoint always holds the model, optimizer and run state")),
+    ("*.checkpoint.*", absent("what a checkpoint holds is not configurable")),
     ("*.router_replay.*", absent()),
     ("actor_rollout_ref.rollout.val_kwargs.*", absent("no separate validation sampling settings")),
     ("actor_rollout_ref.rollout.multi_turn.*", absent("single-turn generation only")),

@@ -209,8 +209,10 @@ def key_names_markdown() -> str:
     lines += ["", "### No equivalent (refused)", "", "| verl key or pattern | Why |", "|---|---|"]
     lines += [f"| `{name}` | {alias.note or 'no counterpart here'} |" for name, alias in VERL.items()
               if alias.kind == NO_EQUIVALENT]
-    lines += [f"| `{pattern}` | {alias.note or 'no counterpart here'} |"
-              for pattern, alias in VERL_GROUPS]
+    lines += ["", "### Groups of verl keys (refused)", "",
+              "Keys not listed above are matched against these patterns (`*` spans dots), first match first.", "",
+              "| Pattern | Why |", "|---|---|"]
+    lines += [f"| `{pattern}` | {alias.note or 'no counterpart here'} |" for pattern, alias in VERL_GROUPS]
     return "\n".join(lines + [KEY_NAMES_END]) + "\n"
 
 
