@@ -1,85 +1,113 @@
 """Names TRL and verl users type, mapped to ours.
 
-``SAME`` aliases mean exactly what our key means: a command-line override under that name is
-accepted and rewritten, with a one-line note.  ``SIMILAR`` ones differ in meaning or units, so they
-only steer "did you mean" to the key to read about.  Matching is on the last one or two dotted
-parts, so ``num_generations``, ``rollout.num_generations`` and verl's full
-``actor_rollout_ref.rollout.n`` all resolve.  ``docs/coming_from_trl_verl.md`` is generated from
-these tables.
+A name is looked up by its full dotted path in verl's table (``verl_keys.VERL`` and its group
+patterns), else by its last two or last one dotted parts in the bare-name tables, so
+``num_generations``, ``rollout.num_generations`` and ``algorithm.beta`` resolve.  A same-meaning
+name is accepted and rewritten; the others are refused with one line saying how ours differs.
+A bare name found inside someone else's section (``critic.tensor_model_parallel_size``) is only
+suggested, never applied: the section may change its meaning, as verl's rollout TP does.
+``docs/coming_from_trl_verl.md`` is generated from these tables.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import difflib
+from fnmatch import fnmatchcase
+from typing import NamedTuple, Optional
 
-# alias -> (our key, where the name comes from)
-SAME = {
-    "num_generations": ("rollout.n", "TRL"),
-    "rollout.n": ("rollout.n", "verl"),
-    "beta": ("algorithm.kl_coef", "TRL"),
-    "kl_loss_coef": ("algorithm.kl_coef", "verl"),
-    "kl_loss_type": ("algorithm.kl_kind", "verl"),
-    "learning_rate": ("actor.optim.lr", "TRL"),
-    "max_completion_length": ("rollout.max_new_tokens", "TRL"),
-    "max_response_length": ("rollout.max_new_tokens", "verl"),
-    "max_steps": ("trainer.steps", "TRL"),
-    "total_training_steps": ("trainer.steps", "verl"),
-    "ppo_max_token_len_per_gpu": ("batch.max_tokens_per_rank", "verl"),
-    "num_iterations": ("algorithm.ppo_epochs", "TRL"),
-    "ppo_epochs": ("algorithm.ppo_epochs", "verl"),
-    "epsilon": ("algorithm.clip_low", "TRL"),
-    "epsilon_high": ("algorithm.clip_high", "TRL"),
-    "clip_ratio_low": ("algorithm.clip_low", "verl"),
-    "clip_ratio_high": ("algorithm.clip_high", "verl"),
-    "entropy_coeff": ("algorithm.entropy_coef", "verl"),
-    "loss_agg_mode": ("algorithm.loss_agg", "verl"),
-    "adv_estimator": ("algorithm.advantage", "verl"),
-    "train_batch_size": ("trainer.prompts_per_step", "verl"),
-    "save_freq": ("trainer.save_every", "verl"),
-    "tensor_model_parallel_size": ("parallel.tp", "verl / Megatron-LM"),
-    "pipeline_model_parallel_size": ("parallel.pp", "verl / Megatron-LM"),
-    "context_parallel_size": ("parallel.cp", "verl / Megatron-LM"),
-    "virtual_pipeline_model_parallel_size": ("parallel.vpp", "verl / Megatron-LM"),
-    "sequence_parallel": ("parallel.sequence_parallel", "verl / Megatron-LM"),
+from megatron_rl.config import verl_keys
+from megatron_rl.config.verl_keys import DIFFERENT, GENERATION, NO_EQUIVALENT, SAME, Alias, differs, same
+
+__all__ = ["Alias", "SAME", "DIFFERENT", "GENERATION", "NO_EQUIVALENT", "TRL", "lookup", "refusal", "suggestion"]
+
+TRL = {
+    "num_generations": same("rollout.n", "TRL"), "beta": same("algorithm.kl_coef", "TRL"),
+    "learning_rate": same("actor.optim.lr", "TRL"), "max_completion_length": same("rollout.max_new_tokens", "TRL"),
+    "max_steps": same("trainer.steps", "TRL"), "num_iterations": same("algorithm.ppo_epochs", "TRL"),
+    "epsilon": same("algorithm.clip_low", "TRL"), "epsilon_high": same("algorithm.clip_high", "TRL"),
+    "per_device_train_batch_size": differs("batch.micro_batch_size", "or a token budget: batch.max_tokens_per_rank",
+                                           "TRL"),
+    "gradient_checkpointing": differs("model.recompute.granularity", "set full or selective", "TRL"),
+    "lr": differs("actor.optim.lr", "actor and critic have their own: actor.optim.lr, critic.optim.lr", "TRL"),
+    "output_dir": differs("run.dir", "the run directory is run.dir/run.name", "TRL"),
 }
+NAMES = {**verl_keys.VERL_NAMES, **TRL}
 
-# alias -> (our key, how it differs)
-SIMILAR = {
-    "ppo_mini_batch_size": ("algorithm.mini_batches",
-                            "verl gives prompts per mini-batch; ours is the number of mini-batches"),
-    "clip_ratio": ("algorithm.clip_low", "verl's sets both ends; set algorithm.clip_low and algorithm.clip_high"),
-    "max_prompt_length": ("data.max_prompt_tokens", "longer prompts are dropped and counted, never truncated"),
-    "per_device_train_batch_size": ("batch.micro_batch_size", "or a token budget: batch.max_tokens_per_rank"),
-    "gradient_checkpointing": ("model.recompute.granularity", "full or selective"),
-    "lr": ("actor.optim.lr", "actor and critic have their own: actor.optim.lr, critic.optim.lr"),
-    "output_dir": ("run.dir", "the run directory is run.dir/run.name"),
-    "kl_coef": ("algorithm.kl_coef", "verl's algorithm.kl_ctrl.kl_coef is the in-reward KL: also set "
-                                     "algorithm.kl_in_reward=true"),
-}
+# Sections whose keys are read the same wherever a bare name sits in them; any other section
+# (rollout, ref, critic, reward_model, ...) may give the name another meaning.
+_NEUTRAL = {"actor_rollout_ref", "actor", "megatron", "optim", "trainer", "algorithm", "data", "model"}
 
 
-def _tails(key: str) -> list[str]:
-    parts = key.split(".")
-    return [".".join(parts[-2:]), parts[-1]] if len(parts) > 1 else [key]
+class Match(NamedTuple):
+    alias: Alias
+    name: str  # what matched: the full path, or the bare name
+    applies: bool  # a SAME alias that may be rewritten without asking
 
 
-def same_meaning(key: str, known: set[str]) -> Optional[tuple[str, str]]:
-    """``(our key, origin)`` when ``key`` is a same-meaning alias (and not already one of ours)."""
+def lookup(key: str, known: set[str]) -> Optional[Match]:
+    """How ``key`` (not one of ours) maps to ours, or None when no table knows it."""
     if key in known:
         return None
-    for tail in _tails(key):
-        if tail in SAME:
-            return SAME[tail]
+    if key in verl_keys.VERL:
+        return Match(verl_keys.VERL[key], key, True)
+    group = next((alias for pattern, alias in verl_keys.VERL_GROUPS if fnmatchcase(key, pattern)), None)
+    if group:
+        return Match(group, key, True)
+    parts = key.split(".")
+    for n in (2, 1):
+        if len(parts) < n:
+            continue
+        tail = ".".join(parts[-n:])
+        if tail in NAMES:
+            alias = NAMES[tail]
+            section = set(parts[:-n])
+            return Match(alias, tail, section <= _NEUTRAL | set((alias.ours or "").split(".")))
     return None
 
 
-def suggestion(key: str) -> Optional[str]:
-    """A "did you mean" text from the alias tables, or None."""
-    for tail in _tails(key):
-        if tail in SAME:
-            ours, origin = SAME[tail]
-            return f"did you mean {ours}? ({tail} is {origin}'s name for it)"
-        if tail in SIMILAR:
-            ours, how = SIMILAR[tail]
-            return f"see {ours} ({how})"
-    return None
+def refusal(match: Match, value: str, known: set[str]) -> tuple[str, str]:
+    """``(problem, fix)`` for a name that is not rewritten."""
+    alias, origin = match.alias, match.alias.origin
+    note = alias.note.replace("{value}", str(value))
+    if alias.kind == SAME and alias.ours not in known:
+        return (f"{origin}'s name for {alias.ours}, which this version does not have",
+                "remove it; docs/config.md lists the keys")
+    if alias.kind == SAME:
+        return ("unknown key (from the command line)",
+                f"did you mean {alias.ours}? ({match.name} is {origin}'s name for it)")
+    if alias.kind == DIFFERENT:
+        return f"{origin}'s name for a setting that differs here", f"see {alias.ours} ({note})"
+    if alias.kind == GENERATION:
+        return f"{origin}'s generation-side setting", note
+    return f"{origin}'s setting with no equivalent here", (note + "; " if note else "") + "remove it"
+
+
+def _close(word: str, candidates, cutoff: float) -> Optional[str]:
+    found = difflib.get_close_matches(word, candidates, n=1, cutoff=cutoff)
+    return found[0] if found else None
+
+
+def verl_section(key: str, known: set[str]) -> bool:
+    """``key`` is a whole section of verl's config that we do not have (``actor_rollout_ref``)."""
+    ours = {k.split(".")[0] for k in known}
+    return key not in ours and any(name.split(".")[0] == key for name in verl_keys.VERL)
+
+
+def suggestion(key: str, keys: list[str]) -> Optional[str]:
+    """A "did you mean" for a misspelt key, made only when it is likely: the whole dotted key is
+    close to one of ours, or its last part is close to the last part of exactly one of ours (a
+    long name: short ones match too much)."""
+    near = _close(key, keys, 0.9)
+    if near:
+        return near
+    last = key.split(".")[-1]
+    if len(last) < 4:
+        return None
+    by_last: dict[str, list[str]] = {}
+    for ours in keys:
+        by_last.setdefault(ours.split(".")[-1], []).append(ours)
+    near_last = _close(last, by_last, 0.9)
+    if near_last is None:
+        return None
+    owners = by_last[near_last]
+    return owners[0] if len(owners) == 1 else _close(key, owners, 0.0)

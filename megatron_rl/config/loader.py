@@ -58,11 +58,17 @@ _TYPE_WORDS = {
 
 
 def _nearest_key(key: str) -> str:
-    alias = aliases.suggestion(key)  # meaning before spelling: num_generations -> rollout.n
-    if alias:
-        return alias
-    match = difflib.get_close_matches(key, ALL_KEYS, n=1, cutoff=0.5)
-    return f"did you mean {match[0]}?" if match else "see docs/config.md for the valid keys"
+    """The fix for an unknown key: what a TRL/verl name means here, else a likely spelling."""
+    match = aliases.lookup(key, _KNOWN)  # meaning before spelling: num_generations -> rollout.n
+    if match and match.alias.kind == aliases.SAME and match.alias.ours in _KNOWN:
+        return f"did you mean {match.alias.ours}? ({match.name} is {match.alias.origin}'s name for it)"
+    if match:
+        problem, fix = aliases.refusal(match, "N", _KNOWN)
+        return f"{fix} ({problem})"
+    if aliases.verl_section(key, _KNOWN):
+        return "it is a section of verl's config: docs/coming_from_trl_verl.md maps its keys to ours"
+    near = aliases.suggestion(key, ALL_KEYS)
+    return f"did you mean {near}?" if near else "see docs/config.md for the valid keys"
 
 
 def choice_error(key: str, value, choices) -> ConfigError:
@@ -99,6 +105,57 @@ def _parse_override(item: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+def _same_value(a: str, b: str) -> bool:
+    try:
+        return a.strip() == b.strip() or float(a) == float(b)
+    except ValueError:
+        return False
+
+
+def _our_key(key: str, value: str) -> tuple[str, Optional[str]]:
+    """``(key, None)`` when it is ours; a same-meaning TRL/verl name rewritten, with its note;
+    else one line saying why it is refused."""
+    match = aliases.lookup(key, _KNOWN)
+    if match:
+        alias = match.alias
+        if alias.kind == aliases.SAME and match.applies and alias.ours in _KNOWN:
+            return alias.ours, f"config: {alias.origin} key {key} read as our {alias.ours}={value}"
+        problem, fix = aliases.refusal(match, value, _KNOWN)
+        raise ConfigError(key, value, problem, fix)
+    if key not in ALL_KEYS:
+        group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None)
+        if group:
+            raise ConfigError(key, value, "is a group of keys, not a value", f"set one key, e.g. {group}=...")
+        raise ConfigError(key, value, "unknown key (from the command line)", _nearest_key(key))
+    return key, None
+
+
+def _resolve_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
+    """``(our key, value)`` per override.  Two different names for one key with different values
+    are refused; the same name given twice keeps its last value, as usual.  The notes on rewritten
+    names are printed once all overrides are read."""
+    dotlist, given, notes = [], {}, []
+    for item in overrides:
+        typed, value = _parse_override(item)
+        key, note = _our_key(typed, value)
+        notes += [note] if note else []
+        names = given.setdefault(key, {})  # every name used for this key -> its last value
+        other = next(((name, v) for name, v in names.items() if name != typed and not _same_value(v, value)), None)
+        if other:
+            raise ConfigError(typed, value, f"conflicts with {other[0]}={other[1]}: both set {key}",
+                              "give only one of them")
+        names[typed] = value
+        if _KEY_TYPES[key] in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
+            # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.  Not
+            # ASCII-escaped: YAML cannot read the surrogate pairs json writes for characters
+            # outside the Basic Multilingual Plane.
+            value = json.dumps(value, ensure_ascii=False)
+        dotlist.append((key, value))
+    for note in notes:
+        _note(note)
+    return dotlist
+
+
 def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
     """Return a validated-for-type config object (layout checks live in ``validate``)."""
     cfg: DictConfig = OmegaConf.structured(Config)
@@ -118,24 +175,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
         except (TypeError, ValueError) as err:  # e.g. a list where the schema has a mapping
             raise ConfigError("--config", path, f"a value does not fit its key ({err})",
                               "compare the file with docs/config.md") from None
-    dotlist = []
-    for item in overrides:
-        key, value = _parse_override(item)
-        alias = aliases.same_meaning(key, _KNOWN)
-        if alias:
-            _note(f"config: {key} is {alias[1]}'s name for {alias[0]}; using {alias[0]}={value}")
-            key = alias[0]
-        if key not in ALL_KEYS:
-            group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None)
-            if group:
-                raise ConfigError(key, value, "is a group of keys, not a value", f"set one key, e.g. {group}=...")
-            raise ConfigError(key, value, "unknown key (from the command line)", _nearest_key(key))
-        if _KEY_TYPES[key] in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
-            # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.  Not
-            # ASCII-escaped: YAML cannot read the surrogate pairs json writes for characters
-            # outside the Basic Multilingual Plane.
-            value = json.dumps(value, ensure_ascii=False)
-        dotlist.append((key, value))
+    dotlist = _resolve_overrides(overrides)
     for key, value in dotlist:  # one at a time, so an error names its key
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]))

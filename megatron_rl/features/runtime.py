@@ -48,12 +48,21 @@ FEATURES = [
     ),
     Feature(
         "TRL / verl key names", "runtime", TESTED_CPU,
-        "Command-line overrides under TRL's or verl's name for the same setting (num_generations, beta, learning_rate, "
-        "max_completion_length, ppo_max_token_len_per_gpu, ...) are accepted with a one-line note; names that mean "
-        "something else here are refused pointing at our key; docs/coming_from_trl_verl.md lists both.",
+        "Every key path of verl's ppo_megatron_trainer.yaml is mapped: command-line overrides under TRL's or verl's "
+        "name for the same setting (num_generations, beta, actor_rollout_ref.actor.optim.lr, "
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size, ...) are accepted with a one-line note; names "
+        "that mean something else here are refused pointing at our key (ulysses_sequence_parallel_size: parallel.cp "
+        "with parallel.cp_comm_type=a2a), generation-side layout keys are refused (generation runs on the training "
+        "layout), keys with no equivalent are refused saying so; two names for one key with different values are "
+        "refused naming both; did-you-mean only for close misspellings. docs/coming_from_trl_verl.md lists them.",
         ("tests/test_config_aliases.py::test_same_meaning_alias_is_accepted_with_one_note",
-         "tests/test_config_aliases.py::test_different_meaning_alias_is_refused_pointing_at_our_key"),
-        config="e.g. num_generations=8",
+         "tests/test_config_aliases.py::test_different_meaning_alias_is_refused_pointing_at_our_key",
+         "tests/test_config_aliases.py::test_generation_layout_keys_are_refused_not_read_as_the_training_layout",
+         "tests/test_config_aliases.py::test_every_key_of_verls_megatron_trainer_is_mapped",
+         "tests/test_config_aliases.py::test_verl_names_point_at_the_right_key_not_a_look_alike",
+         "tests/test_config_aliases.py::test_two_names_for_one_key_with_different_values_are_refused",
+         "tests/test_config_aliases.py::test_a_typo_still_gets_did_you_mean"),
+        config="e.g. num_generations=8, actor_rollout_ref.actor.optim.lr=1e-6",
     ),
     Feature(
         "Local launcher (--nproc)", "runtime", TESTED_CPU,

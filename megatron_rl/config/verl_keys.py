@@ -1,0 +1,344 @@
+"""verl's ``ppo_megatron_trainer`` keys, each mapped to ours or marked as having no counterpart.
+
+Built from verl's generated config (``verl/trainer/config/_generated_ppo_megatron_trainer.yaml``);
+``tests/data/verl_ppo_megatron_trainer_keys.txt`` lists its key paths and a test checks that every
+one of them is covered here, by its full path or by a pattern in ``VERL_GROUPS``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+SAME, DIFFERENT, GENERATION, NO_EQUIVALENT = "same", "different", "generation", "no equivalent"
+
+
+class Alias(NamedTuple):
+    kind: str  # SAME: accepted and rewritten; the other kinds are refused with ``note``
+    ours: Optional[str]  # our key (None for NO_EQUIVALENT)
+    note: str  # why it is refused ("" for SAME); ``{value}`` is replaced by the value typed
+    origin: str = "verl"
+
+
+def same(ours: str, origin: str = "verl") -> Alias:
+    return Alias(SAME, ours, "", origin)
+
+
+def differs(ours: str, how: str, origin: str = "verl") -> Alias:
+    return Alias(DIFFERENT, ours, how)._replace(origin=origin)
+
+
+def absent(why: str = "") -> Alias:
+    return Alias(NO_EQUIVALENT, None, why)
+
+
+GENERATION_LAYOUT = ("generation runs on the training layout today (parallel.tp, parallel.pp, parallel.ep), "
+                     "a separate generation layout is not available yet: drop it")
+
+
+def generation(why: str = GENERATION_LAYOUT) -> Alias:
+    return Alias(GENERATION, None, why)
+
+
+ULYSSES = differs("parallel.cp", "verl's Ulysses sequence parallelism is our context parallelism with all-to-all "
+                                 "attention, set parallel.cp={value} parallel.cp_comm_type=a2a; "
+                                 "parallel.sequence_parallel is Megatron's TP activation sharding, not this")
+
+_OPTIM = {  # verl optim key -> our key under actor.optim / critic.optim (SAME), or an Alias
+    "lr": "lr", "weight_decay": "weight_decay", "clip_grad": "clip_grad", "min_lr": "min_lr",
+    "lr_warmup_steps": "warmup_steps", "lr_decay_style": "schedule",
+    "betas": lambda o: differs(o + "adam_beta1", f"one key per beta: {o}adam_beta1 and {o}adam_beta2"),
+    "lr_warmup_steps_ratio": lambda o: differs(o + "warmup_steps", "a number of steps here, not a ratio"),
+    "total_training_steps": lambda o: differs("trainer.steps", "the schedule spans trainer.steps"),
+    "optimizer": lambda o: absent("the optimizer is always Adam(W)"),
+    "lr_warmup_init": lambda o: absent("warm-up starts from 0"),
+    "lr_decay_steps": lambda o: differs(o + "schedule", "a decaying schedule spans the run's steps"),
+    "weight_decay_incr_style": lambda o: absent(), "lr_wsd_decay_style": lambda o: absent(),
+    "lr_wsd_decay_steps": lambda o: absent(), "use_checkpoint_opt_param_scheduler": lambda o: absent(),
+    "override_optimizer_config": lambda o: absent("the optimizer keys are listed in docs/config.md"),
+}
+
+_LAYOUT = {
+    "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+    "virtual_pipeline_model_parallel_size": "parallel.vpp", "context_parallel_size": "parallel.cp",
+    "expert_model_parallel_size": "parallel.ep", "expert_tensor_parallel_size": "parallel.etp",
+    "sequence_parallel": "parallel.sequence_parallel", "seed": "run.seed", "dtype": "model.params_dtype",
+    "use_remove_padding": "batch.packing",
+    "override_transformer_config.recompute_granularity": "model.recompute.granularity",
+    "override_transformer_config.recompute_modules": "model.recompute.modules",
+    "override_transformer_config.recompute_method": "model.recompute.method",
+    "override_transformer_config.recompute_num_layers": "model.recompute.num_layers",
+}
+_OFFLOAD = differs("trainer.offload", "one switch here: weights, gradients and optimizer state of the models "
+                                      "not in use move to host memory")
+_MEGATRON_OTHER = {
+    "param_offload": _OFFLOAD, "grad_offload": _OFFLOAD, "optimizer_offload": _OFFLOAD,
+    "use_dist_checkpointing": absent("checkpoints are always megatron-core distributed checkpoints"),
+    "dist_checkpointing_path": differs("actor.init_checkpoint", "a megatron_rl checkpoint to start from"),
+    "dist_checkpointing_prefix": absent(), "override_ddp_config": absent(),
+    "override_mcore_model_config": absent("the model is read from model.hf_path or the model.* keys"),
+    "override_transformer_config.attention_backend": absent("the attention kernel follows model.transformer_impl"),
+    "override_transformer_config": absent("the model.* keys set megatron-core's TransformerConfig"),
+    "use_mbridge": absent("Hugging Face weights are imported from model.hf_path"), "vanilla_mbridge": absent(),
+    "forward_only": absent(),
+}
+
+
+def _megatron(prefix: str, role: Optional[str]) -> dict[str, Alias]:
+    """``<prefix>megatron.*``: the actor's layout keys are ours; the critic and the reference model
+    train on the actor's layout, so theirs point at the same keys but are refused."""
+    table = {}
+    for key, ours in _LAYOUT.items():
+        table[prefix + "megatron." + key] = same(ours) if role is None else differs(
+            ours, f"the {role} uses the actor's settings: set {ours}")
+    table[prefix + "megatron.use_distributed_optimizer"] = (
+        same(f"{role or 'actor'}.optim.use_distributed_optimizer") if role != "reference model" else
+        absent("the reference model has no optimizer"))
+    table.update({prefix + "megatron." + key: alias for key, alias in _MEGATRON_OTHER.items()})
+    return table
+
+
+def _optim(prefix: str, ours: str) -> dict[str, Alias]:
+    return {prefix + "optim." + key: (same(ours + val) if isinstance(val, str) else val(ours))
+            for key, val in _OPTIM.items()}
+
+
+_ONE_SETTING = "one setting here for every model and pass: {ours}"
+
+
+def _shared(ours: str) -> Alias:
+    return differs(ours, _ONE_SETTING.format(ours=ours))
+
+
+A, R, G = "actor_rollout_ref.actor.", "actor_rollout_ref.ref.", "actor_rollout_ref.rollout."
+M = "actor_rollout_ref.model."
+
+VERL = {
+    **_optim(A, "actor.optim."), **_optim("critic.", "critic.optim."),
+    **_megatron(A, None), **_megatron(R, "reference model"), **_megatron("critic.", "critic"),
+    # --- actor
+    A + "rollout_n": differs("rollout.n", "set rollout.n"),
+    A + "strategy": absent("training always uses megatron-core"),
+    A + "ppo_mini_batch_size": differs("algorithm.mini_batches",
+                                       "verl gives prompts per mini-batch; ours is the number of mini-batches"),
+    A + "ppo_micro_batch_size": differs("batch.micro_batch_size", "verl's counts over all GPUs; ours per rank"),
+    A + "ppo_micro_batch_size_per_gpu": same("batch.micro_batch_size"),
+    A + "use_dynamic_bsz": differs("batch.max_tokens_per_rank",
+                                   "micro-batches are filled to a token budget when it is set or derived"),
+    A + "ppo_max_token_len_per_gpu": same("batch.max_tokens_per_rank"),
+    A + "clip_ratio": differs("algorithm.clip_low", "verl's sets both ends; set algorithm.clip_low and "
+                                                    "algorithm.clip_high"),
+    A + "clip_ratio_low": same("algorithm.clip_low"), A + "clip_ratio_high": same("algorithm.clip_high"),
+    A + "clip_ratio_c": same("algorithm.dual_clip"),
+    A + "tau_pos": absent(), A + "tau_neg": absent(), A + "freeze_vision_tower": absent("text models only"),
+    A + "policy_loss.loss_mode": differs("algorithm.policy_loss", "verl's vanilla is our ppo; gspo and cispo exist "
+                                                                  "here, the other modes do not"),
+    A + "loss_agg_mode": same("algorithm.loss_agg"),
+    A + "loss_scale_factor": differs("algorithm.loss_agg", "seq-mean-token-sum-norm divides by "
+                                                           "rollout.max_new_tokens"),
+    A + "entropy_coeff": same("algorithm.entropy_coef"),
+    A + "calculate_entropy": absent(),
+    A + "use_kl_loss": differs("algorithm.kl_coef", "the KL is in the loss whenever algorithm.kl_coef > 0 "
+                                                    "and algorithm.kl_in_reward=false"),
+    A + "kl_loss_coef": same("algorithm.kl_coef"), A + "kl_loss_type": same("algorithm.kl_kind"),
+    A + "ppo_epochs": same("algorithm.ppo_epochs"),
+    A + "shuffle": absent(), A + "data_loader_seed": differs("run.seed", "one seed for the run"),
+    A + "router_replay.mode": differs("algorithm.routing_replay", "true or false here: replay the "
+                                                                  "rollout's routing"),
+    A + "load_weight": absent(),
+    # --- reference model
+    R + "rollout_n": differs("rollout.n", "set rollout.n"),
+    R + "strategy": absent("the reference model always runs on megatron-core"),
+    R + "log_prob_micro_batch_size": _shared("batch.micro_batch_size"),
+    R + "log_prob_micro_batch_size_per_gpu": _shared("batch.micro_batch_size"),
+    R + "log_prob_use_dynamic_bsz": _shared("batch.max_tokens_per_rank"),
+    R + "log_prob_max_token_len_per_gpu": _shared("batch.max_tokens_per_rank"),
+    R + "router_replay.mode": differs("algorithm.routing_replay", "one setting for every forward"),
+    R + "load_weight": absent(),
+    # --- generation
+    G + "name": differs("rollout.engine", "the engines here are torch, tp_sharded and megatron (no vLLM/SGLang)"),
+    G + "temperature": same("rollout.temperature"), G + "top_p": same("rollout.top_p"),
+    G + "top_k": differs("rollout.top_k", "0 turns it off here (verl: -1)"),
+    G + "prompt_length": differs("data.max_prompt_tokens", "longer prompts are dropped and counted, never "
+                                                            "truncated"),
+    G + "response_length": same("rollout.max_new_tokens"),
+    G + "gpu_memory_utilization": differs("rollout.kv_cache_memory", "a share of the memory free when a rollout "
+                                                                      "starts, for the KV cache only"),
+    G + "tensor_model_parallel_size": generation(), G + "data_parallel_size": generation(),
+    G + "expert_parallel_size": generation(), G + "pipeline_model_parallel_size": generation(),
+    G + "dtype": generation("generation uses the training weights' dtype (model.params_dtype)"),
+    G + "max_num_batched_tokens": differs("rollout.prefill_chunk_tokens", "rollout.engine=megatron: most tokens "
+                                                                          "one forward step takes"),
+    G + "max_num_seqs": differs("rollout.max_batch_size", "counted per rank here"),
+    G + "log_prob_micro_batch_size": _shared("batch.micro_batch_size"),
+    G + "log_prob_micro_batch_size_per_gpu": _shared("batch.micro_batch_size"),
+    G + "log_prob_use_dynamic_bsz": _shared("batch.max_tokens_per_rank"),
+    G + "log_prob_max_token_len_per_gpu": _shared("batch.max_tokens_per_rank"),
+    G + "do_sample": differs("rollout.temperature", "rollout.temperature=0 is greedy"),
+    G + "n": same("rollout.n"),
+    G + "calculate_log_probs": differs("algorithm.old_logprobs", "algorithm.old_logprobs=rollout uses the "
+                                                                 "engine's log-probs"),
+    G + "enable_rollout_routing_replay": differs("algorithm.routing_replay", "true or false here"),
+    # --- model
+    M + "path": same("model.hf_path"), M + "tokenizer_path": same("data.tokenizer"),
+    M + "enable_gradient_checkpointing": differs("model.recompute.granularity", "set full or selective"),
+    M + "use_remove_padding": same("batch.packing"),
+    "actor_rollout_ref.nccl_timeout": same("distributed.timeout_s"),
+    "actor_rollout_ref.hybrid_engine": absent("generation and training always share the weights"),
+    # --- data
+    "data.train_files": same("data.train_path"), "data.val_files": same("data.val_path"),
+    "data.max_prompt_length": differs("data.max_prompt_tokens", "longer prompts are dropped and counted, "
+                                                                "never truncated"),
+    "data.max_response_length": same("rollout.max_new_tokens"),
+    "data.train_batch_size": same("trainer.prompts_per_step"),
+    "data.seed": differs("run.seed", "one seed for the run, data order included"),
+    "data.filter_overlong_prompts": differs("data.max_prompt_tokens", "longer prompts are always dropped and "
+                                                                      "counted"),
+    "data.truncation": differs("data.max_prompt_tokens", "prompts are never truncated: longer ones are dropped"),
+    "data.reward_fn_key": differs("reward.fn", "one reward function for the run"),
+    # --- reward
+    "custom_reward_function.path": differs("reward.fn", "give reward.fn=package.module:function"),
+    "custom_reward_function.name": differs("reward.fn", "give reward.fn=package.module:function"),
+    "reward_manager.name": differs("reward.fn", "reward.fn names a registered reward or module:function"),
+    # --- critic
+    "critic.rollout_n": differs("rollout.n", "set rollout.n"),
+    "critic.strategy": absent("the critic always trains on megatron-core"),
+    "critic.enable": differs("algorithm.advantage", "the critic is used with algorithm.advantage=gae"),
+    "critic.model.path": same("critic.hf_path"),
+    "critic.model.tokenizer_path": differs("data.tokenizer", "one tokenizer for the run"),
+    "critic.ppo_mini_batch_size": differs("algorithm.mini_batches", "verl gives prompts per mini-batch; ours is "
+                                                                    "the number of mini-batches, for actor and critic"),
+    "critic.ppo_micro_batch_size": _shared("batch.micro_batch_size"),
+    "critic.ppo_micro_batch_size_per_gpu": _shared("batch.micro_batch_size"),
+    "critic.use_dynamic_bsz": _shared("batch.max_tokens_per_rank"),
+    "critic.ppo_max_token_len_per_gpu": _shared("batch.max_tokens_per_rank"),
+    "critic.forward_max_token_len_per_gpu": _shared("batch.max_tokens_per_rank"),
+    "critic.ppo_epochs": _shared("algorithm.ppo_epochs"),
+    "critic.loss_agg_mode": _shared("algorithm.loss_agg"),
+    "critic.cliprange_value": same("algorithm.value_clip"),
+    "critic.nccl_timeout": _shared("distributed.timeout_s"),
+    "critic.shuffle": absent(), "critic.data_loader_seed": differs("run.seed", "one seed for the run"),
+    "critic.load_weight": absent(),
+    # --- algorithm
+    "algorithm.adv_estimator": same("algorithm.advantage"),
+    "algorithm.norm_adv_by_std_in_grpo": same("algorithm.norm_by_std"),
+    "algorithm.use_kl_in_reward": same("algorithm.kl_in_reward"),
+    "algorithm.kl_penalty": same("algorithm.kl_kind"),
+    "algorithm.kl_ctrl.type": same("algorithm.kl_controller"),
+    "algorithm.kl_ctrl.kl_coef": differs("algorithm.kl_coef", "verl's is the in-reward KL: also set "
+                                                              "algorithm.kl_in_reward=true"),
+    "algorithm.kl_ctrl.horizon": same("algorithm.kl_horizon"),
+    "algorithm.kl_ctrl.target_kl": same("algorithm.kl_target"),
+    "algorithm.rollout_correction.rollout_is": differs("algorithm.rollout_correction.mode",
+                                                       "mode=tis, with rollout_correction.level token or sequence"),
+    "algorithm.rollout_correction.rollout_is_threshold": same("algorithm.rollout_correction.threshold"),
+    "algorithm.rollout_correction.rollout_rs": differs("algorithm.rollout_correction.mode",
+                                                       "mode=mis masks instead of truncating"),
+    "algorithm.rollout_correction.rollout_rs_threshold": differs("algorithm.rollout_correction.threshold",
+                                                                 "one threshold, with mode=mis"),
+    "algorithm.rollout_correction.bypass_mode": differs("algorithm.old_logprobs", "algorithm.old_logprobs=rollout "
+                                                                                  "takes the engine's log-probs"),
+    # --- trainer
+    "trainer.total_epochs": differs("trainer.steps", "a number of steps here, not epochs"),
+    "trainer.total_training_steps": same("trainer.steps"),
+    "trainer.experiment_name": same("run.name"),
+    "trainer.project_name": differs("run.dir", "runs are grouped under run.dir"),
+    "trainer.logger": differs("trainer.tensorboard", "the console always; trainer.tensorboard and trainer.wandb "
+                                                     "add the others"),
+    "trainer.nnodes": differs("distributed.nproc", "processes on this machine; for several machines launch with "
+                                                   "torchrun or srun"),
+    "trainer.n_gpus_per_node": differs("distributed.nproc", "processes on this machine, one per GPU"),
+    "trainer.save_freq": same("trainer.save_every"),
+    "trainer.resume_mode": differs("trainer.resume", "auto, never, or a checkpoint path"),
+    "trainer.resume_from_path": differs("trainer.resume", "give the checkpoint path as trainer.resume"),
+    "trainer.test_freq": same("trainer.eval_every"),
+    "trainer.default_local_dir": differs("run.dir", "checkpoints go under run.dir/run.name"),
+    "trainer.max_actor_ckpt_to_keep": same("trainer.keep_last"),
+    "trainer.max_critic_ckpt_to_keep": _shared("trainer.keep_last"),
+    "trainer.device": same("distributed.device"),
+}
+
+# verl keys with no counterpart here, by reason.
+_NONE = {
+    "": """actor.policy_loss.clip_cov_ratio actor.policy_loss.clip_cov_lb actor.policy_loss.clip_cov_ub
+           actor.policy_loss.kl_cov_ratio actor.policy_loss.ppo_kl_coef actor.use_prefix_grouper
+           model.enable_activation_offload model.override_config.moe_config.freeze_moe_router
+           critic.model.override_config.moe_config.freeze_moe_router
+           algorithm.rollout_correction.loss_type algorithm.rollout_correction.rollout_is_batch_normalize
+           algorithm.use_pf_ppo algorithm.pf_ppo.reweight_method algorithm.pf_ppo.weight_pow
+           trainer.balance_batch trainer.critic_warmup trainer.esi_redundant_time trainer.del_local_ckpt_after_load
+           trainer.default_hdfs_dir trainer.rollout_data_dir trainer.use_legacy_worker_impl
+           trainer.ray_wait_register_center_timeout data.use_shm model.use_shm""",
+    "megatron-core's own kernels are used (model.transformer_impl)": """actor.use_torch_compile
+           actor.use_fused_kernels ref.use_torch_compile model.use_liger model.use_fused_kernels
+           model.fused_kernel_options.impl_backend model.tiled_mlp.enabled model.tiled_mlp.num_shards""",
+    "the model is read from model.hf_path or the model.* keys": """model.hf_config_path model.trust_remote_code
+           model.external_lib model.override_config.model_config critic.model.override_config.model_config
+           critic.model.external_lib critic.model.trust_remote_code""",
+    "the chat template comes with data.tokenizer": "model.custom_chat_template data.apply_chat_template_kwargs",
+    "prompt records are read with data.prompt_key, data.messages_key and data.answer_key":
+        """data.return_raw_input_ids data.return_raw_chat
+           data.return_full_prompt data.dataloader_num_workers data.filter_overlong_prompts_workers
+           data.trust_remote_code data.custom_cls.path data.custom_cls.name data.sampler.class_path
+           data.sampler.class_name data.datagen.path data.datagen.name data.train_max_samples""",
+    "text models only": """data.image_patch_size data.image_key data.video_key data.return_multi_modal_inputs""",
+    "not configurable here": """data.val_max_samples
+           data.val_batch_size data.validation_shuffle trainer.log_val_generations trainer.val_before_train""",
+}
+_SHORT_ROOTS = {"actor.": A, "ref.": R, "model.": M}
+
+
+def _full(name: str) -> str:
+    root = next((r for r in _SHORT_ROOTS if name.startswith(r)), None)
+    return _SHORT_ROOTS[root] + name[len(root):] if root else name
+
+
+VERL.update({_full(name): absent(why) for why, names in _NONE.items() for name in names.split()})
+
+# Patterns (fnmatch, ``*`` spans dots) for whole groups; the first that matches wins.
+_LORA = "full fine-tuning only: no LoRA"
+VERL_GROUPS = (
+    ("*._target_", absent("verl's dataclass marker")),
+    ("*.profiler.*", absent("no profiler hooks")), ("global_profiler.*", absent("no profiler hooks")),
+    ("actor_rollout_ref.model.lora*", absent(_LORA)), ("critic.model.lora*", absent(_LORA)),
+    ("actor_rollout_ref.model.target_modules", absent(_LORA)),
+    ("actor_rollout_ref.model.exclude_modules", absent(_LORA)),
+    ("actor_rollout_ref.model.mtp.*", absent()), ("actor_rollout_ref.rollout.mtp", absent()),
+    ("*.checkpoint.*", absent("what a checkpoint holds is not configurable")),
+    ("*.router_replay.*", absent()),
+    ("actor_rollout_ref.rollout.val_kwargs.*", absent("no separate validation sampling settings")),
+    ("actor_rollout_ref.rollout.multi_turn.*", absent("single-turn generation only")),
+    ("actor_rollout_ref.rollout.agent.*", absent("single-turn generation only")),
+    ("data.tool_config_path", absent("single-turn generation only")),
+    ("actor_rollout_ref.rollout.*", generation("a vLLM/SGLang setting: generation runs in this process on the "
+                                               "training layout today")),
+    ("reward_model.*", absent("rewards come from reward.fn, a function, not a served reward model")),
+    ("reward_manager.*", differs("reward.fn", "reward.fn names a registered reward or module:function")),
+    ("ray_kwargs.*", absent("no Ray: megatron-rl --nproc, torchrun or srun start the ranks")),
+    ("transfer_queue.*", absent()),
+)
+
+# Bare names a verl (or Megatron-LM) user types, for the tail match; full paths above take precedence.
+VERL_NAMES = {
+    "rollout.n": same("rollout.n"), "kl_loss_coef": same("algorithm.kl_coef"),
+    "kl_loss_type": same("algorithm.kl_kind"), "max_response_length": same("rollout.max_new_tokens"),
+    "total_training_steps": same("trainer.steps"), "ppo_max_token_len_per_gpu": same("batch.max_tokens_per_rank"),
+    "ppo_micro_batch_size_per_gpu": same("batch.micro_batch_size"),
+    "ppo_epochs": same("algorithm.ppo_epochs"), "clip_ratio_low": same("algorithm.clip_low"),
+    "clip_ratio_high": same("algorithm.clip_high"), "entropy_coeff": same("algorithm.entropy_coef"),
+    "loss_agg_mode": same("algorithm.loss_agg"), "adv_estimator": same("algorithm.advantage"),
+    "train_batch_size": same("trainer.prompts_per_step"), "save_freq": same("trainer.save_every"),
+    "model.path": same("model.hf_path"), "train_files": same("data.train_path"),
+    "val_files": same("data.val_path"), "test_freq": same("trainer.eval_every"),
+    "tensor_model_parallel_size": same("parallel.tp", "verl / Megatron-LM"),
+    "pipeline_model_parallel_size": same("parallel.pp", "verl / Megatron-LM"),
+    "context_parallel_size": same("parallel.cp", "verl / Megatron-LM"),
+    "virtual_pipeline_model_parallel_size": same("parallel.vpp", "verl / Megatron-LM"),
+    "expert_model_parallel_size": same("parallel.ep", "verl / Megatron-LM"),
+    "sequence_parallel": same("parallel.sequence_parallel", "verl / Megatron-LM"),
+    "ulysses_sequence_parallel_size": ULYSSES,
+    "ppo_mini_batch_size": VERL[A + "ppo_mini_batch_size"], "clip_ratio": VERL[A + "clip_ratio"],
+    "max_prompt_length": VERL["data.max_prompt_length"], "kl_coef": VERL["algorithm.kl_ctrl.kl_coef"],
+    "use_kl_loss": VERL[A + "use_kl_loss"], "use_dynamic_bsz": VERL[A + "use_dynamic_bsz"],
+    "enable_gradient_checkpointing": VERL[M + "enable_gradient_checkpointing"],
+    "use_remove_padding": same("batch.packing"), "total_epochs": VERL["trainer.total_epochs"],
+}
