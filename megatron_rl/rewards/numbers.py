@@ -3,7 +3,7 @@
 Floats would make ``1234568`` equal ``1234567`` under a relative tolerance and ``1e400`` equal
 ``2e400`` after overflow, so every value is a :class:`fractions.Fraction`.  How a number was written
 is kept too (decimal places, significant digits, a percent sign): the comparison needs it to tell a
-rounded value (``0.333`` for 1/3) from a wrong one.
+rounded reference (``0.33``, which ``\\frac{1}{3}`` may answer) from a coarse one (``0.3``).
 
 The reader works on the canonical text of :mod:`megatron_rl.rewards.latex` and is a hand-written
 scanner: each character is looked at a bounded number of times, and digit runs longer than

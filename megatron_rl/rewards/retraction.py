@@ -29,11 +29,12 @@ _BE = r"(?:is|was|'s|seems|seemed|looks|looked|must\s+be|would\s+be)"
 _SUBJECT = r"(?:that|this|it|which|above|(?:the|my|this|that|our)\s+(?:\w+\s+)?(?:answer|result|value|box|solution))"
 
 _RIGHT_AFTER = re.compile(r"\A[\s$.,:;)\]*_]{0,8}" + _BE + r"\s+" + _ADVERB + _VERDICT, re.I)
+# Not after "if"/"whether": "let me know if I made a mistake" is no verdict.
 _LATER = re.compile(
-    r"\b(?:" + _SUBJECT + r"\s*" + _BE + r"\s+" + _ADVERB + _VERDICT
+    r"\b(?<!if\s)(?<!whether\s)(?:" + _SUBJECT + r"\s*" + _BE + r"\s+" + _ADVERB + _VERDICT
     + r"|" + _SUBJECT + r"\s*(?:isn't|wasn't)\s+(?:right|correct|true)\b"
-    + r"|(?:i|we)(?:'ve|\s+have)?\s+(?:made|make)\s+(?:a|an)\s+(?:\w+\s+)?(?:mistake|error)\b"
-    + r"|scratch\s+that|never\s*mind|i\s+retract|can'?t\s+be\s+right|no,?\s+wait|wait,?\s+no\b|oops)",
+    + r"|(?:i|we)(?:'ve|\s+have)?\s+made\s+(?:a|an)\s+(?:\w+\s+)?(?:mistake|error)\b"
+    + r"|scratch\s+that|never\s*mind|i\s+retract|can'?t\s+be\s+right|no,?\s+wait\b|wait,?\s+no\b|oops\b)",
     re.I)
 _DENIED = re.compile(r"\b(?:not|isn't|never)[\s$*_(]*\Z", re.I)
 # A number or expression stated as the answer after the final one: ``the answer should be 14``.

@@ -342,6 +342,8 @@ CASES = [
     ("keep:last-box", "\\boxed{72}\n\nSo the answer is 72 apples.", "72", 1, "the same answer restated"),
     ("keep:last-box", "#### 72\n\nA common mistake is to forget May.", "72", 1, "a remark about mistakes in general"),
     ("keep:last-box", "\\boxed{72}. That is not wrong: 48 + 24 = 72.", "72", 1, "not wrong"),
+    ("keep:last-box", "\\boxed{72}\n\nLet me know if I made a mistake.", "72", 1, "a conditional is no verdict"),
+    ("keep:last-box", "\\boxed{72}\n\nNo waiting is needed between the steps.", "72", 1, "a word that starts like 'wait'"),
 ]
 
 
