@@ -15,7 +15,9 @@ from tests.data.reward_corpus import CASES
 ISSUE_CLASSES = ("fp:tolerance", "fp:overflow", "fp:precision", "fp:whitespace", "fp:percent", "fp:case",
                  "fp:left-right", "miss:units", "miss:braceless", "miss:symbolic", "miss:assignment",
                  "miss:percent", "miss:unicode", "miss:bold", "miss:heading", "keep:hashes", "keep:minus",
-                 "keep:fbox", "keep:scientific", "keep:boxes")
+                 "keep:fbox", "keep:scientific", "keep:boxes", "fp:factorial", "fp:rounding",
+                 "fp:constant-decimal", "fp:retracted", "keep:factorial", "keep:exact", "keep:constant",
+                 "keep:last-box")
 
 
 def evaluate(fn) -> dict:

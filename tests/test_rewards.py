@@ -106,8 +106,13 @@ def test_parse_number_is_exact_past_float_range_and_precision():
     ("\\boxed{\\frac{3}{4}}", "0.75"),
     ("\\boxed{0.75}", "3/4"),
     ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}"),
-    ("#### 0.3333333", "1/3"),  # a non-terminating value, rounded
-    ("#### 0.333", "1/3"),
+    ("#### 0.25", "1/4"),  # a terminating decimal is exact
+    ("\\boxed{0.\\overline{3}}", "1/3"),  # so is a repeating one
+    ("\\boxed{\\frac{1}{3}}", "0.33"),  # a rounded reference accepts the exact value it rounds
+    ("\\boxed{\\pi}", "3.14"),
+    ("#### 120", "5!"),
+    ("\\boxed{\\frac{6!}{4!}}", "30"),
+    ("\\boxed{12} is incorrect; the answer is \\boxed{14}.", "14"),
     ("\\boxed{\\text{Yes}}", "yes"),
     ("\\boxed{x + 1}", "x+1"),
     ("\\boxed{\\boxed{5}}", "5"),
@@ -127,6 +132,17 @@ def test_math_answer_correct(response, answer):
     ("#### 71", "72"),
     ("#### 3", "-3"),
     ("#### 0.34", "1/3"),  # 1/3 rounds to 0.33
+    ("#### 0.3333333", "1/3"),  # a rounded value is not the exact answer, at any precision
+    ("#### 0.333", "1/3"),
+    ("\\boxed{3.14}", "\\pi"),
+    ("\\boxed{1.414}", "\\sqrt{2}"),
+    ("#### 5!", "5"),  # a factorial, not an exclamation
+    ("\\boxed{(2+3)!}", "5"),
+    ("\\boxed{12} is incorrect", "12"),
+    ("So \\boxed{12}.\n\nWait, that's wrong.", "12"),
+    ("The answer is not \\boxed{12}.", "12"),
+    ("\\boxed{12}. Actually, the answer should be 14.", "12"),
+    ("#### 12 (wrong)", "12"),
     ("The answer is 72.", "72"),  # no extractable final answer
     ("", "72"),
     ("#### 72", None),  # no reference
@@ -483,6 +499,17 @@ def test_math_verify_adds_symbolic_equivalence_and_keeps_the_contract():
                  "\\boxed{3} or \\boxed{4}", "\\boxed{\\ln(e^2)}", "#### \u22125", "\\fbox{7}"]
     answers = ["1", "1000", "x+1", "\\pi", "1234567", "4", "2", "-5", "7"]
     assert math_verify(["q"] * 9, responses, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_math_verify_pays_no_decimal_for_an_exact_value_and_reads_factorials():
+    """math-verify rounds floats to 6 places; here it sees decimals as exact fractions."""
+    pytest.importorskip("math_verify")
+    from megatron_rl.rewards import math_verify
+
+    responses = ["\\boxed{3.1415927}", "\\boxed{1.4142136}", "\\boxed{0.8660254}", "\\boxed{0.5}", "#### 5!",
+                 "\\boxed{120}", "\\boxed{0.3333333}", "\\boxed{12} is incorrect"]
+    answers = ["\\pi", "\\sqrt{2}", "\\sin(\\pi/3)", "\\sin(\\pi/6)", "5", "5!", "1/3", "12"]
+    assert math_verify(["q"] * 8, responses, answers) == [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_math_verify_is_bounded_and_thread_safe():

@@ -3,9 +3,11 @@
 A grader that pays for a wrong answer teaches the policy to produce it, so every rule here errs
 towards "not equal":
 
-* Numbers are exact rationals (:mod:`megatron_rl.rewards.numbers`).  The one tolerance: when one
-  side is a non-terminating value (1/3, ``\\sqrt{2}``) and the other a decimal of at least two places
-  or three significant digits, the decimal must be that value rounded or truncated to its places.
+* Numbers are exact rationals (:mod:`megatron_rl.rewards.numbers`).  An exact reference needs an
+  exact answer: a rounded decimal (``0.333``, ``3.14``) is another number, at any precision, and
+  ``1/3`` is only ``1/3``, ``\\frac{2}{6}`` or ``0.\\overline{3}``.  The reference sets the precision:
+  when the *reference* is a decimal of at least two places or three significant digits, a
+  non-terminating answer (``\\frac{1}{3}``, ``\\pi``) that rounds or truncates to it is accepted.
 * ``%`` means /100 (``50%`` = 0.5), except that two integers also match as written (``25%`` for a
   GSM8K reference of 25).  ``0.5%`` is never 0.5.
 * Case is kept, except for words (``Yes`` = ``yes``: four or more letters, a few short words, or
@@ -83,16 +85,17 @@ def _rounds_to_float(dec: Number, approx: float) -> bool:
     return int(written) in (int(round(scaled)), int(scaled))
 
 
-def numbers_match(a: Number, b: Number) -> bool:
-    """Exact equality, the percent rule and the rounding rule of the module docstring."""
-    if a.percent != b.percent:
-        pct, plain = (a, b) if a.percent else (b, a)
+def numbers_match(predicted: Number, reference: Number) -> bool:
+    """Exact equality, the percent rule and the rounding rule of the module docstring: only a
+    decimal reference stands for a rounded value."""
+    if predicted.percent != reference.percent:
+        pct, plain = (predicted, reference) if predicted.percent else (reference, predicted)
         if pct.value / 100 == plain.value:
             return True
         return pct.integer and plain.integer and pct.value == plain.value
-    if a.value == b.value:
+    if predicted.value == reference.value:
         return True
-    return _rounds_to(a, b.value) or _rounds_to(b, a.value)
+    return _rounds_to(reference, predicted.value)
 
 
 def _choice(text: str) -> Optional[str]:
@@ -206,14 +209,12 @@ def _match(p: Canonical, r: Canonical, depth: int = 0) -> bool:
         return False
     ea, eb = read_expression(a), read_expression(b)
     if ea is not None and eb is not None:
-        if ea.equals(eb):
-            return True
-        return _rounded_expression(na, eb) or _rounded_expression(nb, ea)
+        return ea.equals(eb) or _rounded_expression(nb, ea)
     return False
 
 
 def _rounded_expression(number: Optional[Number], value) -> bool:
-    """A decimal against an irrational constant such as ``\\frac{\\sqrt{3}}{2}``."""
+    """A decimal reference against an irrational answer such as ``\\frac{\\sqrt{3}}{2}``."""
     if number is None or value.rational() is not None:
         return False
     approx = value.approximate()

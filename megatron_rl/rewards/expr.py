@@ -7,10 +7,13 @@ variable, is an independent symbol.  Two answers are equal when ``a/b = c/d`` as
 checked as ``a*d == c*b``.  Both steps are exact, so equality here is mathematical equality: a
 symbol treated as independent can only make equal answers look different, never the reverse.
 
+A factorial of an integer up to :data:`MAX_FACTORIAL` is its value (``5!`` = 120, so ``5!`` is never
+5); a factorial of anything else is not read.
+
 Everything is bounded: at most :data:`MAX_TERMS` terms, exponents up to :data:`MAX_POWER`, radicands
 up to 10^15 factored by trial division up to 10^5; past a bound the answer is not an expression and is
-compared as text.  Functions (``\\sin``, ``\\log``), factorials, ``\\infty`` and anything else unknown
-are not read.
+compared as text.  Functions (``\\sin``, ``\\log``), double factorials, ``\\infty`` and anything else
+unknown are not read.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ MAX_PRODUCTS = 4096
 MAX_POWER = 64
 MAX_RADICAND = 10**15
 MAX_NESTING = 50
+MAX_FACTORIAL = 1000
 
 # key: (squarefree radicand, ((symbol, exponent), ...)) -> rational coefficient
 Poly = dict
@@ -205,6 +209,13 @@ def _sqrt(v: Value, index: int = 2) -> Value:
     return _symbol(f"\\sqrt[{index}]{{{_describe(v)}}}")
 
 
+def _factorial(v: Value) -> Value:
+    n = v.rational()
+    if n is None or n.denominator != 1 or not 0 <= n <= MAX_FACTORIAL:
+        raise NotAnExpression("factorial of a non-integer or past the bound")
+    return Value(_const(math.factorial(int(n))))
+
+
 def _integer_root(n: int, k: int) -> Optional[int]:
     if n.bit_length() > 4000:
         return None
@@ -290,6 +301,11 @@ class _Parser:
 
     def power(self) -> tuple[Value, bool]:
         base, integer = self.atom()
+        if self.peek() == "!":
+            self.next()
+            if self.peek() == "!":
+                raise NotAnExpression("double factorial")
+            base, integer = _factorial(base), False
         if self.peek() == "^":
             self.next()
             self.expect("{")

@@ -8,6 +8,8 @@ hold for chat models without letting a policy game it:
   heading written after the answer does not hide it.  A ``####`` line counts as a heading when its
   text starts with a letter and either more text follows it or it ends with ``:``; when no other
   answer exists, the last such line is still taken.
+* A final answer the text then takes back (``\\boxed{12} is incorrect``, ``... that's wrong``) is no
+  answer (:mod:`megatron_rl.rewards.retraction`); references are never checked for that.
 * Several boxes: only the last *group* counts, where a group is boxes separated by nothing but
   spaces, ``$``, commas, semicolons, ``and``/``or`` (``\\boxed{2} and \\boxed{3}``).  Boxes earlier
   in the text (intermediate results) are ignored; a group of more than :data:`MAX_GROUP` boxes is
@@ -23,6 +25,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Optional
+
+from megatron_rl.rewards.compare import group_matches
+from megatron_rl.rewards.retraction import retracted
 
 MAX_GROUP = 32  # more adjacent boxes than this is not an answer, whatever they hold
 MAX_BOX_TOKENS = 50_000
@@ -46,6 +51,7 @@ class FinalAnswer:
     parts: tuple[str, ...]
     source: str  # "hashes", "boxed", or UNREADABLE (braces past the step budget: no answer)
     position: int
+    end: int = -1  # where the text after the answer starts (-1: not known, UNREADABLE)
 
     @property
     def text(self) -> str:
@@ -135,7 +141,7 @@ def last_group(text: str, start: int = 0) -> Optional[FinalAnswer]:
             return FinalAnswer(("",), UNREADABLE, group[-1][0])
     group.reverse()
     parts = tuple(text[b[1]:b[2]].strip() for b in group)
-    return FinalAnswer(parts, "boxed", group[0][0])
+    return FinalAnswer(parts, "boxed", group[0][0], group[-1][2] + 1)
 
 
 def _clean_hashes(content: str) -> str:
@@ -193,44 +199,50 @@ def _scan_hashes(text: str) -> tuple[Optional[FinalAnswer], Optional[FinalAnswer
         if _is_heading(content, line_end < last_text):
             title = content.strip().strip("*_:").strip()
             if title.lower() in _ANSWER_TITLES:
-                following = _next_line(text, line_end)
+                following, following_end = _next_line(text, line_end)
                 if following:
-                    return FinalAnswer((following,), "hashes", pos), fallback
-            fallback = fallback or FinalAnswer((title,), "hashes", pos)
+                    return FinalAnswer((following,), "hashes", pos, following_end), fallback
+            fallback = fallback or FinalAnswer((title,), "hashes", pos, line_end)
             continue
         cleaned = _clean_hashes(content)
         if cleaned:
-            return FinalAnswer((cleaned,), "hashes", pos), fallback
+            return FinalAnswer((cleaned,), "hashes", pos, line_end), fallback
 
 
-def _next_line(text: str, pos: int) -> str:
-    """The first non-blank line after ``pos``, cleaned like a ``####`` line."""
+def _next_line(text: str, pos: int) -> tuple[str, int]:
+    """The first non-blank line after ``pos``, cleaned like a ``####`` line, and where it ends."""
     while pos < len(text):
         end = text.find("\n", pos + 1)
         end = len(text) if end < 0 else end
         line = text[pos:end].strip()
         if line:
-            return _clean_hashes(line)
+            return _clean_hashes(line), end
         pos = end
-    return ""
+    return "", pos
 
 
-def final_answer(text: str) -> Optional[FinalAnswer]:
-    """The final answer of ``text`` by the contract in the module docstring, or None."""
+def final_answer(text: str, check_retraction: bool = True) -> Optional[FinalAnswer]:
+    """The final answer of ``text`` by the contract in the module docstring, or None (also when the
+    text takes it back, unless ``check_retraction`` is False)."""
     if not isinstance(text, str):
         raise TypeError(f"a response must be a str, got {type(text).__name__}")
     hashes, heading = _scan_hashes(text)
     boxed = last_group(text, hashes.position if hashes is not None else 0)
     if boxed is not None and boxed.source == UNREADABLE:
         return None
-    if boxed is not None and boxed.parts != ("",):
-        return boxed
-    return hashes or heading
+    answer = boxed if boxed is not None and boxed.parts != ("",) else hashes or heading
+    if answer is not None and check_retraction and _taken_back(text, answer):
+        return None
+    return answer
 
 
-def extract_answer(text: str) -> Optional[str]:
+def _taken_back(text: str, answer: FinalAnswer) -> bool:
+    return retracted(text, answer.position, answer.end, lambda other: group_matches(answer.parts, other))
+
+
+def extract_answer(text: str, check_retraction: bool = True) -> Optional[str]:
     """The final answer of ``text`` as one string (a group of boxes joined by ``", "``), or None."""
-    answer = final_answer(text)
+    answer = final_answer(text, check_retraction)
     return answer.text if answer is not None and answer.text.strip() else None
 
 
@@ -240,5 +252,5 @@ def reference_answer(answer) -> Optional[str]:
         return None
     text = str(answer)
     if "####" in text or _BOX_OPEN.search(text):
-        return extract_answer(text)
+        return extract_answer(text, check_retraction=False)
     return text.strip() or None

@@ -230,10 +230,24 @@ def canonical(answer: str) -> Canonical:
 
 
 def _strip_sentence_end(text: str) -> str:
+    """A closing period, or an exclamation mark after a word, is punctuation.  ``!`` right after a
+    digit, a single letter or a bracket is a factorial: ``5!`` is 120, never 5."""
     text = text.strip()
     while text.endswith((".", "!")) and not text.endswith(r"\ldots"):
+        if text.endswith("!") and _factorial_operand(text[:-1]):
+            break
         text = text[:-1].rstrip()
     return text
+
+
+def _factorial_operand(before: str) -> bool:
+    """Whether ``!`` after ``before`` is a factorial: ``before`` ends in a digit, a one-letter symbol,
+    a closing bracket or another ``!`` (``4!!``), not in a word (``Yes!``)."""
+    if not before or before[-1] in ")]}!":
+        return bool(before)
+    if before[-1].isdigit():
+        return True
+    return before[-1].isalpha() and not before[-2:-1].isalpha()
 
 
 

@@ -3,7 +3,7 @@
 Floats would make ``1234568`` equal ``1234567`` under a relative tolerance and ``1e400`` equal
 ``2e400`` after overflow, so every value is a :class:`fractions.Fraction`.  How a number was written
 is kept too (decimal places, significant digits, a percent sign): the comparison needs it to tell a
-rounded value (``0.333`` for 1/3) from a wrong one.
+rounded reference (``0.33``, which ``\\frac{1}{3}`` may answer) from a coarse one (``0.3``).
 
 The reader works on the canonical text of :mod:`megatron_rl.rewards.latex` and is a hand-written
 scanner: each character is looked at a bounded number of times, and digit runs longer than
@@ -22,11 +22,12 @@ MAX_EXPONENT = 1000
 
 MULTIPLIERS = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9, "trillion": 10**12,
                "dozen": 12}
-# Words after a number that change its value or hedge it: such a tail is never a unit.
+# Words after a number that change its value, hedge it or retract it: such a tail is never a unit.
 VALUE_WORDS = frozenset("""and or plus minus times over divided point to than less more not half halves third
 thirds quarter quarters fourth fourths fifth fifths sixth sixths eighth eighths tenth tenths hundredth hundredths
 thousandth thousandths squared cubed percent percentage fraction power powers root roots sqrt factorial hundreds
 thousands millions billions pi negative positive mod modulo log ln sin cos tan exp i x e equals plusminus
+wrong incorrect mistake error not
 """.split())
 # Single letters accepted as units, and units that may follow the digits without a space.
 SHORT_UNITS = frozenset("m g s h L K".split())
@@ -121,7 +122,7 @@ def _decimal(scan: _Scan, signed: bool = False) -> Optional[_Decimal]:
         scan.pos = start
         return None
     frac, repeat, point = "", "", False
-    if scan.at(".") and scan.s[scan.pos + 1:scan.pos + 2].isdigit():
+    if scan.at(".") and (scan.s[scan.pos + 1:scan.pos + 2].isdigit() or scan.s.startswith(r"\overline{", scan.pos + 1)):
         scan.pos += 1
         point = True
         frac = scan.digits()

@@ -10,6 +10,9 @@ its timeouts use ``signal.alarm`` (main thread only), so here:
 * an answer the exact grader accepts scores 1 without SymPy; two plain numbers are decided by the
   exact grader alone (math-verify rounds floats to 6 places), and so are answers whose symbols
   differ only in case (latex2sympy lower-cases symbols: it equates ``X+1`` and ``x+1``);
+* math-verify sees every decimal as the exact fraction it writes (``3.1415927`` as
+  ``\\frac{31415927}{10000000}``), so it compares exactly: a rounded decimal is never ``\\pi``,
+  ``\\sqrt{2}`` or ``\\sin(\\pi/3)``, and ``0.5`` still equals ``\\sin(\\pi/6)``;
 * math-verify runs with its signal timeouts off; the bound is the worker process of
   :mod:`megatron_rl.rewards.bounded`, which works on any thread.
 """
@@ -17,6 +20,7 @@ its timeouts use ``signal.alarm`` (main thread only), so here:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Optional
 
 from megatron_rl.rewards.compare import group_matches
@@ -42,9 +46,22 @@ def load_math_verify():
     return _MATH_VERIFY
 
 
+# A finite decimal not followed by more digits, a repeating bar or an exponent (those are left alone).
+_DECIMAL = re.compile(r"(?<![\d.])(\d+)\.(\d+)(?![\d.]|\\overline|[eE][-+]?\d)")
+
+
+def exact_decimals(latex: str) -> str:
+    """Each decimal of ``latex`` written as a fraction (``2.25`` -> ``\\frac{225}{100}``)."""
+    def fraction(m: re.Match) -> str:
+        numerator = (m.group(1) + m.group(2)).lstrip("0") or "0"
+        return rf"\frac{{{numerator}}}{{1{'0' * len(m.group(2))}}}"
+
+    return _DECIMAL.sub(fraction, latex)
+
+
 def _parse(text: str):
     mv = load_math_verify()
-    latex = canonical(text).text
+    latex = exact_decimals(canonical(text).text)
     return mv.parse(f"${latex}$", extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
                     parsing_timeout=None)
 
