@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+import runpy
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the corpus lives in tests/
+from megatron_rl.rewards import math_answer
 
-from megatron_rl.rewards import math_answer  # noqa: E402
-from tests.data.reward_corpus import ADVERSARIAL, CASES  # noqa: E402
+# The hand-labelled corpus is test data (tests/data/), read by path: the package is installed,
+# the tests are not.
+_CORPUS = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                      "tests", "data", "reward_corpus.py"))
+ADVERSARIAL, CASES = _CORPUS["ADVERSARIAL"], _CORPUS["CASES"]
 
 
 def plain_math_verify(prompts, responses, answers, **kwargs) -> list[float]:
