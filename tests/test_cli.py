@@ -124,7 +124,7 @@ def test_train_says_what_it_loaded_and_a_finished_rerun_exits_at_once(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     lines = first.stdout.splitlines()
     startup = {line.split(":")[0]: line for line in lines[:8]}
-    assert startup["layout"] == "layout: tp=1 pp=1 cp=1 dp=1, world size 1, cpu"
+    assert startup["layout"] == "layout: tp=1 pp=1 cp=1 dp=1 ep=1, world size 1, cpu"
     assert startup["tokenizer"] == "tokenizer: char (vocab 54)"
     assert startup["prompts"] == "prompts: 20 from task:add_small"
     count = run_distributed(1, param_count_body, list(TINY))[0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 
@@ -172,6 +173,87 @@ def test_recompute_and_cp_lower_the_activation_estimate():
     base = memory.activation_bytes(cfg, memory.PlanOption(tp=4), 32768, 2)
     assert memory.activation_bytes(cfg, memory.PlanOption(tp=4, recompute="full"), 32768, 2) < 0.2 * base
     assert memory.activation_bytes(cfg, memory.PlanOption(tp=4, cp=2), 16384, 2) == pytest.approx(base / 2, rel=0.01)
+
+
+def _plan_output(capsys, *argv: str) -> tuple[int, list[str]]:
+    from megatron_rl.tools.cli import main
+
+    rc = main(["plan", *argv])
+    return rc, capsys.readouterr().out.splitlines()
+
+
+def _table(lines: list[str]) -> list[str]:
+    """The header and rows of the printed table (up to the blank line before the recommendation)."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("  layout "))
+    end = lines.index("", start)
+    return lines[start:end]
+
+
+def test_plan_columns_line_up_on_an_moe_plan(capsys):
+    """MoE layout names (``ep8 etp1``) are longer than dense ones: every cell still sits under its
+    header, left-aligned text columns starting and numbers ending where their header does."""
+    rc, lines = _plan_output(capsys, "--model", "qwen3-30b-a3b", "--prompt-len", "1024", "--response-len",
+                             "32768", "--no-critic", "--no-reference", "--show", "40")
+    assert rc == 0
+    header, *rows = _table(lines)
+    assert len(rows) == 40 and any(" etp1 " in r for r in rows) and any(" ep2 " in r for r in rows)
+    left = {"layout", "cp-comm", "options", "fits"}
+    for match in re.finditer(r"\S+", header):
+        start, end = match.span()
+        for row in rows:
+            if match.group() in left:
+                assert row[start] != " " and row[start - 1] == " ", (match.group(), row)
+            else:
+                assert row[end - 1] != " " and (end == len(row) or row[end] == " "), (match.group(), row)
+
+
+def test_plan_rows_show_cp_comm_margin_and_the_ranking_rule(capsys):
+    """Layouts differing only in CP communication no longer print alike; each row's free memory
+    is the budget (90% of the GPU) less its total; the ranking rule is printed."""
+    from megatron_rl.planner.search import RANKING
+
+    rc, lines = _plan_output(capsys, "--model", "qwen2.5-7b", "--prompt-len", "1024", "--response-len", "32768",
+                             "--show", "1000")
+    assert rc == 0
+    header, *rows = _table(lines)
+    cells = [re.split(r"\s{2,}", r.strip()) for r in rows]
+    names = re.split(r"\s{2,}", header.strip())
+    col = {name: i for i, name in enumerate(names)}
+    by_layout: dict = {}
+    for c in cells:
+        by_layout.setdefault((c[col["layout"]], c[col["options"]]), set()).add(c[col["cp-comm"]])
+        assert float(c[col["free"]]) == pytest.approx(72.0 - float(c[col["total"]]), abs=0.051)
+        assert float(c[col["train"]]) <= float(c[col["total"]])
+    assert by_layout[("tp1 pp1 cp8 dp1", "distopt")] >= {"p2p", "a2a+p2p(4x2)"}
+    assert by_layout[("tp2 pp1 cp4 dp1", "sp,distopt")] >= {"p2p", "a2a+p2p(2x2)"}
+    assert any({"p2p", "a2a"} <= comms for (name, _), comms in by_layout.items() if " cp2 " in name)
+    assert {c[col["cp-comm"]] for c in cells if " cp1 " in c[col["layout"]]} == {"-"}
+    assert "budget: 72.0 GiB per GPU, 90% of 80" in lines[2]
+    ranking = " ".join(line.strip() for line in lines if line.startswith(("ranking:", "  ")) and
+                       not line.startswith("  layout") and line not in rows)
+    for i, (text, _) in enumerate(RANKING, 1):
+        assert f"{i}) {text}" in ranking
+    recommended = next(line for line in lines if line.startswith("recommended: "))
+    first = cells[0]
+    assert recommended.startswith(f"recommended: {first[col['layout']]}, cp-comm {first[col['cp-comm']]}, "
+                                  f"options {first[col['options']]}: {first[col['total']]} of 72.0 GiB "
+                                  f"({first[col['free']]} free; training peak {first[col['train']]})")
+
+
+def test_plan_config_lists_the_keys_where_a_recipe_differs(capsys, tmp_path):
+    recipe = os.path.join(ROOT, "configs", "qwen2.5_7b_32k.yaml")
+    rc, lines = _plan_output(capsys, "--model", "qwen2.5-7b", "--config", recipe)
+    assert rc == 0 and lines[0].startswith("model qwen2.5-7b: 7.62B parameters; sequence 1024 + 32768 tokens")
+    assert "per-GPU memory" in lines[1] and lines[1].endswith("; actor)")  # GRPO without KL: no critic, no reference
+    assert lines[-1] == f"{recipe}: every planned key agrees with the recommendation"
+    changed = tmp_path / "changed.yaml"
+    with open(recipe) as f:  # the recipe as it was: full recompute and offload
+        text = f.read().replace("granularity: null", "granularity: full")
+    changed.write_text(text.replace("  save_every: 10\n", "  save_every: 10\n  offload: true\n"))
+    rc, lines = _plan_output(capsys, "--model", "qwen2.5-7b", "--config", str(changed))
+    assert rc == 1
+    assert lines[-3:] == [f"{changed} differs from the recommendation:",
+                          "  model.recompute.granularity: full (plan: null)", "  trainer.offload: true (plan: false)"]
 
 
 def test_plan_command_prints_a_fitting_layout():

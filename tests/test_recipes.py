@@ -24,6 +24,9 @@ from tests.support.helpers import TINY, read_metrics, train_body
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_RECIPES = ["grpo_cpu", "dapo_cpu", "gspo_cpu", "reinforce_pp_cpu"]
 GPU_RECIPES = ["qwen2.5_7b_32k", "dapo_qwen2.5_7b_32k", "gspo_qwen2.5_7b_32k", "reinforce_pp_qwen2.5_7b_32k"]
+# Every GPU recipe in configs/ and the planner preset of its model; each is for one node of 8 x 80 GB.
+PLANNED_RECIPES = {name: "qwen2.5-7b" for name in GPU_RECIPES}
+PLANNED_RECIPES.update({"qwen2.5_1.5b_8k": "qwen2.5-1.5b", "qwen3_30b_a3b_32k": "qwen3-30b-a3b"})
 LEARNING_TIMEOUT_S = 900  # a hang guard only: ~1.5 min idle, several on a loaded CI machine
 
 
@@ -106,10 +109,55 @@ def test_gpu_recipes_validate_for_eight_gpus():
     for name in GPU_RECIPES:
         cfg = load_config(config_path(name))
         validate(cfg, 8)
-        assert cfg.rollout.max_new_tokens == 32768 and cfg.parallel.tp * cfg.parallel.cp == 8
+        assert cfg.rollout.max_new_tokens == 32768 and 8 % (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp) == 0
     assert load_config(config_path("dapo_qwen2.5_7b_32k")).algorithm.dynamic_sampling
     assert load_config(config_path("gspo_qwen2.5_7b_32k")).algorithm.policy_loss == "gspo"
     assert load_config(config_path("reinforce_pp_qwen2.5_7b_32k")).algorithm.advantage == "reinforce_plus_plus"
+
+
+def test_every_gpu_recipe_is_in_the_table():
+    found = {os.path.basename(p)[:-5] for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))}
+    assert {name for name in found if not name.endswith("_cpu")} == set(PLANNED_RECIPES)
+
+
+@pytest.mark.parametrize("recipe", sorted(PLANNED_RECIPES))
+def test_gpu_recipe_equals_the_plan(recipe):
+    """The planner, run for the recipe's model, lengths, critic and reference on 8 x 80 GB, decides
+    the recipe's layout, recompute, optimizer sharding, offload, rollout engine, token budget and
+    rollout batch (what `megatron-rl plan --model <preset> --config <recipe>` checks)."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.planner.recipe import differences, plan_inputs
+    from megatron_rl.planner.search import PRESETS, plan, preset
+
+    cfg = load_config(config_path(recipe))
+    model = preset(PLANNED_RECIPES[recipe])
+    explicit = {k: v for k, v in PRESETS[PLANNED_RECIPES[recipe]].items() if k != "moe"}
+    if cfg.model.num_layers == model.num_layers:  # a recipe that spells the architecture out: the preset's
+        assert {k: getattr(cfg.model, k) for k in explicit} == explicit
+    inputs = plan_inputs(cfg)
+    result = plan(model, prompt_len=inputs.prompt_len, response_len=inputs.response_len, nodes=1, gpus_per_node=8,
+                  gpu_memory_gib=80, with_critic=inputs.with_critic, with_reference=inputs.with_reference)
+    assert result.recommended is not None
+    assert differences(cfg, result.recommended.settings(inputs.with_critic)) == []
+
+
+def test_a_recipe_off_the_plan_is_caught():
+    """What the check above sees when a recipe leaves the plan (the 7B recipe's earlier settings)."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.planner.recipe import differences, plan_inputs
+    from megatron_rl.planner.search import plan, preset
+
+    old = ["parallel.cp=2", "parallel.cp_comm_type=p2p", "model.recompute.granularity=full", "trainer.offload=true",
+           "rollout.max_batch_size=8", "batch.max_tokens_per_rank=16896", "actor.optim.use_distributed_optimizer=false"]
+    cfg = load_config(config_path("qwen2.5_7b_32k"), old)
+    inputs = plan_inputs(cfg)
+    assert (inputs.with_critic, inputs.with_reference) == (False, False)
+    best = plan(preset("qwen2.5-7b"), prompt_len=1024, response_len=32768, nodes=1, gpus_per_node=8,
+                gpu_memory_gib=80, with_critic=False, with_reference=False).recommended
+    assert differences(cfg, best.settings(False)) == [
+        ("parallel.cp", 2, 1), ("model.recompute.granularity", "full", None),
+        ("actor.optim.use_distributed_optimizer", False, True), ("trainer.offload", True, False),
+        ("batch.max_tokens_per_rank", 16896, 33792), ("rollout.max_batch_size", 8, 104)]
 
 
 def _finite(row: dict) -> bool:

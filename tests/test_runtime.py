@@ -150,3 +150,16 @@ def test_a_single_process_job_needs_no_tcp_port(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_00000001")
+
+
+def test_the_layout_line_names_expert_parallelism():
+    from megatron_rl.config.schema import ParallelConfig
+    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.trainer.ppo import layout_line
+
+    moe = ParallelLayout.from_config(ParallelConfig(tp=2, ep=2, etp=1, sequence_parallel=True), 8)
+    assert layout_line(moe, 8, "cpu") == "layout: tp=2 pp=1 cp=1 dp=4 ep=2 etp=1 (sequence parallel), world size 8, cpu"
+    same_etp = ParallelLayout.from_config(ParallelConfig(tp=2, cp=2, ep=4, etp=2), 8)  # etp = tp: the default
+    assert layout_line(same_etp, 8, "cpu") == "layout: tp=2 pp=1 cp=2 dp=2 ep=4, world size 8, cpu"
+    dense = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2), 4)
+    assert layout_line(dense, 4, "cpu") == "layout: tp=2 pp=2 cp=1 dp=1 ep=1, world size 4, cpu"

@@ -96,14 +96,16 @@ FEATURES = [
         "parallel.ep splits the routed experts of every MoE layer over ep ranks drawn from the data- and "
         "context-parallel ranks (megatron's expert rank generator: world = etp x ep x expert-DP x pp); their gradients "
         "are reduced over the expert data-parallel group by megatron's DDP, the distributed optimizer shards them "
-        "there; checkpoints, HF import (each rank reads only its experts) and export work from and into any layout.",
+        "there; checkpoints, HF import (each rank reads only its experts) and export work from and into any layout; "
+        "the start-up layout line names ep (and etp when it is not tp).",
         ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
          "tests/test_moe.py::test_score_matches_hf_on_expert_parallel_layouts",
          "tests/test_moe.py::test_distributed_optimizer_with_experts_matches_one_process",
          "tests/test_moe.py::test_convert_reshards_experts_between_layouts",
          "tests/test_moe.py::test_moe_layouts_are_refused_before_launch",
          "tests/test_moe.py::test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b",
-         "tests/test_moe.py::test_planner_moe_activations_match_a_measurement"),
+         "tests/test_moe.py::test_planner_moe_activations_match_a_measurement",
+         "tests/test_runtime.py::test_the_layout_line_names_expert_parallelism"),
         (
             need("parallel.ep", lambda c, w: is_moe(c.model), "expert parallelism needs an MoE model",
                  "set model.moe.num_experts (or model.hf_path to an MoE checkpoint), or parallel.ep=1",

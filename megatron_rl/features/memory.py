@@ -61,11 +61,27 @@ FEATURES = [
     Feature(
         "Memory planner (megatron-rl plan)", "memory", TESTED_CPU,
         "Per-GPU memory by component for candidate TP/PP/CP/recompute/offload layouts, the recommended one with "
-        "overrides, or the smallest node count that fits. GPU figures unvalidated.",
+        "overrides, or the smallest node count that fits. Each row names its CP communication (p2p, a2a, "
+        "a2a+p2p with its sizes), the training peak, the total and what is left of the budget (90% of the GPU); "
+        "the ranking rule that orders the rows is printed with them; columns stay aligned for MoE layouts. GPU "
+        "figures unvalidated.",
         ("tests/test_planner.py::test_activation_estimate_within_1_percent_of_measurement",
-         "tests/test_planner.py::test_qwen7b_at_32k_fits_one_node_of_8x80gb"),
+         "tests/test_planner.py::test_qwen7b_at_32k_fits_one_node_of_8x80gb",
+         "tests/test_planner.py::test_plan_rows_show_cp_comm_margin_and_the_ranking_rule",
+         "tests/test_planner.py::test_plan_columns_line_up_on_an_moe_plan"),
         config="megatron-rl plan --model ... --response-len ...",
         measured=(Measured("activation and log-prob estimates within 1% of CPU measurement on the benchmark model",
                            "pytest -s tests/test_planner.py -k measurement"),),
+    ),
+    Feature(
+        "Recipes checked against the plan (megatron-rl plan --config)", "memory", TESTED_CPU,
+        "--config plans for a recipe's prompt and response lengths, critic (the advantage estimator's) and "
+        "reference (kl_coef > 0), and lists every key where the recipe differs from the recommendation (layout, "
+        "recompute, distributed optimizer, offload, rollout engine and batch, token budget, MoE KV-cache bytes), "
+        "exit 1; every GPU recipe in configs/ equals the plan for 8 x 80 GB.",
+        ("tests/test_planner.py::test_plan_config_lists_the_keys_where_a_recipe_differs",
+         "tests/test_recipes.py::test_gpu_recipe_equals_the_plan",
+         "tests/test_recipes.py::test_a_recipe_off_the_plan_is_caught"),
+        config="megatron-rl plan --model <preset> --config configs/<recipe>.yaml",
     ),
 ]

@@ -65,25 +65,41 @@ class PlanOption:
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
-    def overrides(self) -> list[str]:
-        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}",
-               f"parallel.sequence_parallel={'true' if self.sequence_parallel and self.tp > 1 else 'false'}"]
+    def settings(self, with_critic: bool = True) -> dict:
+        """The config keys this layout decides, with their values (``None`` = null): every
+        memory switch, also when off, so a config can be checked against the plan."""
+        out = {"parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.cp": self.cp,
+               "parallel.sequence_parallel": self.sequence_parallel and self.tp > 1}
         if self.cp > 1:
-            out.append(f"parallel.cp_comm_type={self.cp_comm_type}")
+            out["parallel.cp_comm_type"] = self.cp_comm_type
             if self.cp_comm_type == "a2a+p2p":
-                out.append("parallel.hierarchical_context_parallel_sizes=[{},{}]".format(*cp_levels(self)))
-        if self.recompute:
-            out.append(f"model.recompute.granularity={self.recompute}")
-        if self.distributed_optimizer:
-            out += ["actor.optim.use_distributed_optimizer=true", "critic.optim.use_distributed_optimizer=true"]
-        if self.offload:
-            out.append("trainer.offload=true")
-        if self.sharded_rollout:
-            out.append("rollout.engine=tp_sharded")
-        if self.megatron_rollout:
-            out.append("rollout.engine=megatron")
-        out += moe.overrides(self)
+                out["parallel.hierarchical_context_parallel_sizes"] = list(cp_levels(self))
+        out["model.recompute.granularity"] = self.recompute
+        out["actor.optim.use_distributed_optimizer"] = self.distributed_optimizer
+        if with_critic:
+            out["critic.optim.use_distributed_optimizer"] = self.distributed_optimizer
+        out["trainer.offload"] = self.offload
+        out["rollout.engine"] = ("tp_sharded" if self.sharded_rollout else "megatron" if self.megatron_rollout
+                                 else "torch")
+        out.update(moe.settings(self))
         return out
+
+    def overrides(self, with_critic: bool = True) -> list[str]:
+        """:meth:`settings` as command-line overrides; dense layouts leave out the expert sizes."""
+        dense = self.ep == 1 and self.etp is None
+        return [f"{key}={format_value(value)}" for key, value in self.settings(with_critic).items()
+                if not (dense and key in moe.SETTINGS_KEYS)]
+
+
+def format_value(value) -> str:
+    """A config value as an override writes it: true/false, null, [a,b]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
 
 
 A2A_COMM_TYPES = ("a2a", "a2a+p2p")
@@ -338,6 +354,7 @@ class Breakdown:
     total: float
     rollout_batch: int = 0  # sequences the rollout can generate together within the budget
     kv_cache_memory: float = 0.0  # megatron's engine: the rollout.kv_cache_memory (bytes) of that batch
+    train_peak: float = 0.0  # the training phase's peak (resident models + one micro-batch); total adds generation
 
     def gib(self) -> dict:
         return {k: v / GiB for k, v in self.components.items()}
@@ -407,4 +424,4 @@ def estimate(
         "rollout (weights + KV cache)": rollout,
     })
     total = max(train, gen_resident + kv)
-    return Breakdown(components, total, batch, kv if paged else 0.0)
+    return Breakdown(components, total, batch, kv if paged else 0.0, train)

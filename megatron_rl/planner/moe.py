@@ -139,11 +139,11 @@ def layout_options(cfg, gpus: int, tp: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
-def overrides(layout) -> list[str]:
-    """The config overrides of ``layout``'s expert parallelism (none for a dense plan)."""
-    out = []
-    if getattr(layout, "ep", 1) > 1:
-        out.append(f"parallel.ep={layout.ep}")
-    if getattr(layout, "etp", None) is not None and layout.etp != layout.tp:
-        out.append(f"parallel.etp={layout.etp}")
-    return out
+# The config keys of expert parallelism a plan decides.
+SETTINGS_KEYS = ("parallel.ep", "parallel.etp")
+
+
+def settings(layout) -> dict:
+    """``layout``'s expert parallelism as config values: EP, and ETP (null = TP)."""
+    etp = getattr(layout, "etp", None)
+    return {"parallel.ep": getattr(layout, "ep", 1), "parallel.etp": None if etp in (None, layout.tp) else etp}

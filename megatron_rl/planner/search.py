@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig, MoEConfig
 from megatron_rl.data.microbatch import align_to, alignment
 from megatron_rl.models.arch import attention_dims, is_moe
 from megatron_rl.planner import moe
-from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, a2a_heads_ok, estimate
+from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, a2a_heads_ok, estimate, format_value
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
+HEADROOM_NOTE = "the rest for the CUDA context, NCCL buffers, fragmentation"
 # Sizes tried for each of TP, PP and CP: powers of two up to 64.
 PARALLEL_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # TP stays inside a node, on at most this many GPUs (one NVLink domain).
@@ -57,6 +58,22 @@ class Candidate:
     def total_gib(self) -> float:
         return self.breakdown.total / GiB
 
+    def batch_settings(self) -> dict:
+        """The token budget per micro-batch, the rollout's batch and (megatron's engine) its KV-cache bytes."""
+        out = {"batch.max_tokens_per_rank": self.tokens_per_rank,
+               "rollout.max_batch_size": self.breakdown.rollout_batch}
+        if self.breakdown.kv_cache_memory > 0:
+            out["rollout.kv_cache_memory"] = int(self.breakdown.kv_cache_memory)
+        return out
+
+    def settings(self, with_critic: bool = True) -> dict:
+        """Every config key this candidate decides: its layout's and :meth:`batch_settings`."""
+        return {**self.layout.settings(with_critic), **self.batch_settings()}
+
+    def overrides(self, with_critic: bool = True) -> list[str]:
+        """:meth:`settings` as the command-line overrides to paste (dense: no expert sizes)."""
+        return self.layout.overrides(with_critic) + [f"{k}={format_value(v)}" for k, v in self.batch_settings().items()]
+
 
 @dataclasses.dataclass
 class Plan:
@@ -65,6 +82,11 @@ class Plan:
     candidates: list[Candidate]
     recommended: Optional[Candidate]
     min_nodes: Optional[int] = None
+
+    @property
+    def budget_gib(self) -> float:
+        """What a layout may use per GPU: :data:`HEADROOM` of its memory."""
+        return HEADROOM * self.gpu_memory_gib
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -107,18 +129,32 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
                         if sharded and is_moe(cfg):
                             continue
                         yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                         distributed_optimizer=dist_opt, sharded_rollout=sharded, cp_comm_type=comm,
-                                         hierarchical_cp=levels, ep=ep, etp=etp)
+                                         distributed_optimizer=dist_opt, sharded_rollout=sharded,
+                                         megatron_rollout=is_moe(cfg), cp_comm_type=comm, hierarchical_cp=levels,
+                                         ep=ep, etp=etp)
+
+
+_RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
+
+# How fitting candidates are ranked, most important first; the first one is recommended.  Each
+# rule: what it prefers (printed by ``megatron-rl plan``) and the sort key that prefers it.
+RANKING: tuple[tuple[str, Callable[[Candidate], object]], ...] = (
+    ("no offload", lambda c: c.layout.offload),
+    ("less recompute (none, selective, full)", lambda c: _RECOMPUTE_ORDER[c.layout.recompute]),
+    ("fewest GPUs per model replica (tp x pp x cp), so more data parallelism",
+     lambda c: c.layout.tp * c.layout.pp * c.layout.cp),
+    ("fewer pipeline stages", lambda c: c.layout.pp),
+    ("TP-sharded generation when tp > 1 (it costs training nothing)",
+     lambda c: c.layout.tp > 1 and not c.layout.sharded_rollout),
+    ("the smallest expert parallelism (fewer all-to-alls)", lambda c: c.layout.ep),
+    ("no distributed optimizer", lambda c: c.layout.distributed_optimizer),
+    ("the CP ring (p2p, the default) before a2a and a2a+p2p", lambda c: c.layout.cp_comm_type != "p2p"),
+    ("less memory", lambda c: c.breakdown.total),
+)
 
 
 def _cost(c: Candidate) -> tuple:
-    """Prefer: no offload, no recompute, small model parallelism (more DP), a TP-sharded rollout
-    (it costs training nothing), the smallest expert parallelism that fits (fewer all-to-alls), the
-    ring over a2a / a2a+p2p (the default), then less memory."""
-    lay = c.layout
-    return (lay.offload, {None: 0, "selective": 1, "full": 2}[lay.recompute], lay.tp * lay.pp * lay.cp,
-            lay.pp, lay.tp > 1 and not lay.sharded_rollout, lay.ep, lay.distributed_optimizer,
-            lay.cp_comm_type != "p2p", c.breakdown.total)
+    return tuple(key(c) for _, key in RANKING)
 
 
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,

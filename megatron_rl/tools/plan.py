@@ -8,23 +8,30 @@ Prints per-GPU memory of candidate layouts (weights, grads and optimizer states 
 and reference; activations with and without recompute; the log-prob path; the rollout's weights
 and KV cache, a full copy or 1/TP with the sharded engine), marks which fit, recommends one with the overrides to paste,
 and when nothing fits
-names the smallest node count that does.
+names the smallest node count that does.  Each row shows its CP communication, the training peak,
+the total and what is left of the budget; the ranking rule that orders the rows is printed with
+them.  ``--config`` takes the lengths and models from a recipe and lists the keys where it differs
+from the recommendation.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.planner.memory import total_params
-from megatron_rl.planner.search import PRESETS, Candidate, plan, preset
+from megatron_rl.planner.memory import format_value, total_params
+from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
+from megatron_rl.planner.search import HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="preset name or local HF model directory")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--response-len", type=int, default=8192)
+    p.add_argument("--config", help="a recipe: plan for its prompt and response lengths, critic and reference, "
+                                    "and list the keys where it differs from the recommendation")
+    p.add_argument("--prompt-len", type=int, help="default 1024, or the recipe's data.max_prompt_tokens")
+    p.add_argument("--response-len", type=int, help="default 8192, or the recipe's rollout.max_new_tokens")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
@@ -47,22 +54,110 @@ def _model(spec: str):
                       f"use one of {', '.join(PRESETS)} or a local HF model directory")
 
 
-def _row(c: Candidate) -> str:
-    lay, parts = c.layout, c.breakdown.gib()
+# The table's columns: header, right-aligned.
+COLUMNS = (("layout", False), ("cp-comm", False), ("options", False), ("tok/rank", True), ("weights", True),
+           ("grads", True), ("optim", True), ("acts", True), ("logprob", True), ("rollout", True), ("gen", True),
+           ("train", True), ("total", True), ("free", True), ("fits", False))
+
+
+def layout_name(c: Candidate) -> str:
+    lay = c.layout
     name = f"tp{lay.tp} pp{lay.pp} cp{lay.cp} dp{lay.dp}"
     if lay.ep > 1 or (lay.etp or lay.tp) != lay.tp:  # MoE
         name += f" ep{lay.ep}" + (f" etp{lay.etp}" if (lay.etp or lay.tp) != lay.tp else "")
-    flags = ",".join(f for f, on in (("sp", lay.sequence_parallel and lay.tp > 1),
-                                     (f"rc-{lay.recompute}", bool(lay.recompute)), ("offload", lay.offload),
-                                     ("distopt", lay.distributed_optimizer),
-                                     ("shard-gen", lay.sharded_rollout)) if on)
+    return name
+
+
+def cp_comm(c: Candidate) -> str:
+    """The CP communication: ``-`` without CP, a2a+p2p with its (a2a x ring) sizes."""
+    lay = c.layout
+    if lay.cp == 1:
+        return "-"
+    if lay.cp_comm_type == "a2a+p2p":
+        return "a2a+p2p({}x{})".format(*lay.settings()["parallel.hierarchical_context_parallel_sizes"])
+    return lay.cp_comm_type
+
+
+def _options(c: Candidate) -> str:
+    """The memory switches that are on, ``-`` for none."""
+    lay = c.layout
+    return ",".join(f for f, on in (("sp", lay.sequence_parallel and lay.tp > 1),
+                                    (f"rc-{lay.recompute}", bool(lay.recompute)), ("offload", lay.offload),
+                                    ("distopt", lay.distributed_optimizer),
+                                    ("shard-gen", lay.sharded_rollout)) if on) or "-"
+
+
+def row_cells(c: Candidate, budget_gib: float) -> list[str]:
+    parts = c.breakdown.gib()
     weights = sum(v for k, v in parts.items() if k.endswith("weights"))
     grads = sum(v for k, v in parts.items() if k.endswith("grads"))
     optim = sum(v for k, v in parts.items() if k.endswith("optimizer"))
-    return (f"  {name:<18} {flags:<34} {c.tokens_per_rank:>8} {weights:>8.1f} {grads:>7.1f} {optim:>7.1f} "
-            f"{parts['activations']:>7.1f} {parts['log-prob path']:>7.1f} "
-            f"{parts['rollout (weights + KV cache)']:>8.1f} {c.breakdown.rollout_batch:>5} {c.total_gib:>7.1f}  "
-            f"{'yes' if c.fits else 'no'}")
+    gib = (weights, grads, optim, parts["activations"], parts["log-prob path"], parts["rollout (weights + KV cache)"])
+    return ([layout_name(c), cp_comm(c), _options(c), str(c.tokens_per_rank)] + [f"{v:.1f}" for v in gib]
+            + [str(c.breakdown.rollout_batch), f"{c.breakdown.train_peak / 2**30:.1f}", f"{c.total_gib:.1f}",
+               f"{budget_gib - c.total_gib:.1f}", "yes" if c.fits else "no"])
+
+
+def format_table(rows: list[list[str]]) -> list[str]:
+    """Header and rows, each column as wide as its widest cell, two spaces apart."""
+    cells = [[name for name, _ in COLUMNS]] + rows
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    return ["  " + "  ".join(cell.rjust(w) if right else cell.ljust(w)
+                             for cell, w, (_, right) in zip(r, widths, COLUMNS)).rstrip() for r in cells]
+
+
+def ranking_lines(width: int = 110) -> list[str]:
+    """The rule that orders the rows, from :data:`megatron_rl.planner.search.RANKING`."""
+    rules = "; ".join(f"{i}) {text}" for i, (text, _) in enumerate(RANKING, 1))
+    return textwrap.wrap(f"ranking: rows that fit first, each group ordered by {rules}. The first row that fits "
+                         "is recommended.", width, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _inputs(args) -> PlanInputs:
+    """The recipe's lengths and models under --config; flags given on the command line win."""
+    base = PlanInputs(1024, 8192, True, True)
+    if args.config:
+        from megatron_rl.config.loader import load_config
+
+        base = plan_inputs(load_config(args.config))
+    return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
+                      base.with_critic and not args.no_critic, base.with_reference and not args.no_reference)
+
+
+def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
+    models = "actor" + (", critic" if inputs.with_critic else "") + (", reference" if inputs.with_reference else "")
+    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, fp32 Adam + master weights; {models})")
+    budget = (f"budget: {result.budget_gib:.1f} GiB per GPU, {HEADROOM:.0%} of {args.gpu_memory:g} ({HEADROOM_NOTE}). "
+              "Generation's KV cache takes what the models leave, up to --rollout-batch sequences (gen), so totals "
+              "sit near the budget; train is the training peak, free = budget - total.")
+    for line in textwrap.wrap(budget, 110, subsequent_indent="  ", break_on_hyphens=False) + ranking_lines():
+        print(line)
+    shown = [c for c in result.candidates if c.fits][: args.show]
+    shown += [c for c in result.candidates if not c.fits][: max(0, args.show - len(shown))]
+    for line in format_table([row_cells(c, result.budget_gib) for c in shown]):
+        print(line)
+
+
+def _recommendation(result: Plan, inputs: PlanInputs) -> list[str]:
+    best = result.recommended
+    b = best.breakdown
+    return [f"recommended: {layout_name(best)}, cp-comm {cp_comm(best)}, options {_options(best)}: "
+            f"{best.total_gib:.1f} of {result.budget_gib:.1f} GiB ({result.budget_gib - best.total_gib:.1f} free; "
+            f"training peak {b.train_peak / 2**30:.1f}), {b.rollout_batch} sequences generated together",
+            "overrides:   " + " ".join(best.overrides(inputs.with_critic))]
+
+
+def _compare(path: str, best: Candidate, inputs: PlanInputs) -> int:
+    from megatron_rl.config.loader import load_config
+
+    diffs = differences(load_config(path), best.settings(inputs.with_critic))
+    if not diffs:
+        print(f"{path}: every planned key agrees with the recommendation")
+        return 0
+    print(f"{path} differs from the recommendation:")
+    for key, have, planned in diffs:
+        print(f"  {key}: {format_value(have)} (plan: {format_value(planned)})")
+    return 1
 
 
 def run_plan(args) -> int:
@@ -73,30 +168,20 @@ def run_plan(args) -> int:
     if not args.model:
         raise ConfigError("--model", None, "missing", "give a preset (--list-models) or an HF model directory")
     cfg = _model(args.model)
-    result = plan(cfg, prompt_len=args.prompt_len, response_len=args.response_len, nodes=args.nodes,
+    inputs = _inputs(args)
+    result = plan(cfg, prompt_len=inputs.prompt_len, response_len=inputs.response_len, nodes=args.nodes,
                   gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                   max_tokens_per_rank=args.max_tokens_per_rank, rollout_batch=args.rollout_batch,
-                  with_critic=not args.no_critic, with_reference=not args.no_reference)
-    print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {args.prompt_len} + "
-          f"{args.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
-    print("per-GPU memory in GiB (bf16 weights, fp32 grads, fp32 Adam + master weights; actor"
-          + (", critic" if not args.no_critic else "") + (", reference" if not args.no_reference else "") + ")")
-    print(f"  {'layout':<18} {'options':<34} {'tok/rank':>8} {'weights':>8} {'grads':>7} {'optim':>7} "
-          f"{'acts':>7} {'logprob':>7} {'rollout':>8} {'gen':>5} {'total':>7}  fits")
-    shown = [c for c in result.candidates if c.fits][: args.show]
-    shown += [c for c in result.candidates if not c.fits][: max(0, args.show - len(shown))]
-    for cand in shown:
-        print(_row(cand))
+                  with_critic=inputs.with_critic, with_reference=inputs.with_reference)
+    print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
+          f"{inputs.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
+    _print_table(args, result, inputs)
     if result.recommended is None:
         where = (f"the smallest cluster that fits is {result.min_nodes} node(s) of {args.gpus_per_node} GPUs"
                  if result.min_nodes else "no cluster up to 64 nodes fits: shorten the sequence or use bigger GPUs")
         print(f"\nnot possible on {args.nodes} node(s): {where}")
         return 1
-    best = result.recommended
-    overrides = best.layout.overrides() + [f"batch.max_tokens_per_rank={best.tokens_per_rank}",
-                                           f"rollout.max_batch_size={best.breakdown.rollout_batch}"]
-    if best.breakdown.kv_cache_memory > 0:  # megatron's engine: its paged KV budget for that batch, in bytes
-        overrides.append(f"rollout.kv_cache_memory={int(best.breakdown.kv_cache_memory)}")
-    print(f"\nrecommended: {_row(best).strip()}")
-    print("overrides:   " + " ".join(overrides))
-    return 0
+    print()
+    for line in _recommendation(result, inputs):
+        print(line)
+    return _compare(args.config, result.recommended, inputs) if args.config else 0

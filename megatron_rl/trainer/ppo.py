@@ -94,10 +94,13 @@ def _rank0() -> bool:
 
 
 def layout_line(layout: ParallelLayout, world_size: int, device) -> str:
+    """The start-up line naming every parallel size, expert parallelism included (etp only
+    when it is not TP, its default)."""
     vpp = f" vpp={layout.vpp}" if layout.vpp else ""
+    etp = f" etp={layout.etp}" if layout.etp else ""
     sp = " (sequence parallel)" if layout.sequence_parallel else ""
-    return (f"layout: tp={layout.tp} pp={layout.pp}{vpp} cp={layout.cp} dp={layout.dp}{sp}, world size {world_size}, "
-            f"{torch.device(device).type}")
+    return (f"layout: tp={layout.tp} pp={layout.pp}{vpp} cp={layout.cp} dp={layout.dp} ep={layout.ep}{etp}{sp}, "
+            f"world size {world_size}, {torch.device(device).type}")
 
 
 def model_source(cfg: Config) -> str:
