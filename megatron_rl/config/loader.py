@@ -48,6 +48,8 @@ def _note(line: str) -> None:
         return
     _NOTED.add(line)
     print(line, file=sys.stderr)
+
+
 _TYPE_WORDS = {
     "int": "an integer", "Optional[int]": "an integer or null",
     "float": "a number", "Optional[float]": "a number or null",
