@@ -42,12 +42,10 @@ import tempfile
 import threading
 import time
 
+import trl_workload  # beside this script: sys.path[0] when it runs as one
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-import trl_workload  # noqa: E402 - needs HERE on sys.path
 
 PROMPTS_PER_STEP = 16
 SAMPLES_PER_PROMPT = 8
