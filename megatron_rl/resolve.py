@@ -137,6 +137,12 @@ def _rollout_batch(cfg: Config, world: Optional[int]):
                             "of KV cache")
 
 
+def _eval_max_new_tokens(cfg: Config, world: Optional[int]):
+    if cfg.eval.max_new_tokens is not None:
+        return cfg.eval.max_new_tokens, SET, ""
+    return cfg.rollout.max_new_tokens, DERIVED, "rollout.max_new_tokens"
+
+
 RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("distributed.device", _device),
     ("distributed.backend", _backend),
@@ -145,6 +151,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("rollout.engine", _rollout_engine),
     ("algorithm.old_logprobs", _old_logprobs),
     ("rollout.max_batch_size", _rollout_batch),
+    ("eval.max_new_tokens", _eval_max_new_tokens),
 )
 
 

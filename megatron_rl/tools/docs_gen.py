@@ -171,6 +171,18 @@ def aliases_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# Below this line a generated page may go on in sections written by hand; regenerating keeps them.
+HAND_WRITTEN = "<!-- Written by hand from here on; docs_gen keeps it when it regenerates the tables above. -->"
+
+
+def hand_written(rel: str) -> str:
+    """The hand-written end of ``rel`` (from :data:`HAND_WRITTEN` on), or nothing."""
+    path = os.path.join(ROOT, rel)
+    text = open(path).read() if os.path.isfile(path) else ""
+    _, mark, rest = text.partition(HAND_WRITTEN)
+    return "\n" + mark + rest if mark else ""
+
+
 def generated() -> dict[str, str]:
     from megatron_rl.tools.features_cmd import matrix_markdown
 
@@ -178,7 +190,7 @@ def generated() -> dict[str, str]:
         "docs/feature_matrix.md": matrix_markdown(),
         "docs/config.md": config_markdown(),
         "docs/troubleshooting.md": troubleshooting_markdown(),
-        "docs/coming_from_trl_verl.md": aliases_markdown(),
+        "docs/coming_from_trl_verl.md": aliases_markdown() + hand_written("docs/coming_from_trl_verl.md"),
     }
 
 
