@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
+from megatron_rl.tools.cli import main
 from megatron_rl.trainer.evaluation import evaluation_metrics, pass_at_k, pass_ks
 from tests.support.helpers import TINY, digit_share, ppo_body, read_metrics
 
@@ -172,27 +172,47 @@ def test_evaluation_keeps_its_schedule_across_a_resume_and_leaves_training_alone
 # ----------------------------------------------------------------------------- checked before launch
 
 
-def test_evaluation_file_is_checked_before_launch(tmp_path):
+def _refused(capsys, tmp_path, *overrides: str) -> str:
+    """``megatron-rl validate configs/demo_cpu.yaml overrides``: its one stderr line (exit code 2)."""
+    code = main(["validate", os.path.join(ROOT, "configs", "demo_cpu.yaml"), f"run.dir={tmp_path}/runs", *overrides])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert not (tmp_path / "runs").exists()
+    return lines[0]
+
+
+def test_evaluation_file_is_checked_before_launch(capsys, tmp_path):
+    on = ["trainer.eval_every=5"]
+    missing = tmp_path / "missing.jsonl"
+    assert _refused(capsys, tmp_path, f"data.val_path={missing}", *on) == (
+        f"data error: data.val_path={missing}: no such file; fix: check the prompt data path (or use task:<name>)")
+    assert _refused(capsys, tmp_path, "data.val_path=task:nope", *on).startswith(
+        "data error: data.val_path=task:nope: unknown built-in task")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1+1=", "answer": "2"\n')
+    assert _refused(capsys, tmp_path, f"data.val_path={broken}", *on).startswith(
+        f"data error: {broken}:1: line 1 is not valid JSON")
+    # Read with the training data's keys: a file keyed otherwise names the key to set.
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
+    line = _refused(capsys, tmp_path, f"data.val_path={questions}", *on)
+    assert line.startswith(f"data error: {questions}:1: the record has neither 'prompt' nor 'messages'")
+    assert "set data.prompt_key=question" in line
+    # The settings themselves.
+    assert _refused(capsys, tmp_path, *on).startswith(
+        "config error: trainer.eval_every=5: there is no evaluation set to evaluate; fix: set data.val_path")
+    assert _refused(capsys, tmp_path, "data.val_path=task:digit_sum", "eval.n=4", *on).startswith(
+        "config error: eval.n=4: greedy evaluation (eval.temperature=0) draws the same response n times")
+    assert main(["validate", os.path.join(ROOT, "configs", "demo_cpu.yaml"), f"data.val_path={questions}",
+                 "data.train_path=task:add_small", "data.prompt_key=question", "eval.n=4", "eval.temperature=1",
+                 *on]) == 0
+
+
+def test_evaluation_response_budget_defaults_to_the_rollouts():
     from megatron_rl.config.loader import load_config
-    from megatron_rl.errors import DataError
-    from megatron_rl.tools.preflight import check_training_inputs
+    from megatron_rl.resolve import DERIVED, SET, resolve
 
-    bad = tmp_path / "val.jsonl"
-    bad.write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
-    for path, expected in ((tmp_path / "missing.jsonl", "data.val_path="), (bad, f"{bad}:1: the record has neither "
-                                                                              "'prompt' nor 'messages'")):
-        cfg = load_config(None, TINY + [f"data.val_path={path}", "trainer.eval_every=2"])
-        with pytest.raises(DataError) as err:
-            check_training_inputs(cfg)
-        assert expected in str(err.value)
-    assert "set data.prompt_key=question" in str(err.value)
-    # The same file with its key named is fine; so is the training data of the same format.
-    check_training_inputs(load_config(None, TINY + [f"data.val_path={bad}", "data.prompt_key=question"]))
-
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "validate", "configs/demo_cpu.yaml",
-                           f"data.val_path={tmp_path / 'missing.jsonl'}", "trainer.eval_every=5"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"data error: data.val_path={tmp_path / 'missing.jsonl'}: no such file; fix: check the prompt data path "
-        "(or use task:<name>)"]
+    derived = resolve(load_config(None, ["rollout.max_new_tokens=7"]), 1).get("eval.max_new_tokens")
+    assert (derived.value, derived.origin) == (7, DERIVED)
+    asked = resolve(load_config(None, ["rollout.max_new_tokens=7", "eval.max_new_tokens=20"]), 1)
+    assert (asked.get("eval.max_new_tokens").value, asked.get("eval.max_new_tokens").origin) == (20, SET)
