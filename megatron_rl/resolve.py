@@ -170,6 +170,12 @@ def _token_budget(cfg: Config, world: Optional[int], job: Job):
 # Resolved values that are not config keys: read from the Resolution.
 NOT_IN_CONFIG = frozenset({"batch.token_budget"})
 
+def _eval_max_new_tokens(cfg: Config, world: Optional[int], job: Job):
+    if cfg.eval.max_new_tokens is not None:
+        return cfg.eval.max_new_tokens, SET, ""
+    return cfg.rollout.max_new_tokens, DERIVED, "rollout.max_new_tokens"
+
+
 RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("distributed.device", _device),
     ("distributed.backend", _backend),
@@ -179,6 +185,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("algorithm.old_logprobs", _old_logprobs),
     ("rollout.max_batch_size", _rollout_batch),
     ("batch.token_budget", _token_budget),
+    ("eval.max_new_tokens", _eval_max_new_tokens),
 )
 
 

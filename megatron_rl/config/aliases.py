@@ -95,8 +95,8 @@ def verl_section(key: str, known: set[str]) -> bool:
 
 def suggestion(key: str, keys: list[str]) -> Optional[str]:
     """A "did you mean" for a misspelt key, made only when it is likely: the whole dotted key is
-    close to one of ours, or its last part is close to the last part of exactly one of ours (a
-    long name: short ones match too much)."""
+    close to one of ours, or its last part is close to the last part of ours (a long name: short
+    ones match too much); several keys with that last part are all named, the closest first."""
     near = _close(key, keys, 0.9)
     if near:
         return near
@@ -109,5 +109,5 @@ def suggestion(key: str, keys: list[str]) -> Optional[str]:
     near_last = _close(last, by_last, 0.9)
     if near_last is None:
         return None
-    owners = by_last[near_last]
-    return owners[0] if len(owners) == 1 else _close(key, owners, 0.0)
+    owners = sorted(by_last[near_last], key=lambda ours: -difflib.SequenceMatcher(None, key, ours).ratio())
+    return " or ".join(owners)

@@ -216,6 +216,9 @@ class DataConfig:
     answer_key: str = _f("answer", "Record key of the reference answer (for verifiable rewards).")
     messages_key: str = _f("messages", "Record key of chat messages (rendered with the chat template).")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded, resumable).")
+    val_path: Optional[str] = _f(None, "Evaluation prompts, graded every trainer.eval_every steps: a file "
+                                       "(JSONL/Parquet, the same keys as train_path) or a built-in task; null = no "
+                                       "evaluation.")
 
 
 @dataclass
@@ -257,6 +260,24 @@ class RewardConfig:
         5.0, "Seconds per response: a built-in grader that spends longer on one sample scores it 0 (counted in "
         "reward/timeouts); a plain reward function gets this times its batch's responses, past which the run stops.",
         gt=0)
+
+
+@dataclass
+class EvalConfig:
+    """How the evaluation set (data.val_path) is sampled and graded: by the rollout engine and the
+    reward function of training, with sampling settings of its own (greedy by default, so the
+    figures do not move with the sampling noise)."""
+
+    temperature: float = _f(0.0, "Sampling temperature of the evaluation; 0 = greedy.", ge=0)
+    top_p: float = _f(1.0, "Nucleus sampling of the evaluation; 1 = off.", gt=0, le=1)
+    top_k: int = _f(0, "Top-k sampling of the evaluation; 0 = off.", ge=0)
+    n: int = _f(1, "Samples per evaluation prompt; > 1 also reports eval/pass@k (k = 2, 4, ... and n).", ge=1)
+    max_new_tokens: Optional[int] = _f(None, "Longest evaluation response; null = rollout.max_new_tokens.", ge=1)
+    max_prompts: Optional[int] = _f(None, "Evaluate the first this many prompts of data.val_path (file order); null = "
+                                          "all.", ge=1)
+    correct_threshold: float = _f(0.5, "A sample counts as correct (eval/accuracy, eval/pass@k) when its reward is at "
+                                       "least this: 0/1 rewards, format-shaped ones (0.1 well-formed, >= 0.9 correct) "
+                                       "and -1/+1 ones alike.")
 
 
 @dataclass
@@ -349,6 +370,8 @@ class TrainerConfig:
     keep_last: int = _f(2, "Checkpoints kept.", ge=1)
     resume: str = _f("auto", "auto (latest checkpoint in the run dir), never, or a checkpoint path.")
     log_every: int = _f(1, "Console progress every N steps.", ge=1)
+    eval_every: int = _f(0, "Evaluate on data.val_path before the first step, every N steps and after the last one "
+                            "(eval/* metrics); 0 = off.", ge=0)
     plot: bool = _f(True, "Write plot.png (reward, KL, losses) at the end; needs matplotlib.")
     offload: bool = _f(False, "Keep models not used by the running phase (weights, grads, optimizer) in host memory.")
     tensorboard: bool = _f(False, "Also log to TensorBoard (<run_dir>/tb).")
@@ -375,6 +398,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

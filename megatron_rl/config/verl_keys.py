@@ -281,8 +281,7 @@ _NONE = {
            data.trust_remote_code data.custom_cls.path data.custom_cls.name data.sampler.class_path
            data.sampler.class_name data.datagen.path data.datagen.name data.train_max_samples""",
     "text models only": """data.image_patch_size data.image_key data.video_key data.return_multi_modal_inputs""",
-    "not configurable here": """data.val_max_samples
-           data.val_batch_size data.validation_shuffle trainer.log_val_generations trainer.val_before_train""",
+    "not configurable here": """data.val_batch_size data.validation_shuffle trainer.log_val_generations""",
 }
 _SHORT_ROOTS = {"actor.": A, "ref.": R, "model.": M}
 
@@ -293,6 +292,18 @@ def _full(name: str) -> str:
 
 
 VERL.update({_full(name): absent(why) for why, names in _NONE.items() for name in names.split()})
+
+# The evaluation set: verl's validation keys.
+_VAL = "actor_rollout_ref.rollout.val_kwargs."
+VERL.update({
+    _VAL + "temperature": same("eval.temperature"), _VAL + "n": same("eval.n"), _VAL + "top_p": same("eval.top_p"),
+    _VAL + "top_k": differs("eval.top_k", "0 turns top-k off here (verl: -1)"),
+    _VAL + "do_sample": differs("eval.temperature", "no separate switch: eval.temperature=0 (the default) is "
+                                                    "greedy, above 0 samples"),
+    "data.val_max_samples": differs("eval.max_prompts", "the first N prompts of data.val_path, in file order"),
+    "trainer.val_before_train": differs("trainer.eval_every", "the evaluation always runs before the first "
+                                                              "step when trainer.eval_every > 0"),
+})
 
 # Patterns (fnmatch, ``*`` spans dots) for whole groups; the first that matches wins.
 _LORA = "full fine-tuning only: no LoRA"
@@ -305,7 +316,6 @@ VERL_GROUPS = (
     ("actor_rollout_ref.model.mtp.*", absent()), ("actor_rollout_ref.rollout.mtp", absent()),
     ("*.checkpoint.*", absent("what a checkpoint holds is not configurable")),
     ("*.router_replay.*", absent()),
-    ("actor_rollout_ref.rollout.val_kwargs.*", absent("no separate validation sampling settings")),
     ("actor_rollout_ref.rollout.multi_turn.*", absent("single-turn generation only")),
     ("actor_rollout_ref.rollout.agent.*", absent("single-turn generation only")),
     ("data.tool_config_path", absent("single-turn generation only")),

@@ -42,10 +42,10 @@ class PromptSet:
         return len(self.prompt_ids)
 
 
-def _records_jsonl(path: str) -> Iterator[tuple[int, str, object]]:
+def _records_jsonl(path: str, key: str) -> Iterator[tuple[int, str, object]]:
     with open(path, "rb") as f:
         if f.read(4) == b"PAR1":
-            raise DataError("data.train_path", path, "is a Parquet file with a JSON-lines name",
+            raise DataError(key, path, "is a Parquet file with a JSON-lines name",
                             f"rename it to end in {PARQUET_SUFFIXES[0]}")
         f.seek(0)
         for lineno, raw in enumerate(f, start=1):
@@ -112,16 +112,17 @@ def _answer(record: dict, key: str, where: str) -> Optional[str]:
                     f"store the {key} as a string, or leave it out")
 
 
-def _records(path: str) -> Iterator[tuple[int, str, object]]:
-    """``(source index, location, record)`` for every record of a JSONL or Parquet file."""
+def _records(path: str, key: str = "data.train_path") -> Iterator[tuple[int, str, object]]:
+    """``(source index, location, record)`` for every record of a JSONL or Parquet file; errors
+    about the file itself name ``key``, the config key that points at it."""
     if not os.path.isfile(path):
-        raise DataError("data.train_path", path, "no such file", "check the prompt data path (or use task:<name>)")
+        raise DataError(key, path, "no such file", "check the prompt data path (or use task:<name>)")
     lower = path.lower()
     if lower.endswith(JSONL_SUFFIXES):
-        return _records_jsonl(path)
+        return _records_jsonl(path, key)
     if lower.endswith(PARQUET_SUFFIXES):
         return _records_parquet(path)
-    raise DataError("data.train_path", path, "unknown prompt file type",
+    raise DataError(key, path, "unknown prompt file type",
                     f"use JSON lines ({', '.join(JSONL_SUFFIXES)}) or Parquet ({', '.join(PARQUET_SUFFIXES)})")
 
 
@@ -142,28 +143,29 @@ def _prompt_of(record, where: str, prompt_key: str, messages_key: str):
 
 
 def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
-                      messages_key: str = "messages") -> None:
+                      messages_key: str = "messages", key: str = "data.train_path") -> None:
     """Read only the first record and check it as :func:`load_prompts` would (before any launch)."""
-    for _, where, record in _records(os.fspath(path)):
+    for _, where, record in _records(os.fspath(path), key):
         _prompt_of(record, where, prompt_key, messages_key)
         _answer(record, answer_key, where)
         return
-    raise DataError("data.train_path", path, "the file holds no records", "give a prompt file with at least one record")
+    raise DataError(key, path, "the file holds no records", "give a prompt file with at least one record")
 
 
 def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
-                 answer_key: str = "answer", messages_key: str = "messages") -> PromptSet:
+                 answer_key: str = "answer", messages_key: str = "messages", key: str = "data.train_path") -> PromptSet:
     """Read a JSONL or Parquet prompt file, tokenize it, drop prompts over ``max_prompt_tokens``.
 
     A record has ``prompt_key`` (a string, encoded with ``tokenizer.encode_prompt``) or
     ``messages_key`` (a chat, rendered with the tokenizer's chat template); ``prompt_key`` wins
-    when both are present.  ``answer_key`` is optional.  Raises :class:`DataError` on bad input.
+    when both are present.  ``answer_key`` is optional.  Raises :class:`DataError` on bad input;
+    errors about the file itself name ``key``.
     """
     path = os.fspath(path)
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
         raise DataError("data.max_prompt_tokens", max_prompt_tokens, "must be a positive integer",
                         "set the prompt token budget to at least 1")
-    records = _records(path)
+    records = _records(path, key)
 
     out = PromptSet([], [], [], [], path=path)
     total = 0
@@ -186,7 +188,7 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     if out.num_dropped:
         logger.warning("dropped %d of %d prompts longer than %d tokens", out.num_dropped, total, max_prompt_tokens)
     if total == 0:
-        raise DataError("data.train_path", path, "the file holds no records",
+        raise DataError(key, path, "the file holds no records",
                         "give a prompt file with at least one record")
     if not out.prompt_ids:
         raise DataError("data.max_prompt_tokens", max_prompt_tokens,

@@ -1,30 +1,41 @@
-"""``data.train_path`` -> prompts: a built-in task (``task:<name>``) or a JSONL/Parquet file.
+"""``data.train_path`` / ``data.val_path`` -> prompts: a built-in task (``task:<name>``) or a
+JSONL/Parquet file.
 
 The one place that tells the two apart, for the trainer (load everything) and for the check before
-launch (read one record).
+launch (read one record).  ``key`` names the config key the path came from, for the errors.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.prompts import PromptSet, check_prompt_file, load_prompts
 from megatron_rl.data.tasks import TASK_PREFIX, check_task, load_task
 from megatron_rl.data.tokenizer import Tokenizer
 
-
-def load_prompt_source(data: DataConfig, tokenizer: Tokenizer) -> PromptSet:
-    if data.train_path.startswith(TASK_PREFIX):
-        return load_task(data.train_path[len(TASK_PREFIX):], tokenizer, data.max_prompt_tokens)
-    return load_prompts(data.train_path, tokenizer, data.max_prompt_tokens, data.prompt_key, data.answer_key,
-                        data.messages_key)
+TRAIN_KEY, VAL_KEY = "data.train_path", "data.val_path"
 
 
-def check_prompt_source(data: DataConfig) -> None:
+def load_prompt_source(data: DataConfig, tokenizer: Tokenizer, key: str = TRAIN_KEY) -> PromptSet:
+    path = _path(data, key)
+    if path.startswith(TASK_PREFIX):
+        return load_task(path[len(TASK_PREFIX):], tokenizer, data.max_prompt_tokens, key)
+    return load_prompts(path, tokenizer, data.max_prompt_tokens, data.prompt_key, data.answer_key,
+                        data.messages_key, key)
+
+
+def check_prompt_source(data: DataConfig, key: str = TRAIN_KEY) -> None:
     """Raise a one-line error for a task that does not exist or a file whose first record is bad."""
-    if data.train_path.startswith(TASK_PREFIX):
-        check_task(data.train_path[len(TASK_PREFIX):])
+    path = _path(data, key)
+    if path.startswith(TASK_PREFIX):
+        check_task(path[len(TASK_PREFIX):], key)
     else:
-        check_prompt_file(data.train_path, data.prompt_key, data.answer_key, data.messages_key)
+        check_prompt_file(path, data.prompt_key, data.answer_key, data.messages_key, key)
+
+
+def _path(data: DataConfig, key: str) -> Optional[str]:
+    return data.val_path if key == VAL_KEY else data.train_path
 
 
 def tokenizer_spec(data: DataConfig, hf_path: str | None) -> str:

@@ -28,14 +28,14 @@ TASKS = {"digit_sum": _digit_sum, "add_small": _add_small, "max_digit": _max_dig
 TASK_PREFIX = "task:"
 
 
-def check_task(name: str) -> None:
+def check_task(name: str, key: str = "data.train_path") -> None:
     if name not in TASKS:
-        raise DataError("data.train_path", f"{TASK_PREFIX}{name}", "unknown built-in task",
+        raise DataError(key, f"{TASK_PREFIX}{name}", "unknown built-in task",
                         f"use one of {', '.join(TASK_PREFIX + t for t in TASKS)}, or a JSONL/Parquet file")
 
 
-def load_task(name: str, tokenizer, max_prompt_tokens: int) -> PromptSet:
-    check_task(name)
+def load_task(name: str, tokenizer, max_prompt_tokens: int, key: str = "data.train_path") -> PromptSet:
+    check_task(name, key)
     out = PromptSet([], [], [], [], path=f"{TASK_PREFIX}{name}")
     for index, (prompt, answer) in enumerate(TASKS[name]()):
         ids = tokenizer.encode_prompt(prompt)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, need
 
 AREA = "data"
 FEATURES = [
@@ -14,9 +14,26 @@ FEATURES = [
         config="data.*",
     ),
     Feature(
-        "Evaluation set during training", "data", PLANNED,
-        "A held-out prompt file graded every N steps (greedy or sampled, pass@k) into metrics.jsonl; today only the "
-        "training prompts are scored.",
+        "Evaluation set during training", "data", TESTED_CPU,
+        "data.val_path (a prompt file with the training data's keys, or a task) sampled by the training rollout "
+        "engine with eval.* settings (greedy by default) and graded by reward.fn before the first step, every "
+        "trainer.eval_every steps and after the last: eval/reward_mean, eval/accuracy (reward >= "
+        "eval.correct_threshold), eval/response_len, eval/pass@k (eval.n > 1) in metrics.jsonl, TensorBoard and "
+        "plot.png. Every data-parallel rank samples a share; greedy figures do not depend on the layout; a resumed "
+        "run keeps the schedule (docs/coming_from_trl_verl.md).",
+        ("tests/test_evaluation.py::test_greedy_evaluation_is_the_reward_of_greedy_generation",
+         "tests/test_evaluation.py::test_greedy_evaluation_does_not_depend_on_the_data_parallel_size",
+         "tests/test_evaluation.py::test_evaluation_keeps_its_schedule_across_a_resume_and_leaves_training_alone",
+         "tests/test_evaluation.py::test_evaluation_file_is_checked_before_launch"),
+        constraints=(
+            need("trainer.eval_every", lambda c, w: not c.trainer.eval_every or bool(c.data.val_path),
+                 "there is no evaluation set to evaluate", "set data.val_path to a prompt file (or task:<name>), "
+                 "or trainer.eval_every=0", "eval_every needs data.val_path"),
+            need("eval.n", lambda c, w: c.eval.n == 1 or c.eval.temperature > 0,
+                 "greedy evaluation (eval.temperature=0) draws the same response n times",
+                 "set eval.temperature > 0 for pass@k, or eval.n=1", "eval.n > 1 needs eval.temperature > 0"),
+        ),
+        config="data.val_path, trainer.eval_every, eval.*",
     ),
     Feature(
         "Nested record keys (verl's reward_model.ground_truth)", "data", PLANNED,

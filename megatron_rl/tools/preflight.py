@@ -1,8 +1,8 @@
 """Checks of what a training config points at, before any process starts.
 
 Validation (``megatron_rl/validation.py``) judges the values; this opens what they name: the prompt file
-(its first record), the reward function, the tokenizer (its vocabulary must fit the model's), the
-critic's HF directory and the initial checkpoint.  Each failure is one line naming the key.
+and the evaluation file (their first records), the reward function, the tokenizer (its vocabulary must fit
+the model's), the critic's HF directory and the initial checkpoint.  Each failure is one line naming the key.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from megatron_rl.config.schema import Config
-from megatron_rl.data.sources import check_prompt_source, tokenizer_spec
+from megatron_rl.data.sources import VAL_KEY, check_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
 from megatron_rl.models.arch import is_moe
@@ -25,6 +25,8 @@ def _check_dir(key: str, path: str | None, what: str) -> None:
 
 def check_training_inputs(cfg: Config) -> None:
     check_prompt_source(cfg.data)
+    if cfg.data.val_path:
+        check_prompt_source(cfg.data, VAL_KEY)
     get_reward_fn(cfg.reward.fn)
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")

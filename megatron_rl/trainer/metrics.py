@@ -154,7 +154,7 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str, out_path: str) -> Optional[str]:
-    """reward, KL and losses against the step; returns the path, or None without matplotlib."""
+    """reward, evaluation reward, KL and losses against the step; returns the path, or None without matplotlib."""
     try:
         import matplotlib
 
@@ -165,7 +165,8 @@ def plot_metrics(metrics_path: str, out_path: str) -> Optional[str]:
     rows = read_metrics(metrics_path)
     if not rows:
         return None
-    panels = [("reward/mean", "mean reward"), ("actor/kl", "KL(actor || reference)"),
+    panels = [("reward/mean", "mean reward"), ("eval/reward_mean", "evaluation set: mean reward"),
+              ("actor/kl", "KL(actor || reference)"),
               ("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss")]
     panels = [(k, t) for k, t in panels if any(k in r and not _is_nan(r[k]) for r in rows)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, squeeze=False)

@@ -14,7 +14,8 @@
    rollout-correction weights;
 4. update actor and critic over ``ppo_epochs`` x ``mini_batches`` optimizer steps, and stop the
    run when every step of a phase was skipped as non-finite (``trainer/guards.py``);
-5. log metrics, checkpoint when due or when SIGTERM/SIGUSR1 asked for it.
+5. evaluate on the held-out prompts when due (``trainer/evaluation.py``; also before the first step);
+   log metrics, checkpoint when due or when SIGTERM/SIGUSR1 asked for it.
 
 Works for every registered advantage estimator and policy loss (GAE with a critic; GRPO, RLOO,
 Dr.GRPO, REINFORCE++ without; PPO, GSPO, CISPO losses), on every TP/PP/VPP/CP/DP layout.
@@ -63,6 +64,7 @@ from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import make_rollout_engine
 from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 from megatron_rl.trainer.dynamic_sampling import fill_batch
+from megatron_rl.trainer.evaluation import Evaluator
 from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
 from megatron_rl.trainer.finished import finished_message, finished_step, set_aside_previous_run
 from megatron_rl.trainer.guards import check_updates_applied
@@ -167,6 +169,9 @@ class PPOTrainer:
                  f"hidden {cfg.model.hidden_size}); built {built}")
         self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device, vpp=cfg.parallel.vpp,
                                           record_routing=cfg.algorithm.routing_replay)
+        self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
+                                   lambda: (self._phase("actor"), self.engine.load_from_chunks(self.actor.chunks)),
+                                   self.log)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
@@ -247,7 +252,7 @@ class PPOTrainer:
                                         fall_back=mode == "auto", log=self.log)
         if loaded is None:
             self._init_weights()
-            self.metrics.truncate_after(0)
+            self.metrics.truncate_after(-1)  # a fresh start: no line survives, not even a step-0 evaluation
             return 0
         path, meta, state = loaded
         if "sampler" in state:
@@ -296,10 +301,14 @@ class PPOTrainer:
             if step >= cfg.trainer.steps:
                 self.log(finished_message(cfg, step))
                 return last
+            if step == 0 and self.evaluator.due(0):  # the starting weights (a resumed start was evaluated)
+                self.metrics.log(0, self.evaluator.run(0))
             while step < cfg.trainer.steps:
                 step += 1
                 faults.maybe_inject(step)
                 last = self.train_step(step)
+                if self.evaluator.due(step):
+                    last.update(self.evaluator.run(step))
                 self.metrics.log(step, last)
                 if step % max(1, cfg.trainer.log_every) == 0 or step == cfg.trainer.steps:
                     self.metrics.progress(step, last)
