@@ -19,12 +19,13 @@ def load_prompt_source(data: DataConfig, tokenizer: Tokenizer) -> PromptSet:
                         data.messages_key)
 
 
-def check_prompt_source(data: DataConfig) -> None:
-    """Raise a one-line error for a task that does not exist or a file whose first record is bad."""
+def check_prompt_source(data: DataConfig, needs_answers: bool = False) -> None:
+    """Raise a one-line error for a task that does not exist or a file whose first record is bad
+    (with ``needs_answers``, also one without ``data.answer_key``)."""
     if data.train_path.startswith(TASK_PREFIX):
         check_task(data.train_path[len(TASK_PREFIX):])
     else:
-        check_prompt_file(data.train_path, data.prompt_key, data.answer_key, data.messages_key)
+        check_prompt_file(data.train_path, data.prompt_key, data.answer_key, data.messages_key, needs_answers)
 
 
 def tokenizer_spec(data: DataConfig, hf_path: str | None) -> str:
