@@ -6,7 +6,9 @@
 * ``docs/feature_matrix.md`` -- from the feature registry;
 * ``docs/config.md`` -- every config key with type, default and meaning, from the schema;
 * ``docs/troubleshooting.md`` -- every error config validation can raise (from the registry's
-  constraints) with its fix, plus the runtime errors, from this module's table.
+  constraints) with its fix, plus the runtime errors, from this module's table;
+* ``docs/coming_from_trl_verl.md`` -- the config names of TRL and verl, from ``config/aliases.py``,
+  then the hand-written sections in ``docs/coming_from_trl_verl/``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,20 @@ RUNTIME_ERRORS = [
      "Raise `data.max_prompt_tokens` or shorten the prompts."),
     ("reward error: reward.fn=<name>: raised <Error> on prompt index N", "The reward function failed on that prompt.",
      "Fix the function or the data line N; the run stops before any update uses the bad reward."),
+    ("data error: data.answer_key=...: is not a key of the first record (...; keys: [...])",
+     "The reward function reads answers and the records have no such key, so every answer would be None and every "
+     "reward 0 (checked before launch).",
+     "Set `data.answer_key` to one of the listed keys (dotted for a nested one: `reward_model.ground_truth`)."),
+    ("data error: data.answer_key=...: every one of this step's N samples has no answer",
+     "No prompt of the step has an answer and the reward reads answers; the run stopped before grading.",
+     "Set `data.answer_key` to the records' answer key, or give the records answers."),
+    ("reward error: reward.fn=<name>: <signature> fits no calling convention",
+     "The function is neither fn(prompts, responses, answers, **kwargs), an @grader, nor verl's compute_score.",
+     "Change the signature (docs/rewards.md, Calling conventions) or decorate a per-sample function with @grader."),
+    ("warning: no learning signal: all groups had equal rewards in each of the first 3 steps",
+     "Every advantage was 0 so far: the run trains on nothing (a wrong answer key, a reward that ignores its input, "
+     "or a task far too hard for the model).",
+     "Check `data.answer_key` and the reward on a few samples; try easier prompts or a larger `rollout.n`."),
     ("reward error: reward.fn=<name>: returned N values for M responses / a non-finite value",
      "The reward function's output has the wrong length or NaN/inf.", "Return one finite number per response."),
     ("checkpoint error: checkpoint=<dir>: meta.json is missing (the save did not finish)",
@@ -153,6 +169,20 @@ def troubleshooting_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+# Hand-written sections of docs/coming_from_trl_verl.md, one file each, appended after the tables in name order.
+ALIASES_SECTIONS = "docs/coming_from_trl_verl"
+
+
+def _sections(rel: str) -> list[str]:
+    folder = os.path.join(ROOT, rel)
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".md")) if os.path.isdir(folder) else []
+    out = []
+    for name in names:
+        with open(os.path.join(folder, name)) as fh:
+            out += ["", fh.read().rstrip("\n")]
+    return out
+
+
 def aliases_markdown() -> str:
     from megatron_rl.config.aliases import SAME, SIMILAR
 
@@ -161,13 +191,15 @@ def aliases_markdown() -> str:
              "On the command line the names in the first table are accepted as they are (matched on their",
              "last one or two dotted parts, so verl's full paths work too) and rewritten to ours with a",
              "one-line note; the names in the second table mean something else here, so they are refused",
-             "with a pointer to the key to read about. Every key is in [the config reference](config.md).", "",
+             "with a pointer to the key to read about. Every key is in [the config reference](config.md).",
+             f"The sections after the tables come from `{ALIASES_SECTIONS}/`.", "",
              "## Same meaning", "", "| Their name | From | Ours |", "|---|---|---|"]
     for alias, (ours, origin) in SAME.items():
         lines.append(f"| `{alias}` | {origin} | `{ours}` |")
     lines += ["", "## Different meaning", "", "| Their name | Read about | How it differs |", "|---|---|---|"]
     for alias, (ours, how) in SIMILAR.items():
         lines.append(f"| `{alias}` | `{ours}` | {how} |")
+    lines += _sections(ALIASES_SECTIONS)
     return "\n".join(lines) + "\n"
 
 
