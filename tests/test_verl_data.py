@@ -115,6 +115,22 @@ def test_verl_compute_score_gets_the_record_fields_and_dict_or_float_results():
     assert out.scores.tolist() == [1.25, 0.75]
 
 
+def verl_on_ranks_body():
+    from megatron_rl.rewards.distributed import rewards_on_every_rank
+
+    fields = [{"data_source": "openai/gsm8k", "extra_info": {"split": "train", "index": i}} for i in range(5)]
+    answers = ["0", "2", "0", "6", "8"]  # the third is wrong
+    graded = rewards_on_every_rank(get_reward_fn("tests.data.verl_rewards:compute_score"), ["p"] * 5, ["r"] * 5,
+                                   answers, list(range(5)), fields=fields)
+    return graded.scores.tolist()
+
+
+def test_record_fields_follow_their_samples_to_the_rank_that_grades_them():
+    from megatron_rl.testing.harness import run_distributed
+
+    assert run_distributed(2, verl_on_ranks_body) == [[1.0, 1.0, 0.0, 1.0, 1.0]] * 2
+
+
 def test_a_verl_function_failing_on_a_sample_names_the_prompt_with_its_fields():
     strict = get_reward_fn("tests.data.verl_rewards:strict_score")
     fields = [{"data_source": "a"}, {"data_source": "b"}]

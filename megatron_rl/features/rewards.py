@@ -75,6 +75,7 @@ FEATURES = [
         "(or reward.convention=verl), called per sample by keyword with the record's data_source and extra_info; a "
         "float or a dict with 'score'; a signature that fits no calling convention is refused before launch.",
         ("tests/test_verl_data.py::test_verl_compute_score_gets_the_record_fields_and_dict_or_float_results",
+         "tests/test_verl_data.py::test_record_fields_follow_their_samples_to_the_rank_that_grades_them",
          "tests/test_verl_data.py::test_signatures_fitting_no_convention_are_refused_naming_the_conventions",
          "tests/test_verl_data.py::test_validate_refuses_a_reward_signature_before_launch",
          "tests/test_verl_data.py::test_verl_parquet_and_compute_score_train_end_to_end"),
