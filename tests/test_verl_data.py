@@ -85,6 +85,11 @@ def test_answer_key_missing_from_the_first_record_is_refused_naming_the_keys_and
     assert "'reward_model.ground_truth'" in line and "'extra_info.index'" in line
     assert "fix: set data.answer_key=reward_model.ground_truth" in line and "\n" not in line
     check_prompt_file(path, answer_key="reward_model.ground_truth", needs_answers=True)
+    other = tmp_path / "other.jsonl"  # the likeliest name is suggested: an answer before a worked solution
+    other.write_text(json.dumps({"prompt": "1+2=", "solution": "1+2=3", "meta": {"answer": "3"}}) + "\n")
+    with pytest.raises(DataError, match=r"keys: \['meta.answer', 'prompt', 'solution'\].*"
+                                        r"fix: set data.answer_key=meta.answer,"):
+        check_prompt_file(other, answer_key="gt", needs_answers=True)
 
 
 def test_validate_refuses_a_verl_file_without_the_answer_key_before_launch(tmp_path):

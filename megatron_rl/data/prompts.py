@@ -144,8 +144,10 @@ def _messages(record: dict, key: str, where: str) -> list[dict]:
 
 def _answer(record: dict, key: str, where: str) -> Optional[str]:
     value = lookup(record, key)
-    if value is _MISSING or value is None or isinstance(value, str):
-        return None if value is _MISSING else value
+    if value is _MISSING:
+        return None
+    if value is None or isinstance(value, str):
+        return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     raise DataError(where, None, f"'{key}' must be a string or a number, got {type(value).__name__}",
@@ -193,8 +195,9 @@ def _check_answer_present(record: dict, answer_key: str, where: str) -> None:
     if lookup(record, answer_key) is not _MISSING:
         return
     keys = record_keys(record)
-    guesses = [k for k in keys if k.rpartition(".")[2].lower() in ANSWER_NAMES]
-    fix = (f"set data.answer_key={guesses[0]}" if guesses
+    names = [k.rpartition(".")[2].lower() for k in keys]
+    guesses = sorted((ANSWER_NAMES.index(n), k) for n, k in zip(names, keys) if n in ANSWER_NAMES)
+    fix = (f"set data.answer_key={guesses[0][1]}" if guesses
            else "set data.answer_key to the key of the reference answer (a dotted path for a nested one)")
     raise DataError("data.answer_key", answer_key, f"is not a key of the first record ({where}; keys: {keys[:12]}), "
                     "so every answer would be None and the reward function reads answers",
