@@ -16,11 +16,11 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
-from megatron_rl.config.choices import AUTO, REWARD_CONVENTIONS, require_same
 from megatron_rl.rewards.registration import RewardFn
 
-BATCH, VERL = "batch", "verl"
-require_same((AUTO, BATCH, VERL), REWARD_CONVENTIONS, "reward calling conventions")
+# config/choices.py declares them as REWARD_CONVENTIONS; it is checked where they are resolved, not at import:
+# the grading worker imports this module and must not import the config package.
+AUTO, BATCH, VERL = "auto", "batch", "verl"
 VERL_NAMES = ("solution_str", "ground_truth")
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
 SUPPORTED = ("fn(prompts, responses, answers, **kwargs) (batch), score(response, answer, **kwargs) decorated "
@@ -83,6 +83,9 @@ def _signature(fn) -> str:
 
 def as_batch_reward(fn: RewardFn, convention: str, spec: str) -> RewardFn:
     """``fn`` as a batch reward under ``convention`` (``auto``: detected); :class:`Misfit` if it does not fit."""
+    from megatron_rl.config.choices import REWARD_CONVENTIONS, require_same
+
+    require_same((AUTO, BATCH, VERL), REWARD_CONVENTIONS, "reward calling conventions")
     if convention not in REWARD_CONVENTIONS:
         raise Misfit("reward.convention", convention, "unknown calling convention",
                      f"use one of {', '.join(REWARD_CONVENTIONS)}")
