@@ -157,6 +157,16 @@ def test_signatures_fitting_no_convention_are_refused_naming_the_conventions():
     assert get_reward_fn("math_answer", "batch") is get_reward_fn("math_answer")
 
 
+def test_required_parameters_that_reward_kwargs_fill_are_accepted():
+    for name in ("scaled_batch", "scaled_verl"):
+        spec = f"tests.data.verl_rewards:{name}"
+        with pytest.raises(RewardFunctionError, match="scale"):
+            get_reward_fn(spec)
+        fn = get_reward_fn(spec, kwargs={"scale": 2.0})
+        assert grade_batch(fn, ["p"], ["ab"], ["ab"], scale=2.0).scores.tolist() == [4.0 if name == "scaled_batch"
+                                                                                      else 2.0]
+
+
 def test_validate_refuses_a_reward_signature_before_launch():
     proc = cli("validate", *TINY, "reward.fn=tests.data.verl_rewards:undecorated_grader")
     assert proc.returncode == 2

@@ -55,9 +55,9 @@ def detect(fn: RewardFn) -> str:
     return VERL if all(n in names for n in VERL_NAMES) else BATCH
 
 
-def _batch_misfit(params: list[inspect.Parameter]) -> Optional[str]:
+def _batch_misfit(params: list[inspect.Parameter], given: tuple) -> Optional[str]:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
+    required = [p for i, p in enumerate(positional) if p.default is p.empty and (i < 3 or p.name not in given)]
     takes_three = len(positional) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in params)
     if takes_three and len(required) <= 3:
         return None
@@ -65,12 +65,12 @@ def _batch_misfit(params: list[inspect.Parameter]) -> Optional[str]:
             "not (prompts, responses, answers)")
 
 
-def _verl_misfit(params: list[inspect.Parameter]) -> Optional[str]:
+def _verl_misfit(params: list[inspect.Parameter], given: tuple) -> Optional[str]:
     missing = [n for n in VERL_NAMES if not _accepts(params, n)]
     if missing:
         return f"has no keyword parameter(s) {missing} of verl's compute_score"
     required = [p.name for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                and p.name not in VERL_ARGUMENTS]
+                and p.name not in VERL_ARGUMENTS + given]
     return f"requires {required}, which verl's call does not pass" if required else None
 
 
@@ -81,8 +81,11 @@ def _signature(fn) -> str:
         return repr(fn)
 
 
-def as_batch_reward(fn: RewardFn, convention: str, spec: str) -> RewardFn:
-    """``fn`` as a batch reward under ``convention`` (``auto``: detected); :class:`Misfit` if it does not fit."""
+def as_batch_reward(fn: RewardFn, convention: str, spec: str, given=()) -> RewardFn:
+    """``fn`` as a batch reward under ``convention`` (``auto``: detected); :class:`Misfit` if it does not fit.
+
+    ``given``: the names ``reward.kwargs`` passes, which may fill required parameters."""
+    given = tuple(given)
     from megatron_rl.config.choices import REWARD_CONVENTIONS, require_same
 
     require_same((AUTO, BATCH, VERL), REWARD_CONVENTIONS, "reward calling conventions")
@@ -94,9 +97,9 @@ def as_batch_reward(fn: RewardFn, convention: str, spec: str) -> RewardFn:
         return fn
     chosen = detect(fn) if convention == AUTO else convention
     if chosen == VERL:
-        problem = _verl_misfit(params)
+        problem = _verl_misfit(params, given)
     else:
-        problem = _batch_misfit(params)
+        problem = _batch_misfit(params, given)
     if problem is not None:
         how = f"does not fit reward.convention={convention}" if convention != AUTO else "fits no calling convention"
         raise Misfit("reward.fn", spec, f"{_signature(fn)} {how}: it {problem}", f"write {SUPPORTED}")

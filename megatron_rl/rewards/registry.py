@@ -63,11 +63,12 @@ def list_rewards() -> list[str]:
     return sorted(_REWARDS)
 
 
-def get_reward_fn(spec: str, convention: str = "auto") -> RewardFn:
+def get_reward_fn(spec: str, convention: str = "auto", kwargs: Optional[dict] = None) -> RewardFn:
     """Resolve a registered name (``"math_answer"``) or an import path (``"pkg.mod:fn"``) to a batch
-    reward, called as ``convention`` says (:mod:`megatron_rl.rewards.conventions`)."""
+    reward, called as ``convention`` says (:mod:`megatron_rl.rewards.conventions`); ``kwargs``
+    (``reward.kwargs``) may fill required parameters of its signature."""
     try:
-        return as_batch_reward(_resolve(spec), convention, spec)
+        return as_batch_reward(_resolve(spec), convention, spec, tuple(kwargs or ()))
     except Misfit as err:
         raise RewardFunctionError(err.key, err.value, err.problem, err.fix) from None
 

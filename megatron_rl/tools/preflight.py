@@ -26,7 +26,7 @@ def _check_dir(key: str, path: str | None, what: str) -> None:
 
 
 def check_training_inputs(cfg: Config) -> None:
-    reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention)
+    reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
     check_prompt_source(cfg.data, needs_answers(reward_fn))
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")

@@ -26,3 +26,13 @@ def answer_free(data_source, solution_str, ground_truth=None, extra_info=None):
 def undecorated_grader(response, answer):
     """A per-sample grader without @grader: no calling convention fits it."""
     return float(response == answer)
+
+
+def scaled_batch(prompts, responses, answers, scale):
+    """A batch function whose required ``scale`` comes from reward.kwargs."""
+    return [scale * len(r) for r in responses]
+
+
+def scaled_verl(data_source, solution_str, ground_truth, scale, extra_info=None):
+    """A verl function whose required ``scale`` comes from reward.kwargs."""
+    return scale * float(solution_str == ground_truth)
