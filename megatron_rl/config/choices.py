@@ -48,6 +48,9 @@ ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON = "torch", "tp_sharded", "megatron"
 ROLLOUT_ENGINES = (AUTO, ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON)
 
+# --- rewards
+REWARD_CONVENTIONS = (AUTO, "batch", "verl")  # how reward.fn is called (megatron_rl/rewards/conventions.py)
+
 
 def require_same(implemented, declared: tuple, what: str) -> None:
     """For the implementing module: refuse to import when what it implements (names of a dict, a

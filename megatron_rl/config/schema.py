@@ -35,6 +35,7 @@ from megatron_rl.config.choices import (
     PARAMS_DTYPES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
+    REWARD_CONVENTIONS,
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_ENGINES,
     SFT_TARGETS,
@@ -212,8 +213,9 @@ class DataConfig:
     train_path: str = _f("task:digit_sum", "Prompt file (JSONL/Parquet) or a built-in task (task:digit_sum).")
     tokenizer: Optional[str] = _f(None, "'char', or a local HF tokenizer dir; null = model.hf_path, else 'char'.")
     max_prompt_tokens: int = _f(512, "Longer prompts are dropped (and counted in the log).", ge=1)
-    prompt_key: str = _f("prompt", "Record key of the prompt text.")
-    answer_key: str = _f("answer", "Record key of the reference answer (for verifiable rewards).")
+    prompt_key: str = _f("prompt", "Record key of the prompt text, or of a chat-message list (verl's schema).")
+    answer_key: str = _f("answer", "Record key of the reference answer (for verifiable rewards); dotted for a "
+                                   "nested one, e.g. reward_model.ground_truth.")
     messages_key: str = _f("messages", "Record key of chat messages (rendered with the chat template).")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded, resumable).")
     val_path: Optional[str] = _f(None, "Evaluation prompts, graded every trainer.eval_every steps: a file "
@@ -256,6 +258,10 @@ class RolloutConfig:
 class RewardConfig:
     fn: str = _f("digit_sum", "Registered reward name or 'package.module:function'.")
     kwargs: dict = _f({}, "Keyword arguments passed to the reward function.")
+    convention: Literal[REWARD_CONVENTIONS] = _f(
+        "auto", "How reward.fn is called: batch fn(prompts, responses, answers, **kwargs), verl "
+        "compute_score(data_source, solution_str, ground_truth, extra_info) per sample, or auto (verl when it "
+        "has solution_str and ground_truth parameters); docs/rewards.md.")
     timeout_s: float = _f(
         5.0, "Seconds per response: a built-in grader that spends longer on one sample scores it 0 (counted in "
         "reward/timeouts); a plain reward function gets this times its batch's responses, past which the run stops.",

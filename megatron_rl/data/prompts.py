@@ -6,6 +6,10 @@ budget are dropped (not truncated, which would change the question) and the coun
 
 :class:`PromptSampler` makes the data order a pure function of ``(seed, epoch, position)``, so a
 run resumed from a checkpoint draws exactly the batches the uninterrupted run would have drawn.
+
+Record keys may be dotted paths into nested objects, so verl's Parquet schema reads as it is:
+``data.answer_key=reward_model.ground_truth`` is ``record["reward_model"]["ground_truth"]``.  A
+literal top-level key that contains the dot wins over the path (it is what the file says).
 """
 
 from __future__ import annotations
@@ -27,9 +31,17 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
+# Record fields a reward function may read besides the answer (verl's compute_score takes them).
+RECORD_FIELDS = ("data_source", "extra_info")
+_MISSING = object()
+
+
 @dataclasses.dataclass
 class PromptSet:
-    """Tokenized prompts.  ``source_index[i]``: file line (JSONL, 1-based) or row (Parquet, 0-based)."""
+    """Tokenized prompts.  ``source_index[i]``: file line (JSONL, 1-based) or row (Parquet, 0-based).
+
+    ``fields[i]`` holds the record's :data:`RECORD_FIELDS` that are present (empty when none, or
+    for built-in tasks), for reward functions that take them."""
 
     prompt_ids: list[list[int]]
     prompts: list[str]
@@ -37,9 +49,37 @@ class PromptSet:
     source_index: list[int]
     num_dropped: int = 0
     path: str = ""
+    fields: list[dict] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
+
+    def record_fields(self, indices) -> list[dict]:
+        """The :data:`RECORD_FIELDS` of the prompts at ``indices`` (``{}`` where the record has none)."""
+        return [self.fields[i] if i < len(self.fields) else {} for i in indices]
+
+
+def lookup(record: dict, key: str):
+    """``record[key]``, else the dotted path ``key`` into nested objects; ``_MISSING`` when neither exists."""
+    if key in record:
+        return record[key]
+    value = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def record_keys(record: dict, depth: int = 2) -> list[str]:
+    """The record's keys, nested objects' keys as dotted paths (what ``data.*_key`` can name)."""
+    out = []
+    for key, value in record.items():
+        if isinstance(value, dict) and value and depth > 1:
+            out.extend(f"{key}.{sub}" for sub in record_keys(value, depth - 1))
+        else:
+            out.append(str(key))
+    return sorted(out)
 
 
 def _records_jsonl(path: str, key: str) -> Iterator[tuple[int, str, object]]:
@@ -80,7 +120,7 @@ def _records_parquet(path: str) -> Iterator[tuple[int, str, object]]:
 
 
 def _text(record: dict, key: str, where: str) -> str:
-    value = record[key]
+    value = lookup(record, key)
     if not isinstance(value, str):
         raise DataError(where, None, f"'{key}' must be a string, got {type(value).__name__} {str(value)[:60]!r}",
                         f"store the {key} as a string")
@@ -90,7 +130,7 @@ def _text(record: dict, key: str, where: str) -> str:
 
 
 def _messages(record: dict, key: str, where: str) -> list[dict]:
-    value = record[key]
+    value = lookup(record, key)
     fix = f"make '{key}' a list of {{\"role\": ..., \"content\": ...}} objects with string values"
     if not isinstance(value, list) or not value:
         raise DataError(where, None, f"'{key}' must be a non-empty list, got {type(value).__name__}", fix)
@@ -103,7 +143,9 @@ def _messages(record: dict, key: str, where: str) -> list[dict]:
 
 
 def _answer(record: dict, key: str, where: str) -> Optional[str]:
-    value = record.get(key)
+    value = lookup(record, key)
+    if value is _MISSING:
+        return None
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -131,9 +173,13 @@ def _prompt_of(record, where: str, prompt_key: str, messages_key: str):
     if not isinstance(record, dict):
         raise DataError(where, None, f"the record is a {type(record).__name__}, not an object",
                         f"write one JSON object per line with a '{prompt_key}' or '{messages_key}' key")
-    if record.get(prompt_key) is not None:
+    prompt = lookup(record, prompt_key)
+    if isinstance(prompt, list):  # verl's schema: the prompt is a chat
+        return "messages", _messages(record, prompt_key, where)
+    if prompt is not None and prompt is not _MISSING:
         return "text", _text(record, prompt_key, where)
-    if record.get(messages_key) is not None:
+    messages = lookup(record, messages_key)
+    if messages is not None and messages is not _MISSING:
         return "messages", _messages(record, messages_key, where)
     text_keys = [k for k, v in record.items() if isinstance(v, str) and v.strip()]
     hint = f"set data.prompt_key={text_keys[0]}" if text_keys else f"add a '{prompt_key}' string"
@@ -142,12 +188,35 @@ def _prompt_of(record, where: str, prompt_key: str, messages_key: str):
                     f"{hint}, or give each record a '{prompt_key}' string or a '{messages_key}' list")
 
 
+ANSWER_NAMES = ("ground_truth", "answer", "solution", "target", "label", "reference")
+
+
+def _check_answer_present(record: dict, answer_key: str, where: str) -> None:
+    """A reward that reads answers gets ``None`` for every one when the key is wrong: refuse it here."""
+    if lookup(record, answer_key) is not _MISSING:
+        return
+    keys = record_keys(record)
+    names = [k.rpartition(".")[2].lower() for k in keys]
+    guesses = sorted((ANSWER_NAMES.index(n), k) for n, k in zip(names, keys) if n in ANSWER_NAMES)
+    fix = (f"set data.answer_key={guesses[0][1]}" if guesses
+           else "set data.answer_key to the key of the reference answer (a dotted path for a nested one)")
+    raise DataError("data.answer_key", answer_key, f"is not a key of the first record ({where}; keys: {keys[:12]}), "
+                    "so every answer would be None and the reward function reads answers",
+                    f"{fix}, or use a reward function that needs no answers")
+
+
 def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
-                      messages_key: str = "messages", key: str = "data.train_path") -> None:
-    """Read only the first record and check it as :func:`load_prompts` would (before any launch)."""
+                      messages_key: str = "messages", key: str = "data.train_path",
+                      needs_answers: bool = False) -> None:
+    """Read only the first record and check it as :func:`load_prompts` would (before any launch);
+    errors about the file itself name ``key``.
+
+    With ``needs_answers`` (the reward function reads answers) the answer key must be in it."""
     for _, where, record in _records(os.fspath(path), key):
         _prompt_of(record, where, prompt_key, messages_key)
         _answer(record, answer_key, where)
+        if needs_answers:
+            _check_answer_present(record, answer_key, where)
         return
     raise DataError(key, path, "the file holds no records", "give a prompt file with at least one record")
 
@@ -158,8 +227,9 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
 
     A record has ``prompt_key`` (a string, encoded with ``tokenizer.encode_prompt``) or
     ``messages_key`` (a chat, rendered with the tokenizer's chat template); ``prompt_key`` wins
-    when both are present.  ``answer_key`` is optional.  Raises :class:`DataError` on bad input;
-    errors about the file itself name ``key``.
+    when both are present, and a chat stored under ``prompt_key`` (verl's schema) is a chat.  Keys
+    may be dotted paths (:func:`lookup`).  ``answer_key`` is optional.  Raises :class:`DataError`
+    on bad input; errors about the file itself name ``key``.
     """
     path = os.fspath(path)
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
@@ -184,6 +254,7 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
         out.prompts.append(text)
         out.answers.append(answer)
         out.source_index.append(index)
+        out.fields.append({k: record[k] for k in RECORD_FIELDS if record.get(k) is not None})
 
     if out.num_dropped:
         logger.warning("dropped %d of %d prompts longer than %d tokens", out.num_dropped, total, max_prompt_tokens)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, need
+from megatron_rl.features.base import TESTED_CPU, Feature, need
 
 AREA = "data"
 FEATURES = [
@@ -36,8 +36,14 @@ FEATURES = [
         config="data.val_path, trainer.eval_every, eval.*",
     ),
     Feature(
-        "Nested record keys (verl's reward_model.ground_truth)", "data", PLANNED,
-        "Dotted keys for prompt, answer and messages, a chat-message list under the prompt key, and an answer key "
-        "missing from the records refused before launch; today keys are top-level names.",
+        "Nested record keys (verl's reward_model.ground_truth)", "data", TESTED_CPU,
+        "Dotted keys for prompt, answer and messages (a literal key with a dot wins), a chat-message list under the "
+        "prompt key rendered with the chat template, an answer key missing from the first record refused before "
+        "launch when the reward reads answers, and data_source / extra_info carried to the reward function.",
+        ("tests/test_verl_data.py::test_verl_parquet_reads_nested_answer_chat_prompt_and_record_fields",
+         "tests/test_verl_data.py::test_dotted_keys_for_prompt_and_messages_and_a_literal_dotted_key_wins",
+         "tests/test_verl_data.py::test_validate_refuses_a_verl_file_without_the_answer_key_before_launch",
+         "tests/test_verl_data.py::test_verl_parquet_and_compute_score_train_end_to_end"),
+        config="data.prompt_key, data.answer_key, data.messages_key",
     ),
 ]

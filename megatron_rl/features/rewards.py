@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured
+from megatron_rl.features.base import TESTED_CPU, Feature, Measured
 
 AREA = "rewards"
 FEATURES = [
@@ -74,8 +74,27 @@ FEATURES = [
         config="reward.timeout_s",
     ),
     Feature(
-        "verl reward functions (compute_score)", "rewards", PLANNED,
-        "verl's compute_score(data_source, solution_str, ground_truth, extra_info) called with the record's "
-        "data_source and extra_info; today reward functions take (prompts, responses, answers).",
+        "verl reward functions (compute_score)", "rewards", TESTED_CPU,
+        "verl's compute_score(data_source, solution_str, ground_truth, extra_info) detected by its parameter names "
+        "(or reward.convention=verl), called per sample by keyword with the record's data_source and extra_info; a "
+        "float or a dict with 'score'; a signature that fits no calling convention is refused before launch.",
+        ("tests/test_verl_data.py::test_verl_compute_score_gets_the_record_fields_and_dict_or_float_results",
+         "tests/test_verl_data.py::test_record_fields_follow_their_samples_to_the_rank_that_grades_them",
+         "tests/test_verl_data.py::test_signatures_fitting_no_convention_are_refused_naming_the_conventions",
+         "tests/test_verl_data.py::test_validate_refuses_a_reward_signature_before_launch",
+         "tests/test_verl_data.py::test_verl_parquet_and_compute_score_train_end_to_end"),
+        config="reward.fn, reward.convention",
+        measured=(Measured("reward/mean 1.0 at step 1 on a verl-schema Parquet file: every sample's data_source, "
+                           "extra_info and nested ground truth reached compute_score",
+                           "pytest tests/test_verl_data.py -k end_to_end"),),
+    ),
+    Feature(
+        "Reward signal checks", "rewards", TESTED_CPU,
+        "A batch in which no sample has an answer, for a reward that reads answers, stops the run with one line "
+        "(exit 2); equal rewards in every group for the first 3 steps give one 'no learning signal' warning.",
+        ("tests/test_verl_data.py::test_a_batch_without_any_answer_stops_and_one_with_some_goes_on",
+         "tests/test_verl_data.py::test_no_signal_warning_once_after_equal_rewards_in_every_group",
+         "tests/test_verl_data.py::test_train_stops_on_a_step_without_answers_and_warns_when_rewards_carry_no_signal"),
+        config="(always on)",
     ),
 ]

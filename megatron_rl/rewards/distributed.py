@@ -68,18 +68,21 @@ def rewards_from_rank0(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
 
 def rewards_on_every_rank(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
                           answers: Sequence[Optional[str]], prompt_indices: Sequence[int],
-                          timeout_s: Optional[float] = None, **kwargs) -> Graded:
+                          timeout_s: Optional[float] = None, fields: Optional[Sequence[dict]] = None,
+                          **kwargs) -> Graded:
     """The checked rewards of the whole batch on every rank, each rank grading every world-th sample.
 
     A collective: call it on all ranks with the same batch.  Only this rank's share of
     ``responses`` is read (by index), so a lazily decoding sequence decodes a share only.
     ``timeout_s`` bounds each sample of a grader (:func:`megatron_rl.rewards.registry.grade_batch`);
-    ``Graded.timed_out`` is the number of timed-out samples over all ranks.
+    ``Graded.timed_out`` is the number of timed-out samples over all ranks.  ``fields``: each
+    sample's record fields, for functions that take them (verl's).
     """
     n = len(responses)
     if getattr(fn, "whole_batch", False):
         return rewards_from_rank0(lambda: grade_batch(fn, list(prompts), [responses[i] for i in range(n)],
-                                                      list(answers), list(prompt_indices), timeout_s, **kwargs))
+                                                      list(answers), list(prompt_indices), timeout_s, fields,
+                                                      **kwargs))
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = range(rank, n, world)
 
@@ -87,7 +90,8 @@ def rewards_on_every_rank(fn: RewardFn, prompts: Sequence[str], responses: Seque
         if not mine:
             return [], 0
         graded = grade_batch(fn, [prompts[i] for i in mine], [responses[i] for i in mine],
-                             [answers[i] for i in mine], [prompt_indices[i] for i in mine], timeout_s, **kwargs)
+                             [answers[i] for i in mine], [prompt_indices[i] for i in mine], timeout_s,
+                             [fields[i] for i in mine] if fields is not None else None, **kwargs)
         return graded.scores.tolist(), graded.timed_out
 
     box, failure = _outcome(grade_share)

@@ -31,6 +31,7 @@ from megatron_rl.errors import UserInputError
 if TYPE_CHECKING:
     import torch
 
+from megatron_rl.rewards.conventions import Misfit, as_batch_reward
 from megatron_rl.rewards.registration import (  # noqa: F401 - resolved and listed here
     _NAMES,
     _REWARDS,
@@ -62,8 +63,17 @@ def list_rewards() -> list[str]:
     return sorted(_REWARDS)
 
 
-def get_reward_fn(spec: str) -> RewardFn:
-    """Resolve a registered name (``"math_answer"``) or an import path (``"pkg.mod:fn"``)."""
+def get_reward_fn(spec: str, convention: str = "auto", kwargs: Optional[dict] = None) -> RewardFn:
+    """Resolve a registered name (``"math_answer"``) or an import path (``"pkg.mod:fn"``) to a batch
+    reward, called as ``convention`` says (:mod:`megatron_rl.rewards.conventions`); ``kwargs``
+    (``reward.kwargs``) may fill required parameters of its signature."""
+    try:
+        return as_batch_reward(_resolve(spec), convention, spec, tuple(kwargs or ()))
+    except Misfit as err:
+        raise RewardFunctionError(err.key, err.value, err.problem, err.fix) from None
+
+
+def _resolve(spec: str) -> RewardFn:
     _load_builtins()
     if not isinstance(spec, str) or not spec.strip():
         raise RewardFunctionError(KEY, spec, "must be a reward name or 'package.module:function'",
@@ -174,9 +184,12 @@ def hard_deadline(seconds: Optional[float], error: Optional[BaseException]):
 
 
 def _first_failing_item(fn, prompts, responses, answers, kwargs) -> tuple[Optional[int], Optional[BaseException]]:
+    kwargs = dict(kwargs)
+    fields = kwargs.pop("fields", None)
     for i in range(len(responses)):
         try:
-            fn([prompts[i]], [responses[i]], [answers[i]], **kwargs)
+            one = {"fields": [fields[i]]} if fields is not None else {}
+            fn([prompts[i]], [responses[i]], [answers[i]], **one, **kwargs)
         except Exception as err:  # noqa: BLE001
             return i, err
     return None, None
@@ -197,13 +210,15 @@ def grade_batch(
     answers: Sequence[Optional[str]],
     prompt_indices: Optional[Sequence[int]] = None,
     timeout_s: Optional[float] = None,
+    fields: Optional[Sequence[dict]] = None,
     **kwargs,
 ) -> Graded:
     """Call ``fn`` once on the batch; return checked rewards and the timed-out count.
 
     ``timeout_s`` (``reward.timeout_s``) reaches rewards built from graders (they bound each
-    sample by it); a plain batch function never sees it.  ``prompt_indices`` (default ``0..B-1``)
-    are what error messages call "prompt index": pass the prompt's line in the data file
+    sample by it); a plain batch function never sees it.  ``fields`` (each sample's record fields,
+    ``PromptSet.record_fields``) reach a function with ``takes_fields`` (verl's).  ``prompt_indices``
+    (default ``0..B-1``) are what error messages call "prompt index": pass the prompt's line in the data file
     (``PromptSet.source_index``) so users can find it.  If the batch call raises, the items are
     retried one by one to name the first prompt that fails alone.
     """
@@ -211,6 +226,8 @@ def grade_batch(
         fn = get_reward_fn(fn)
     if timeout_s is not None and getattr(fn, "bounded", False):
         kwargs = {**kwargs, "timeout_s": timeout_s}
+    if getattr(fn, "takes_fields", False):
+        kwargs = {**kwargs, "fields": list(fields) if fields is not None else [{}] * len(responses)}
     indices = list(range(len(responses))) if prompt_indices is None else [int(i) for i in prompt_indices]
     if not len(prompts) == len(responses) == len(answers) == len(indices):
         raise ValueError(f"compute_rewards: lengths differ: {len(prompts)} prompts, {len(responses)} responses, "

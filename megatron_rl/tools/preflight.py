@@ -1,8 +1,9 @@
 """Checks of what a training config points at, before any process starts.
 
 Validation (``megatron_rl/validation.py``) judges the values; this opens what they name: the prompt file
-and the evaluation file (their first records), the reward function, the tokenizer (its vocabulary must fit
-the model's), the critic's HF directory and the initial checkpoint.  Each failure is one line naming the key.
+and the evaluation file (their first records; the answer key when the reward reads answers), the reward
+function (its calling convention), the tokenizer (its vocabulary must fit the model's), the critic's HF
+directory and the initial checkpoint.  Each failure is one line naming the key.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from megatron_rl.data.sources import VAL_KEY, check_prompt_source, tokenizer_spe
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
 from megatron_rl.models.arch import is_moe
+from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.registry import get_reward_fn
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
@@ -24,10 +26,10 @@ def _check_dir(key: str, path: str | None, what: str) -> None:
 
 
 def check_training_inputs(cfg: Config) -> None:
-    check_prompt_source(cfg.data)
+    reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
+    check_prompt_source(cfg.data, needs_answers=needs_answers(reward_fn))
     if cfg.data.val_path:
-        check_prompt_source(cfg.data, VAL_KEY)
-    get_reward_fn(cfg.reward.fn)
+        check_prompt_source(cfg.data, VAL_KEY, needs_answers=needs_answers(reward_fn))
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
     if is_moe(cfg.model) and rollout_engine(cfg) != MEGATRON:

@@ -106,7 +106,7 @@ class Evaluator:
             self.reward_fn, [prompts.prompts[i] for i in index],
             [self.tokenizer.decode(r) for r in rollout.response_ids],
             [prompts.answers[i] for i in index], [prompts.source_index[i] for i in index],
-            timeout_s=self.cfg.reward.timeout_s, **dict(self.cfg.reward.kwargs),
+            timeout_s=self.cfg.reward.timeout_s, fields=prompts.record_fields(index), **dict(self.cfg.reward.kwargs),
         )
         out = evaluation_metrics(graded.scores, [len(r) for r in rollout.response_ids], ev.n, ev.correct_threshold)
         out["eval/reward_timeouts"] = graded.timed_out
@@ -120,4 +120,5 @@ def _first(prompts: PromptSet, count: Optional[int]) -> PromptSet:
     if count is None or count >= len(prompts):
         return prompts
     return dataclasses.replace(prompts, prompt_ids=prompts.prompt_ids[:count], prompts=prompts.prompts[:count],
-                               answers=prompts.answers[:count], source_index=prompts.source_index[:count])
+                               answers=prompts.answers[:count], source_index=prompts.source_index[:count],
+                               fields=prompts.fields[:count])

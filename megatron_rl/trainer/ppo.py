@@ -58,6 +58,7 @@ from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.models.seeded_init import seeded_init
 from megatron_rl.planner.memory import total_params
 from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, resolve
+from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
@@ -77,6 +78,7 @@ from megatron_rl.trainer.metrics import (
     throughput_metrics,
 )
 from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
+from megatron_rl.trainer.reward_signal import RewardSignal
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.update import (
@@ -149,7 +151,8 @@ class PPOTrainer:
         self.log(f"old log-probs: {self.old_logprobs.name}" + (" (auto)" if auto else ""))
         self.log("resolved: " + ", ".join(self.resolution.lines()))
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
-        self.reward_fn = get_reward_fn(cfg.reward.fn)
+        self.reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
+        self.reward_signal = RewardSignal(cfg.data.answer_key, needs_answers(self.reward_fn), self.log)
         self.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -399,17 +402,23 @@ class PPOTrainer:
         return Samples.from_rollout(rollout, batch)
 
     def _score(self, samples: Samples) -> Graded:
-        """The reward function on this step's samples, every rank grading a share (a collective)."""
-        prompts = self.prompts
-        return rewards_on_every_rank(
+        """The reward function on this step's samples, every rank grading a share (a collective);
+        a batch without answers or a run without reward signal is reported (``reward_signal.py``)."""
+        prompts, rows = self.prompts, samples.dataset_index
+        answers, indices = [prompts.answers[i] for i in rows], [prompts.source_index[i] for i in rows]
+        self.reward_signal.check_answers(answers, indices)
+        graded = rewards_on_every_rank(
             self.reward_fn,
-            [prompts.prompts[i] for i in samples.dataset_index],
+            [prompts.prompts[i] for i in rows],
             _Decoded(self.tokenizer, samples.response_ids),
-            [prompts.answers[i] for i in samples.dataset_index],
-            [prompts.source_index[i] for i in samples.dataset_index],
+            answers,
+            indices,
             timeout_s=self.cfg.reward.timeout_s,
+            fields=prompts.record_fields(rows),
             **dict(self.cfg.reward.kwargs),
         )
+        self.reward_signal.observe(graded.scores, samples.groups())
+        return graded
 
     def _experience(self, samples: Samples, scores: torch.Tensor, timings: dict) -> Experience:
         alg = self.cfg.algorithm
