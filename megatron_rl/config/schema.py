@@ -172,7 +172,10 @@ class ModelConfig:
     kv_channels: Optional[int] = _f(None, "Head dimension; null = hidden_size / num_attention_heads.", ge=1)
     vocab_size: int = _f(128, "Vocabulary size (padded internally for TP; padding never reaches log-probs).", ge=1)
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times tp.", ge=1)
-    max_position_embeddings: int = _f(4096, "Longest sequence the rotary embedding is built for.", ge=1)
+    max_position_embeddings: int = _f(
+        4096, "The model's native window (HF max_position_embeddings); data.max_prompt_tokens + "
+        "rollout.max_new_tokens must fit it, or YaRN's factor x original_max_position_embeddings (model.rope_scaling).",
+        ge=1)
     normalization: Literal[NORMALIZATIONS] = _f("RMSNorm", "RMSNorm or LayerNorm.")
     norm_epsilon: float = _f(1e-6, "Norm epsilon.", gt=0)
     activation: Literal[ACTIVATION_NAMES] = _f("swiglu", "MLP activation: swiglu, gelu.")
