@@ -136,6 +136,53 @@ def test_yarn_round_trips_through_convert(tmp_path):
         assert json.load(a) == json.load(b)
 
 
+def export_body(hf_dir: str, out_dir: str, overrides: list[str]):
+    """Harness body: the HF model with the YAML's ``overrides`` -> megatron -> HF into ``out_dir``."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.hf_bridge import export_hf, load_hf_weights
+    from megatron_rl.models.hf_config import read_hf_config
+    from megatron_rl.testing.layouts import use_layout
+
+    hf = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf, load_config(None, overrides).model)
+    chunks = build_gpt_chunks(cfg, use_layout(), torch.device("cpu"))
+    load_hf_weights(chunks, hf_dir)
+    export_hf(chunks, out_dir, hf, cfg, source_dir=hf_dir)
+
+
+def test_yarn_enabled_in_the_yaml_is_exported_and_hf_runs_it_alike(tmp_path):
+    """A checkpoint whose config.json has no rope_scaling, run with YaRN from the YAML (as Qwen2.5
+    past 32k): HF transformers, loading the exported directory, computes our log-probs."""
+    import transformers
+
+    from megatron_rl.testing.harness import run_distributed
+    from tests.support.helpers import check_scores, hf_logprobs, make_hf_model, score_body
+
+    hf_dir, out_dir = str(tmp_path / "hf"), str(tmp_path / "out")
+    make_hf_model("qwen2_yarn", hf_dir)
+    with open(f"{hf_dir}/config.json") as fh:
+        config = json.load(fh)
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_parameters"]["rope_theta"]}
+    with open(f"{hf_dir}/config.json", "w") as fh:
+        json.dump(config, fh)
+    g = torch.Generator().manual_seed(4)
+    sequences = [torch.randint(0, 250, (n,), generator=g).tolist() for n in (64, 40, 9)]
+    with open(f"{hf_dir}/in.jsonl", "w") as fh:
+        fh.writelines(json.dumps({"input_ids": ids}) + "\n" for ids in sequences)
+    yarn = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4",
+            "model.rope_scaling.original_max_position_embeddings=16"]
+    run_distributed(1, export_body, hf_dir, out_dir, yarn)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out_dir).eval()
+    assert exported.config.rope_parameters["rope_type"] == "yarn"
+    out = str(tmp_path / "scores.jsonl")
+    run_distributed(2, score_body, hf_dir, yarn + ["parallel.cp=2"], out)
+    assert check_scores(out, [hf_logprobs(exported, ids) for ids in sequences]) <= 1e-4
+    plain = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()  # the same weights without YaRN
+    assert check_scores(out, [hf_logprobs(plain, ids) for ids in sequences]) > 1e-2
+
+
 # ----------------------------------------------------------------------------- position limit
 
 

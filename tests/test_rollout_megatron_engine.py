@@ -219,7 +219,8 @@ def hf_models(tmp_path_factory):
     from tests.support.helpers import make_hf_model
 
     root = tmp_path_factory.mktemp("hf")
-    return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in ("llama", "qwen2", "qwen2_yarn")}
+    kinds = ("llama", "qwen2", "qwen2_yarn")
+    return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in kinds}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -176,7 +176,8 @@ FEATURES = [
          "tests/test_rollout.py::test_decoder_matches_megatron",
          "tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
          "tests/test_hf_config.py::test_yarn_frequencies_and_attention_factor_match_hf",
-         "tests/test_hf_config.py::test_yarn_round_trips_through_convert"),
+         "tests/test_hf_config.py::test_yarn_round_trips_through_convert",
+         "tests/test_hf_config.py::test_yarn_enabled_in_the_yaml_is_exported_and_hf_runs_it_alike"),
         (
             need("model.rope_scaling.factor",
                  lambda c, w: c.model.rope_scaling.factor is not None,
