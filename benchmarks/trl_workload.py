@@ -23,8 +23,10 @@ SPECIALS = ("<pad>", "<eos>", "<unk>")
 CHARS = "0123456789+="
 MAX_OPERAND = 49  # answers of at most 2 digits: an answer and its <eos> fit in 4 new tokens
 
+# 1024 positions: room for megatron_rl's default data.max_prompt_tokens (512) plus the new tokens,
+# which validation checks against the model's positions (RoPE itself does not depend on it).
 MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+             num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def addition_reward(prompts, responses, answers, **kwargs) -> list[float]:

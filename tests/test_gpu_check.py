@@ -78,6 +78,16 @@ def test_cuda_config_with_transformer_engine_fuses_rope():
     assert kwargs["apply_rope_fusion"] is True and kwargs["gradient_accumulation_fusion"] is False
 
 
+def test_yarn_keeps_rope_fusion_off():
+    """megatron-core 0.19.2's fused packed (THD) RoPE drops YaRN's attention factor: fusion stays off."""
+    from megatron_rl.config.schema import RopeScalingConfig
+
+    yarn = dict(rope_scaling=RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=1024))
+    assert _kwargs("cuda", te_available=True, apex_available=False, model=yarn)["apply_rope_fusion"] is False
+    llama3 = dict(rope_scaling=RopeScalingConfig(type="llama3", factor=8.0))  # no attention factor: fused
+    assert _kwargs("cuda", te_available=True, apex_available=False, model=llama3)["apply_rope_fusion"] is True
+
+
 def test_cpu_config_is_what_it_was():
     kwargs = _kwargs("cpu")
     assert {k: kwargs[k] for k in CPU_OFF} == CPU_OFF

@@ -69,6 +69,53 @@ def test_more_architectures_match_hf(hf_models, kind, tmp_path):
     assert worst <= 1e-4
 
 
+# YaRN on every kind of layout: tensor, pipeline (interleaved) and context parallel (ring packed,
+# all_gather unpadded, a2a), the sequences up to 4x the 16 positions the model was pretrained on.
+YARN_LAYOUTS = {
+    "tp1": (1, ["batch.micro_batch_size=2"]),
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2_vpp2": (2, ["parallel.pp=2", "parallel.vpp=2", "batch.micro_batch_size=2"]),
+    "cp2": (2, ["parallel.cp=2", "batch.micro_batch_size=3"]),
+    "cp2_all_gather_unpacked": (2, ["parallel.cp=2", "parallel.cp_comm_type=all_gather", "batch.packing=false",
+                                    "batch.micro_batch_size=2"]),
+    "cp2_a2a": (2, ["parallel.cp=2", "parallel.cp_comm_type=a2a", "batch.max_tokens_per_rank=48"]),
+    "tp2_cp2_sp": (4, ["parallel.tp=2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                       "batch.max_tokens_per_rank=32"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(YARN_LAYOUTS))
+def test_yarn_matches_hf_on_every_layout(hf_models, layout, tmp_path):
+    hf_dir, reference = hf_models["qwen2_yarn"]
+    world, overrides = YARN_LAYOUTS[layout]
+    out = str(tmp_path / "out.jsonl")
+    run_distributed(world, score_body, hf_dir, overrides, out)
+    worst = check_scores(out, reference)
+    print(f"qwen2 yarn {layout}: max |logprob - HF| = {worst:.2e}")
+    assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("change", [{"rope_scaling": None}, {"attention_factor": 1.0}])
+def test_yarn_reference_depends_on_frequencies_and_attention_factor(hf_models, change):
+    """The YaRN model's log-probs move far past the parity tolerance without YaRN's frequencies
+    or without its attention factor, so the layout tests above see either one go missing."""
+    import transformers
+
+    hf_dir, reference = hf_models["qwen2_yarn"]
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    rope = dict(config.rope_parameters)
+    if "rope_scaling" in change:
+        rope = {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    else:
+        rope.update(change)
+    config.rope_parameters = rope
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, config=config).eval()
+    ids = [json.loads(line)["input_ids"] for line in open(os.path.join(hf_dir, "in.jsonl"))]
+    worst = max(float((hf_logprobs(model, x) - ref).abs().max()) for x, ref in zip(ids, reference) if len(ref))
+    print(f"{change}: max |logprob - YaRN| = {worst:.2e}")
+    assert worst > 1e-2
+
+
 def test_unpacked_and_token_budget_batches_match_hf(hf_models, tmp_path):
     hf_dir, reference = hf_models["llama"]
     for extra in (["batch.packing=false", "batch.micro_batch_size=3"], ["batch.max_tokens_per_rank=70"]):

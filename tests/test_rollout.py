@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rl.config.schema import ModelConfig
+from megatron_rl.config.schema import ModelConfig, RopeScalingConfig
+from megatron_rl.models.arch import rope_inv_freq
 from megatron_rl.rollout.decoder import (
     KVCache,
     TorchDecoder,
     left_pad,
     random_canonical,
-    rope_inv_freq,
     row_positions,
 )
 from megatron_rl.rollout.engine import (
@@ -37,7 +37,13 @@ PARITY_CONFIGS = {
     "layernorm_gelu": dict(
         normalization="LayerNorm", activation="gelu", num_query_groups=4, add_bias_linear=True
     ),
-    "rope_scaling": dict(rope_scaling_factor=8.0, rotary_base=500000.0),
+    "rope_scaling": dict(rope_scaling=RopeScalingConfig(type="llama3", factor=8.0), rotary_base=500000.0),
+    # YaRN pretrained on 8 positions, run on 24: frequencies and the attention factor both matter.
+    "yarn": dict(rope_scaling=RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=8),
+                 rotary_base=1e6, max_position_embeddings=8),
+    "yarn_mscale": dict(rope_scaling=RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=8,
+                                                       mscale=0.7, mscale_all_dim=0.3, beta_fast=16.0),
+                        rotary_base=1e6, max_position_embeddings=32),
 }
 
 
@@ -79,7 +85,12 @@ def megatron_logits_body(model_cfg: ModelConfig, tokens: torch.Tensor, seed: int
         hidden = chunk(tokens, positions, None)  # [s, b, h]
         logits = hidden.float() @ chunk.output_weight().float().t()
     logits = logits[..., : model_cfg.vocab_size].transpose(0, 1).contiguous()
-    return gather_canonical(chunks), logits, chunk.rotary_pos_emb.inv_freq.cpu()
+    rope = chunk.rotary_pos_emb
+    if model_cfg.rope_scaling.type == "yarn":  # YaRN's frequencies: position 1 of its table
+        inv_freq = rope.get_emb(2)[0][1, 0, 0, : rope.dim // 2]
+    else:
+        inv_freq = rope.inv_freq
+    return gather_canonical(chunks), logits, inv_freq.cpu()
 
 
 @pytest.mark.parametrize("name", list(PARITY_CONFIGS))
@@ -100,8 +111,9 @@ def test_decoder_matches_megatron(name):
 
 
 def test_rope_scaling_frequencies():
-    inv = rope_inv_freq(128, 500000, None)
-    scaled = rope_inv_freq(128, 500000, 8.0)
+    inv, _ = rope_inv_freq(128, 500000, ModelConfig())
+    scaled, mscale = rope_inv_freq(128, 500000, ModelConfig(rope_scaling=RopeScalingConfig(type="llama3", factor=8.0)))
+    assert mscale == 1.0
     wavelen = 2 * torch.pi / inv
     assert torch.equal(scaled[wavelen < 2048], inv[wavelen < 2048])  # high frequencies kept
     assert torch.allclose(scaled[wavelen > 8192], inv[wavelen > 8192] / 8)  # low ones divided

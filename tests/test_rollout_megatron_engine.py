@@ -208,6 +208,8 @@ LAYOUTS = {
     "pp2": (2, dict(pp=2), "llama"),
     "tp2_pp2_sp": (4, dict(tp=2, pp=2, sp=True), "qwen2"),
     "cp2": (2, dict(cp=2), "llama"),
+    # YaRN (pretrained on 16 positions, prompts + responses up to 42): the engine's RoPE and attention factor
+    "world1_yarn": (1, {}, "qwen2_yarn"),
 }
 
 
@@ -217,7 +219,8 @@ def hf_models(tmp_path_factory):
     from tests.support.helpers import make_hf_model
 
     root = tmp_path_factory.mktemp("hf")
-    return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in ("llama", "qwen2")}
+    kinds = ("llama", "qwen2", "qwen2_yarn")
+    return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in kinds}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -55,6 +55,7 @@ def _load_records() -> None:
         rope_host_seqlens,
         safe_unpickling,
         warning_filters,
+        yarn,
     )
 
 

@@ -26,6 +26,7 @@ PARAMS_DTYPES = (AUTO,) + DTYPE_NAMES
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act")
+ROPE_SCALING_TYPES = ("none", "llama3", "yarn")  # HF rope_scaling types megatron-core reproduces
 
 # --- mixture of experts (megatron-core's router and dispatchers)
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_rl.config.schema import ModelConfig, MoEConfig, RecomputeConfig
+from megatron_rl.config.schema import ModelConfig, MoEConfig, RecomputeConfig, RopeScalingConfig
 
 
 def model_config_to_dict(cfg: ModelConfig) -> dict:
@@ -19,4 +19,8 @@ def model_config_from_dict(data: dict) -> ModelConfig:
     data = dict(data)
     data["recompute"] = RecomputeConfig(**data.get("recompute", {}))
     data["moe"] = MoEConfig(**data.get("moe", {}))  # checkpoints of dense models written before MoE have none
+    data["rope_scaling"] = RopeScalingConfig(**data.get("rope_scaling", {}))
+    legacy_factor = data.pop("rope_scaling_factor", None)  # written before YaRN: Llama-3 scaling only
+    if legacy_factor is not None:
+        data["rope_scaling"] = RopeScalingConfig(type="llama3", factor=legacy_factor)
     return ModelConfig(**data)

@@ -38,6 +38,7 @@ from megatron_rl.config.choices import (
     REWARD_CONVENTIONS,
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_ENGINES,
+    ROPE_SCALING_TYPES,
     SFT_TARGETS,
     TRANSFORMER_IMPL_CHOICES,
 )
@@ -109,6 +110,27 @@ class RecomputeConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """HF ``rope_scaling`` (read from config.json with model.hf_path, written back on export)."""
+
+    type: Literal[ROPE_SCALING_TYPES] = _f(
+        "none", "RoPE scaling: none, llama3 (Llama-3.1, megatron-core's fixed frequency factors 1/4 and original "
+        "length 8192), yarn (Qwen2.5/Qwen3 past their native window; docs/long_context.md). HF linear/dynamic are "
+        "not supported.")
+    factor: Optional[float] = _f(None, "Scaling factor (needed by llama3 and yarn); yarn: the model then takes "
+                                 "factor x original_max_position_embeddings positions.", gt=0)
+    original_max_position_embeddings: Optional[int] = _f(
+        None, "yarn: the window the model was pretrained on; null = model.max_position_embeddings.", ge=1)
+    beta_fast: float = _f(32.0, "yarn: rotations per window above which a frequency is kept (HF beta_fast).", gt=0)
+    beta_slow: float = _f(1.0, "yarn: rotations per window below which a frequency is divided by factor (HF "
+                          "beta_slow).", gt=0)
+    mscale: Optional[float] = _f(None, "yarn: HF mscale; with mscale_all_dim the attention factor is "
+                                 "mscale(factor, mscale) / mscale(factor, mscale_all_dim), else 0.1 ln(factor) + 1.")
+    mscale_all_dim: Optional[float] = _f(None, "yarn: HF mscale_all_dim (see mscale).")
+    truncate: bool = _f(True, "yarn: round the correction range to whole dimensions (HF truncate).")
+
+
+@dataclass
 class MoEConfig:
     num_experts: Optional[int] = _f(None, "Routed experts per MoE layer; null = a dense model.", ge=1)
     router_topk: int = _f(2, "Experts each token is routed to.", ge=1)
@@ -151,7 +173,10 @@ class ModelConfig:
     kv_channels: Optional[int] = _f(None, "Head dimension; null = hidden_size / num_attention_heads.", ge=1)
     vocab_size: int = _f(128, "Vocabulary size (padded internally for TP; padding never reaches log-probs).", ge=1)
     make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times tp.", ge=1)
-    max_position_embeddings: int = _f(4096, "Longest sequence the rotary embedding is built for.", ge=1)
+    max_position_embeddings: int = _f(
+        4096, "The model's native window (HF max_position_embeddings); data.max_prompt_tokens + "
+        "rollout.max_new_tokens must fit it, or YaRN's factor x original_max_position_embeddings (model.rope_scaling).",
+        ge=1)
     normalization: Literal[NORMALIZATIONS] = _f("RMSNorm", "RMSNorm or LayerNorm.")
     norm_epsilon: float = _f(1e-6, "Norm epsilon.", gt=0)
     activation: Literal[ACTIVATION_NAMES] = _f("swiglu", "MLP activation: swiglu, gelu.")
@@ -160,7 +185,7 @@ class ModelConfig:
     qk_layernorm: bool = _f(False, "RMSNorm on queries and keys per head (Qwen3).")
     tie_word_embeddings: bool = _f(False, "Share input embedding and output layer weights.")
     rotary_base: float = _f(10000.0, "RoPE theta.", gt=0)
-    rope_scaling_factor: Optional[float] = _f(None, "Llama-3 style RoPE scaling factor; null = off.", gt=0)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     params_dtype: Literal[PARAMS_DTYPES] = _f(
         "auto", "Parameter dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."
     )

@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import GPU_UNTESTED, PLANNED, TESTED_CPU, Feature, need
-from megatron_rl.models.arch import is_moe
+from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Constraint, Feature, Measured, need
+from megatron_rl.models.arch import LLAMA3_ROPE_FIXED, is_moe, max_positions, yarn_original_positions
+
+LLAMA3_ORIGINAL = LLAMA3_ROPE_FIXED["original_max_position_embeddings"]
 
 AREA = "models"
+
+
+def _position_limit(cfg) -> tuple | None:
+    """``data.max_prompt_tokens + rollout.max_new_tokens`` past the model's positions: the error."""
+    model, longest = cfg.model, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    limit = max_positions(model)
+    if longest <= limit:
+        return None
+    rs = model.rope_scaling
+    if rs.type == "yarn":
+        where = (f"YaRN factor {rs.factor:g} x original_max_position_embeddings {yarn_original_positions(model)}"
+                 f"; native model.max_position_embeddings {model.max_position_embeddings}")
+        fix = "raise model.rope_scaling.factor, or lower data.max_prompt_tokens / rollout.max_new_tokens"
+    else:
+        native = model.max_position_embeddings
+        where = f"model.max_position_embeddings {native}"
+        fix = (f"enable YaRN (model.rope_scaling.type=yarn, model.rope_scaling.factor={-(-longest // native)}, "
+               f"model.rope_scaling.original_max_position_embeddings={native}; docs/long_context.md), raise "
+               "model.max_position_embeddings for a model built from scratch, or lower data.max_prompt_tokens / "
+               "rollout.max_new_tokens")
+    return ("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
+            f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} + rollout.max_new_tokens "
+            f"{cfg.rollout.max_new_tokens} = {longest} tokens exceed the model's {limit} positions ({where})", fix)
 FEATURES = [
     Feature(
         "Local layer spec", "models", TESTED_CPU,
@@ -139,8 +164,49 @@ FEATURES = [
         config="critic (PPO with GAE) on an MoE model",
     ),
     Feature(
-        "YaRN RoPE scaling", "models", PLANNED,
-        "HF rope_scaling type yarn (Qwen2.5 long context) mapped onto megatron-core's YaRN embedding; today such a "
-        "model is refused before launch.",
+        "YaRN RoPE scaling", "models", TESTED_CPU,
+        "HF rope_scaling type yarn (Qwen2.5/Qwen3 past their native window) read from config.json or set as "
+        "model.rope_scaling, built as megatron-core's YaRN embedding with HF's attention factor on cos and sin "
+        "(also in the rollout decoders and megatron's inference engine; RoPE fusion off, as fused packed RoPE drops "
+        "that factor), written back to config.json on export; log-probs match HF transformers "
+        "on TP, PP/VPP and CP (p2p packed, all_gather unpadded, a2a) at 4x the original window. HF linear / dynamic "
+        "scaling is refused.",
+        ("tests/test_hf_models.py::test_yarn_matches_hf_on_every_layout",
+         "tests/test_hf_models.py::test_yarn_reference_depends_on_frequencies_and_attention_factor",
+         "tests/test_rollout.py::test_decoder_matches_megatron",
+         "tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
+         "tests/test_hf_config.py::test_yarn_frequencies_and_attention_factor_match_hf",
+         "tests/test_hf_config.py::test_yarn_round_trips_through_convert",
+         "tests/test_hf_config.py::test_yarn_enabled_in_the_yaml_is_exported_and_hf_runs_it_alike"),
+        (
+            need("model.rope_scaling.factor",
+                 lambda c, w: c.model.rope_scaling.factor is not None,
+                 "RoPE scaling type {c.model.rope_scaling.type} needs a factor",
+                 "set model.rope_scaling.factor (Qwen2.5: 4 with original_max_position_embeddings 32768)",
+                 "llama3 / yarn: factor set",
+                 when=lambda c: c.model.rope_scaling.type != "none"),
+            need("model.rope_scaling.original_max_position_embeddings",
+                 lambda c, w: c.model.rope_scaling.original_max_position_embeddings in (None, LLAMA3_ORIGINAL),
+                 f"megatron-core's Llama-3 scaling has a fixed original length of {LLAMA3_ORIGINAL}",
+                 "leave it unset for llama3 (or use a Llama-3.1 checkpoint)",
+                 f"llama3: original_max_position_embeddings {LLAMA3_ORIGINAL}",
+                 when=lambda c: c.model.rope_scaling.type == "llama3"),
+        ),
+        config="model.rope_scaling.type=yarn (or from the HF config.json)",
+        measured=(Measured("max |logprob - HF| 9.5e-7 on TP1, TP2+SP, PP2xVPP2, CP2 p2p / all_gather / a2a, TP2xCP2 "
+                           "(fp32, sequences to 4x the original window; without YaRN 0.24, without its attention "
+                           "factor 0.067)", "pytest -s tests/test_hf_models.py -k yarn"),),
+    ),
+    Feature(
+        "Sequence length within the model's positions", "models", TESTED_CPU,
+        "data.max_prompt_tokens + rollout.max_new_tokens must fit the positions the model's RoPE is meant for: "
+        "model.max_position_embeddings, or with YaRN factor x original_max_position_embeddings; checked before "
+        "launch.",
+        ("tests/test_hf_config.py::test_position_limit_is_checked_before_launch",),
+        (
+            Constraint("prompt + response <= max positions (native, or YaRN factor x original)",
+                       lambda c, w: _position_limit(c), "rollout.max_new_tokens"),
+        ),
+        config="data.max_prompt_tokens, rollout.max_new_tokens, model.max_position_embeddings, model.rope_scaling",
     ),
 ]

@@ -7,6 +7,7 @@ model is built from.  The choice lists themselves live in ``config/choices.py``.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -59,9 +60,95 @@ def attention_dims(model_cfg) -> tuple[int, int, int]:
 # RotaryEmbedding._apply_scaling with only the factor configurable; the low/high frequency factors
 # and the original context length keep its defaults (1, 4, 8192).  HF's names for them:
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-# GPTModel's own rope_scaling_factor default; passed when model.rope_scaling_factor is unset
+# GPTModel's own rope_scaling_factor default; passed when model.rope_scaling.type is not llama3
 # (megatron ignores it then, as rope_scaling is off).
 MEGATRON_ROPE_SCALING_FACTOR = 8.0
+
+
+def yarn_original_positions(model_cfg) -> int:
+    """The window a YaRN model was pretrained on (HF's default: ``max_position_embeddings``)."""
+    return model_cfg.rope_scaling.original_max_position_embeddings or model_cfg.max_position_embeddings
+
+
+def max_positions(model_cfg) -> int:
+    """Longest sequence (prompt + response) the model's RoPE is meant for: the native
+    ``max_position_embeddings``, or with YaRN ``factor x original_max_position_embeddings`` when
+    that is longer (Qwen's configs keep the native 32768 next to a YaRN factor of 4)."""
+    rs = model_cfg.rope_scaling
+    if rs.type == "yarn" and rs.factor:
+        return max(model_cfg.max_position_embeddings, int(rs.factor * yarn_original_positions(model_cfg)))
+    return model_cfg.max_position_embeddings
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(rope_scaling) -> float:
+    """YaRN's attention factor ("mscale"), which multiplies RoPE's cos and sin (so q.k by its
+    square), by HF's rule: the mscale / mscale_all_dim ratio when both are set (non-zero), else
+    ``0.1 ln(factor) + 1``."""
+    factor = rope_scaling.factor
+    if rope_scaling.mscale and rope_scaling.mscale_all_dim:
+        return _yarn_mscale(factor, rope_scaling.mscale) / _yarn_mscale(factor, rope_scaling.mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def rope_mscale(model_cfg) -> float:
+    """The factor RoPE's cos and sin carry: YaRN's attention factor, else 1."""
+    rs = model_cfg.rope_scaling
+    return yarn_attention_factor(rs) if rs.type == "yarn" else 1.0
+
+
+def yarn_megatron_mscales(rope_scaling) -> tuple:
+    """``(yarn_mscale, yarn_mscale_all_dim)`` for megatron-core that give HF's attention factor:
+    megatron takes the ratio whenever both are not None, HF only when both are non-zero."""
+    if rope_scaling.mscale and rope_scaling.mscale_all_dim:
+        return float(rope_scaling.mscale), float(rope_scaling.mscale_all_dim)
+    return None, None
+
+
+def rope_inv_freq(head_dim: int, base: float, model_cfg) -> tuple[torch.Tensor, float]:
+    """``(fp32 inverse frequencies, cos/sin multiplier)`` of ``model_cfg.rope_scaling``, computed
+    on the CPU the way megatron-core's ``RotaryEmbedding`` / ``YarnRotaryEmbedding`` (and HF) do."""
+    rs = model_cfg.rope_scaling
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rs.type == "llama3":
+        return _llama3_inv_freq(inv_freq, rs.factor), 1.0
+    if rs.type == "yarn":
+        original = yarn_original_positions(model_cfg)
+        low, high = _yarn_correction_range(rs.beta_fast, rs.beta_slow, head_dim, base, original, rs.truncate)
+        if low == high:
+            high += 0.001  # as both implementations do
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        keep = 1.0 - ramp  # 1: high frequency, kept; 0: low frequency, divided by the factor
+        inter = 1.0 / (rs.factor * base ** exponents)
+        return inter * (1 - keep) + inv_freq * keep, rope_mscale(model_cfg)
+    return inv_freq, 1.0
+
+
+def _yarn_correction_range(beta_fast, beta_slow, dim, base, original, truncate) -> tuple:
+    def dim_of(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama-3: keep high frequencies, divide low ones by the factor, blend in between."""
+    low_freq_factor = LLAMA3_ROPE_FIXED["low_freq_factor"]
+    high_freq_factor = LLAMA3_ROPE_FIXED["high_freq_factor"]
+    original = LLAMA3_ROPE_FIXED["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high_freq_factor) & (wavelen <= original / low_freq_factor)
+    return torch.where(medium, blended, scaled)
 
 
 def fp32_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,

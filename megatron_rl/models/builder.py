@@ -17,9 +17,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.compat.megatron_fixes import transformer_config_fixes
+from megatron_rl.compat.yarn import rope_fusion_allowed, set_yarn_attributes
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout
-from megatron_rl.models.arch import ACTIVATIONS, MEGATRON_ROPE_SCALING_FACTOR, resolve_dtype
+from megatron_rl.models.arch import (
+    ACTIVATIONS,
+    MEGATRON_ROPE_SCALING_FACTOR,
+    resolve_dtype,
+    rope_mscale,
+    yarn_megatron_mscales,
+    yarn_original_positions,
+)
 from megatron_rl.models.canonical import padded_vocab_size
 from megatron_rl.models.gpt import RLGPTModel
 from megatron_rl.models.moe import attach_moe_state, moe_transformer_kwargs, router_class
@@ -77,6 +85,7 @@ def transformer_config_kwargs(
         apex_available = apex_grad_accumulation_available()
     settings = device_settings(device_type, te_available, apex_available)
     settings["bias_activation_fusion"] = settings["bias_activation_fusion"] and _fusable_activation(model)
+    settings["apply_rope_fusion"] = settings["apply_rope_fusion"] and rope_fusion_allowed(rope_mscale(model))
     rec = model.recompute
     kwargs = dict(
         num_layers=model.num_layers,
@@ -127,7 +136,14 @@ def transformer_config(
 ) -> TransformerConfig:
     kwargs = transformer_config_kwargs(model, layout, dtype, impl, device=device, initialize=initialize)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    rs = model.rope_scaling
+    if rs.type == "yarn":
+        mscale, mscale_all_dim = yarn_megatron_mscales(rs)
+        set_yarn_attributes(config, factor=rs.factor, original_max_position_embeddings=yarn_original_positions(model),
+                            beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, mscale=mscale,
+                            mscale_all_dim=mscale_all_dim, truncate=rs.truncate)
+    return config
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,10 +179,11 @@ def build_gpt_chunks(
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
             share_embeddings_and_output_weights=model.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="yarn" if model.rope_scaling.type == "yarn" else "rope",
             rotary_base=int(model.rotary_base),
-            rope_scaling=model.rope_scaling_factor is not None,
-            rope_scaling_factor=model.rope_scaling_factor or MEGATRON_ROPE_SCALING_FACTOR,
+            rope_scaling=model.rope_scaling.type == "llama3",
+            rope_scaling_factor=(model.rope_scaling.factor if model.rope_scaling.type == "llama3"
+                                 else MEGATRON_ROPE_SCALING_FACTOR),
             vp_stage=stage,
             **model_kwargs,
         )

@@ -55,6 +55,7 @@ from megatron_rl.models.canonical import (
     tp_split_dim,
     unwrap,
 )
+from megatron_rl.models.hf_config import hf_config_with_rope_scaling
 
 _LAYER_DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -274,7 +275,7 @@ def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir
             json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                        "weight_map": weight_map}, fh, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(hf_config, fh, indent=2)
+        json.dump(hf_config_with_rope_scaling(hf_config, model_cfg), fh, indent=2)
     if source_dir:
         for fname in _TOKENIZER_FILES:
             src = os.path.join(source_dir, fname)

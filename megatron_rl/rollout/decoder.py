@@ -11,7 +11,7 @@ data and context parallelism never reach the decoder, and it does not import meg
 
 The math follows megatron-core's GPT with the local layer spec exactly (checked by the tests
 against the megatron model to 1e-4): pre-norm blocks; norms in fp32; fused QKV grouped per KV
-group; q/k norm per head before RoPE; rotate-half RoPE (with Llama-3 scaling when configured);
+group; q/k norm per head before RoPE; rotate-half RoPE (with Llama-3 or YaRN scaling when configured);
 causal GQA attention with scale 1/sqrt(head_dim); SwiGLU or gelu MLP.  The facts it shares with
 the megatron model (activations, norms, head sizes, RoPE constants) come from
 :mod:`megatron_rl.models.arch`.
@@ -24,7 +24,6 @@ first real token), so a padded row computes what the same row computes alone.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import torch
@@ -35,11 +34,11 @@ from torch import nn
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.arch import (
     ACTIVATIONS,
-    LLAMA3_ROPE_FIXED,
     NORMALIZATIONS,
     attention_dims,
     fp32_norm,
     local_norm_name,
+    rope_inv_freq,
 )
 
 
@@ -84,25 +83,6 @@ class TensorParallel:
 
 
 WHOLE_MODEL = TensorParallel()
-
-
-def rope_inv_freq(head_dim: int, base: float, scaling_factor: Optional[float]) -> torch.Tensor:
-    """fp32 inverse frequencies, computed on the CPU the way megatron's ``RotaryEmbedding`` is."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
-    if scaling_factor is None:
-        return inv_freq
-    # Llama-3: keep high frequencies, divide low ones by the factor, blend in between.
-    low_freq_factor = LLAMA3_ROPE_FIXED["low_freq_factor"]
-    high_freq_factor = LLAMA3_ROPE_FIXED["high_freq_factor"]
-    original_max_positions = LLAMA3_ROPE_FIXED["original_max_position_embeddings"]
-    low_wavelen = original_max_positions / low_freq_factor
-    high_wavelen = original_max_positions / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling_factor, inv_freq)
-    smooth = (original_max_positions / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    blended = (1 - smooth) * scaled / scaling_factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, scaled)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -303,7 +283,8 @@ class TorchDecoder(nn.Module):
             self.output_layer = nn.Linear(cfg.hidden_size, vocab_rows, bias=False, dtype=dtype)
         # Same base value the trainer's builder hands to megatron (an int).  Kept off the module's
         # buffers so that ``.to(bfloat16)`` can never round it.
-        self._inv_freq_cpu = rope_inv_freq(head_dim, int(cfg.rotary_base), cfg.rope_scaling_factor)
+        # YaRN's attention factor multiplies cos and sin, as megatron-core and HF apply it.
+        self._inv_freq_cpu, self._rope_mscale = rope_inv_freq(head_dim, int(cfg.rotary_base), cfg)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     # -- weights -----------------------------------------------------------------------------
@@ -339,7 +320,7 @@ class TorchDecoder(nn.Module):
             inv = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
         freqs = positions.float()[..., None] * inv  # [b, s, d/2], fp32 like megatron
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self._rope_mscale).to(dtype), (emb.sin() * self._rope_mscale).to(dtype)
 
     @staticmethod
     def _mask(attention_mask, cache: Optional[KVCache], b: int, s: int, device) -> Optional[torch.Tensor]:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.models.arch import max_positions
 from megatron_rl.rollout.engine import RolloutBatch, stopped
 from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample, sample_key
 from megatron_rl.utils.seeds import derive_seed
@@ -137,8 +138,10 @@ def _without_context_parallel(model: torch.nn.Module, cp_group):
 
 def _clear_rope_cache() -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
     RotaryEmbedding.forward.cache_clear()
+    YarnRotaryEmbedding.forward.cache_clear()  # its own cache (YaRN models)
 
 
 def _make_wrapper_class():
@@ -353,7 +356,7 @@ class MegatronRolloutEngine:
             buffer_size_gb=self._kv_bytes / 1024**3,
             max_requests=max_requests,
             max_tokens=max_tokens,
-            max_sequence_length=self.model_cfg.max_position_embeddings,
+            max_sequence_length=max_positions(self.model_cfg),
             materialize_only_last_token_logits=True,
             use_flashinfer_fused_rope=False,
             unified_memory_level=0,
@@ -402,7 +405,7 @@ class MegatronRolloutEngine:
 
     @property
     def max_sequence_length(self) -> int:
-        return self.model_cfg.max_position_embeddings
+        return max_positions(self.model_cfg)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
@@ -425,7 +428,8 @@ class MegatronRolloutEngine:
             if len(prompt) + params.max_new_tokens > self.max_sequence_length:
                 raise ValueError(
                     f"prompt {i}: {len(prompt)} tokens + max_new_tokens {params.max_new_tokens} exceed "
-                    f"model.max_position_embeddings={self.max_sequence_length}"
+                    f"the model's {self.max_sequence_length} positions (model.max_position_embeddings, or YaRN's "
+                    "factor x original_max_position_embeddings)"
                 )
         if self._engine is not None and self._suspended and self.kv_cache_memory <= 1:
             self._engine = None  # a fraction of what is free now: sized again for this rollout

@@ -79,7 +79,12 @@ RUNTIME_ERRORS = [
      "The HF checkpoint does not match its config.json.", "Re-download or re-save the model."),
     ("config error: model.hf_path=...: unsupported architecture / rope_scaling / sliding_window",
      "The HF model uses something the Megatron model cannot reproduce exactly.",
-     "Use a supported architecture (see the feature matrix)."),
+     "Use a supported architecture (see the feature matrix); RoPE scaling: yarn or llama3 (linear / dynamic are "
+     "not supported)."),
+    ("config error: rollout.max_new_tokens=...: data.max_prompt_tokens ... + rollout.max_new_tokens ... exceed the "
+     "model's N positions",
+     "The longest prompt + response does not fit the window the model's RoPE is meant for.",
+     "Enable YaRN past the native window (`model.rope_scaling`, docs/long_context.md) or lower the lengths."),
     ("config error: model.vocab_size=...: smaller than the tokenizer's vocabulary",
      "Token ids would fall outside the embedding.", "Raise `model.vocab_size`."),
     ("megatron-rl: rank N failed (exit code N); stopped the other K rank(s)",

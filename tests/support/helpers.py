@@ -100,7 +100,7 @@ def response_mask(n_prompt: int, n_resp: int):
 # ----------------------------------------------------------------------------- tiny HF checkpoints
 
 COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 ARCHS = {
     "llama": dict(rope_theta=10000.0),
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1e6),
@@ -109,7 +109,14 @@ ARCHS = {
     "llama3_rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                         max_position_embeddings=16384),
+    # YaRN as Qwen2.5 uses it past its native window, scaled down: pretrained on 16 positions, run
+    # on up to 64 (the longest scored sequence).
+    "qwen2_yarn": dict(tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=64,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
 }
+# Models whose queries and keys get large weights, so attention is peaked and a wrong RoPE
+# frequency or attention factor moves the log-probs far past the tolerance.
+SHARP_ATTENTION = {"qwen2_yarn"}
 
 
 def make_hf_model(kind: str, path: str, seed: int = 0):
@@ -117,7 +124,8 @@ def make_hf_model(kind: str, path: str, seed: int = 0):
     import torch
     import transformers
 
-    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "llama3_rope": "Llama"}
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "llama3_rope": "Llama",
+               "qwen2_yarn": "Qwen2"}
     name = classes[kind]
     config_cls = getattr(transformers, f"{name}Config")
     model_cls = getattr(transformers, f"{name}ForCausalLM")
@@ -131,6 +139,8 @@ def make_hf_model(kind: str, path: str, seed: int = 0):
                 p.normal_(1.0, 0.1)  # non-trivial norms catch a missing or misplaced norm
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif kind in SHARP_ATTENTION and pname.endswith(("q_proj.weight", "k_proj.weight")):
+                p.normal_(0.0, 0.25)
     model.save_pretrained(path)
     return model
 
