@@ -77,11 +77,11 @@ def test_a_bad_chat_under_the_prompt_key_names_the_key(tmp_path):
 
 def test_answer_key_missing_from_the_first_record_is_refused_naming_the_keys_and_the_fix(tmp_path):
     path = write_verl_parquet(tmp_path / "train.parquet")
-    check_prompt_file(path, needs_answers=False)  # a reward that reads no answers does not care
+    check_prompt_file(path, answer_key="gt", needs_answers=False)  # a reward that reads no answers does not care
     with pytest.raises(DataError) as info:
-        check_prompt_file(path, needs_answers=True)
+        check_prompt_file(path, answer_key="gt", needs_answers=True)
     line = str(info.value)
-    assert line.startswith("data error: data.answer_key=answer: is not a key of the first record")
+    assert line.startswith("data error: data.answer_key=gt: is not a key of the first record")
     assert "'reward_model.ground_truth'" in line and "'extra_info.index'" in line
     assert "fix: set data.answer_key=reward_model.ground_truth" in line and "\n" not in line
     check_prompt_file(path, answer_key="reward_model.ground_truth", needs_answers=True)
@@ -92,17 +92,29 @@ def test_answer_key_missing_from_the_first_record_is_refused_naming_the_keys_and
         check_prompt_file(other, answer_key="gt", needs_answers=True)
 
 
+def test_the_default_answer_key_reads_verls_ground_truth(tmp_path):
+    """A verl data file needs no key set: at its default, data.answer_key reads verl's
+    reward_model.ground_truth where the records have no 'answer' (an 'answer' still wins)."""
+    path = write_verl_parquet(tmp_path / "train.parquet")
+    assert check_prompt_file(path, needs_answers=True) == "reward_model.ground_truth"
+    assert load_prompts(path, CHAR, 64).answers == ["0", "2", "4", "6"]
+    both = tmp_path / "both.jsonl"
+    both.write_text(json.dumps({"prompt": "1+1=", "answer": "2", "reward_model": {"ground_truth": "x"}}) + "\n")
+    assert load_prompts(both, CHAR, 64).answers == ["2"] and check_prompt_file(both, needs_answers=True) == "answer"
+
+
 def test_validate_refuses_a_verl_file_without_the_answer_key_before_launch(tmp_path):
     path = write_verl_parquet(tmp_path / "train.parquet")
     base = ["validate", *TINY, f"data.train_path={path}", "data.max_prompt_tokens=40", "reward.fn=exact_match"]
     # The chat read through data.messages_key (the prompt key absent), as it could be read before.
     for keys in (["data.prompt_key=question", "data.messages_key=prompt"], []):
-        proc = cli(*base, *keys)
+        proc = cli(*base, *keys, "data.answer_key=ground_truth")
         assert proc.returncode == 2, proc.stdout + proc.stderr
-        assert proc.stderr.strip().splitlines()[-1].startswith("data error: data.answer_key=answer: is not a key")
-    proc = cli(*base, "data.answer_key=reward_model.ground_truth")
-    assert proc.returncode == 0, proc.stderr
-    assert "config OK" in proc.stdout
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith("data error: data.answer_key=ground_truth: is not a key"), last
+        proc = cli(*base, *keys)
+        assert proc.returncode == 0 and "config OK" in proc.stdout, proc.stderr
+        assert "data: answers read from reward_model.ground_truth (verl's schema" in proc.stderr
 
 
 # ---------------------------------------------------------------- reward conventions
@@ -219,7 +231,7 @@ def test_no_signal_warning_once_after_equal_rewards_in_every_group():
 def test_verl_parquet_and_compute_score_train_end_to_end(tmp_path):
     path = write_verl_parquet(tmp_path / "train.parquet")
     proc = cli("train", *TINY, f"data.train_path={path}", "data.max_prompt_tokens=40",
-               "data.answer_key=reward_model.ground_truth", "reward.fn=tests.data.verl_rewards:compute_score",
+               "reward.fn=tests.data.verl_rewards:compute_score",
                "trainer.steps=1", f"run.dir={tmp_path}", "run.name=verl")
     assert proc.returncode == 0, proc.stderr
     # 1.0 exactly: every sample's data_source, extra_info and nested ground truth reached compute_score.

@@ -189,6 +189,18 @@ def _prompt_of(record, where: str, prompt_key: str, messages_key: str):
 
 
 ANSWER_NAMES = ("ground_truth", "answer", "solution", "target", "label", "reference")
+# verl's Parquet schema keeps the reference answer here: read it when data.answer_key is left at its
+# default and the records have only verl's, so a verl data file needs no key set.
+DEFAULT_ANSWER_KEY, VERL_ANSWER_KEY = "answer", "reward_model.ground_truth"
+
+
+def answer_key_of(record, answer_key: str) -> str:
+    """``answer_key``, or :data:`VERL_ANSWER_KEY` when ``answer_key`` is the default and ``record``
+    has verl's instead (decided on the first record, used for all)."""
+    if (answer_key == DEFAULT_ANSWER_KEY and isinstance(record, dict) and lookup(record, answer_key) is _MISSING
+            and lookup(record, VERL_ANSWER_KEY) is not _MISSING):
+        return VERL_ANSWER_KEY
+    return answer_key
 
 
 def _check_answer_present(record: dict, answer_key: str, where: str) -> None:
@@ -207,17 +219,19 @@ def _check_answer_present(record: dict, answer_key: str, where: str) -> None:
 
 def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
                       messages_key: str = "messages", key: str = "data.train_path",
-                      needs_answers: bool = False) -> None:
+                      needs_answers: bool = False) -> str:
     """Read only the first record and check it as :func:`load_prompts` would (before any launch);
-    errors about the file itself name ``key``.
+    errors about the file itself name ``key``.  Returns the answer key the records are read with
+    (:func:`answer_key_of`).
 
     With ``needs_answers`` (the reward function reads answers) the answer key must be in it."""
     for _, where, record in _records(os.fspath(path), key):
         _prompt_of(record, where, prompt_key, messages_key)
+        answer_key = answer_key_of(record, answer_key)
         _answer(record, answer_key, where)
         if needs_answers:
             _check_answer_present(record, answer_key, where)
-        return
+        return answer_key
     raise DataError(key, path, "the file holds no records", "give a prompt file with at least one record")
 
 
@@ -228,8 +242,9 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     A record has ``prompt_key`` (a string, encoded with ``tokenizer.encode_prompt``) or
     ``messages_key`` (a chat, rendered with the tokenizer's chat template); ``prompt_key`` wins
     when both are present, and a chat stored under ``prompt_key`` (verl's schema) is a chat.  Keys
-    may be dotted paths (:func:`lookup`).  ``answer_key`` is optional.  Raises :class:`DataError`
-    on bad input; errors about the file itself name ``key``.
+    may be dotted paths (:func:`lookup`).  ``answer_key`` is optional (at its default, verl's
+    ``reward_model.ground_truth`` is read where the records have that instead).  Raises
+    :class:`DataError` on bad input; errors about the file itself name ``key``.
     """
     path = os.fspath(path)
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
@@ -240,6 +255,8 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     out = PromptSet([], [], [], [], path=path)
     total = 0
     for index, where, record in records:
+        if total == 0:
+            answer_key = answer_key_of(record, answer_key)
         kind, prompt = _prompt_of(record, where, prompt_key, messages_key)
         if kind == "text":
             text, ids = prompt, tokenizer.encode_prompt(prompt)

@@ -25,14 +25,15 @@ def load_prompt_source(data: DataConfig, tokenizer: Tokenizer, key: str = TRAIN_
                         data.messages_key, key)
 
 
-def check_prompt_source(data: DataConfig, key: str = TRAIN_KEY, needs_answers: bool = False) -> None:
+def check_prompt_source(data: DataConfig, key: str = TRAIN_KEY, needs_answers: bool = False) -> str:
     """Raise a one-line error for a task that does not exist or a file whose first record is bad
-    (with ``needs_answers``, also one without ``data.answer_key``)."""
+    (with ``needs_answers``, also one without ``data.answer_key``); returns the answer key the
+    records are read with."""
     path = _path(data, key)
     if path.startswith(TASK_PREFIX):
         check_task(path[len(TASK_PREFIX):], key)
-    else:
-        check_prompt_file(path, data.prompt_key, data.answer_key, data.messages_key, key, needs_answers)
+        return data.answer_key
+    return check_prompt_file(path, data.prompt_key, data.answer_key, data.messages_key, key, needs_answers)
 
 
 def _path(data: DataConfig, key: str) -> Optional[str]:

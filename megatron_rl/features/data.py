@@ -37,10 +37,12 @@ FEATURES = [
     ),
     Feature(
         "Nested record keys (verl's reward_model.ground_truth)", "data", TESTED_CPU,
-        "Dotted keys for prompt, answer and messages (a literal key with a dot wins), a chat-message list under the "
+        "Dotted keys for prompt, answer and messages (a literal key with a dot wins), verl's "
+        "reward_model.ground_truth read when data.answer_key is left at its default, a chat-message list under the "
         "prompt key rendered with the chat template, an answer key missing from the first record refused before "
         "launch when the reward reads answers, and data_source / extra_info carried to the reward function.",
         ("tests/test_verl_data.py::test_verl_parquet_reads_nested_answer_chat_prompt_and_record_fields",
+         "tests/test_verl_data.py::test_the_default_answer_key_reads_verls_ground_truth",
          "tests/test_verl_data.py::test_dotted_keys_for_prompt_and_messages_and_a_literal_dotted_key_wins",
          "tests/test_verl_data.py::test_validate_refuses_a_verl_file_without_the_answer_key_before_launch",
          "tests/test_verl_data.py::test_verl_parquet_and_compute_score_train_end_to_end"),
