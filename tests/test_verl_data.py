@@ -97,7 +97,8 @@ def test_the_default_answer_key_reads_verls_ground_truth(tmp_path):
     reward_model.ground_truth where the records have no 'answer' (an 'answer' still wins)."""
     path = write_verl_parquet(tmp_path / "train.parquet")
     assert check_prompt_file(path, needs_answers=True) == "reward_model.ground_truth"
-    assert load_prompts(path, CHAR, 64).answers == ["0", "2", "4", "6"]
+    read = load_prompts(path, CHAR, 64)
+    assert read.answers == ["0", "2", "4", "6"] and read.answer_key == "reward_model.ground_truth"
     both = tmp_path / "both.jsonl"
     both.write_text(json.dumps({"prompt": "1+1=", "answer": "2", "reward_model": {"ground_truth": "x"}}) + "\n")
     assert load_prompts(both, CHAR, 64).answers == ["2"] and check_prompt_file(both, needs_answers=True) == "answer"

@@ -42,7 +42,7 @@ _KNOWN = set(ALL_KEYS)
 _NOTED: set[str] = set()
 
 
-def _note(line: str) -> None:
+def note_once(line: str) -> None:
     """One line on stderr, once, by the process the user started (not again by every rank)."""
     if line in _NOTED or os.environ.get("MEGATRON_RL_LAUNCHER") or os.environ.get("RANK", "0") != "0":
         return
@@ -154,7 +154,7 @@ def _resolve_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
             value = json.dumps(value, ensure_ascii=False)
         dotlist.append((key, value))
     for note in notes:
-        _note(note)
+        note_once(note)
     return dotlist
 
 

@@ -36,6 +36,11 @@ RECORD_FIELDS = ("data_source", "extra_info")
 _MISSING = object()
 
 
+# verl's Parquet schema keeps the reference answer here: read it when data.answer_key is left at its
+# default and the records have only verl's, so a verl data file needs no key set.
+DEFAULT_ANSWER_KEY, VERL_ANSWER_KEY = "answer", "reward_model.ground_truth"
+
+
 @dataclasses.dataclass
 class PromptSet:
     """Tokenized prompts.  ``source_index[i]``: file line (JSONL, 1-based) or row (Parquet, 0-based).
@@ -50,6 +55,7 @@ class PromptSet:
     num_dropped: int = 0
     path: str = ""
     fields: list[dict] = dataclasses.field(default_factory=list)
+    answer_key: str = DEFAULT_ANSWER_KEY  # the key the answers were read with (:func:`answer_key_of`)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -189,9 +195,6 @@ def _prompt_of(record, where: str, prompt_key: str, messages_key: str):
 
 
 ANSWER_NAMES = ("ground_truth", "answer", "solution", "target", "label", "reference")
-# verl's Parquet schema keeps the reference answer here: read it when data.answer_key is left at its
-# default and the records have only verl's, so a verl data file needs no key set.
-DEFAULT_ANSWER_KEY, VERL_ANSWER_KEY = "answer", "reward_model.ground_truth"
 
 
 def answer_key_of(record, answer_key: str) -> str:
@@ -256,7 +259,7 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     total = 0
     for index, where, record in records:
         if total == 0:
-            answer_key = answer_key_of(record, answer_key)
+            answer_key = out.answer_key = answer_key_of(record, answer_key)
         kind, prompt = _prompt_of(record, where, prompt_key, messages_key)
         if kind == "text":
             text, ids = prompt, tokenizer.encode_prompt(prompt)

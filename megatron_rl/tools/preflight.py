@@ -9,8 +9,8 @@ directory and the initial checkpoint.  Each failure is one line naming the key.
 from __future__ import annotations
 
 import os
-import sys
 
+from megatron_rl.config.loader import note_once
 from megatron_rl.config.schema import Config
 from megatron_rl.data.sources import VAL_KEY, check_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
@@ -30,8 +30,8 @@ def check_training_inputs(cfg: Config) -> None:
     reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
     answer_key = check_prompt_source(cfg.data, needs_answers=needs_answers(reward_fn))
     if answer_key != cfg.data.answer_key:
-        print(f"data: answers read from {answer_key} (verl's schema; the records have no '{cfg.data.answer_key}')",
-              file=sys.stderr)
+        note_once(f"data: answers read from {answer_key} (verl's schema; the records have no "
+                  f"'{cfg.data.answer_key}')")
     if cfg.data.val_path:
         check_prompt_source(cfg.data, VAL_KEY, needs_answers=needs_answers(reward_fn))
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")

@@ -152,7 +152,7 @@ class PPOTrainer:
         self.log("resolved: " + ", ".join(self.resolution.lines()))
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
-        self.reward_signal = RewardSignal(cfg.data.answer_key, needs_answers(self.reward_fn), self.log)
+        self.reward_signal = RewardSignal(self.prompts.answer_key, needs_answers(self.reward_fn), self.log)
         self.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
