@@ -18,8 +18,9 @@ from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
 from megatron_rl.resolve import Resolution, resolve
 
 
-def validate(cfg: Config, world_size: Optional[int] = None) -> Resolution:
-    """Raises on the first problem; returns the resolution the checks ran on."""
+def validate(cfg: Config, world_size: Optional[int] = None, generates: bool = True) -> Resolution:
+    """Raises on the first problem; returns the resolution the checks ran on.  ``generates=False``
+    (``score``, ``convert``) leaves out the limits of generating."""
     check_field_rules(cfg)
     # Every rule reads the values the run will use: ``auto`` and derived values resolved for this
     # machine and world size (TransformerEngine, the device, the rollout engine, ...).
@@ -30,6 +31,8 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> Resolution:
             raise ConfigError(feat.config or feat.name, None, f"'{feat.name}' is {feat.status}",
                               "turn it off; see docs/feature_matrix.md", row=feat.name)
         for constraint in feat.constraints:
+            if constraint.generation and not generates:
+                continue
             problem = constraint.check(cfg, world_size)
             if problem is not None:
                 key, value, text, fix = problem

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -142,6 +144,26 @@ def test_score_matches_hf_on_expert_parallel_layouts(hf_moe, layout, tmp_path):
     worst = check_scores(out, reference)
     print(f"qwen3_moe {layout}: max |logprob - HF| = {worst:.2e}")
     assert worst <= HF_TOL
+
+
+def test_score_command_on_pp2_ep2_is_not_refused_by_a_generation_rule(hf_moe, tmp_path):
+    """``score`` generates nothing: the inference engine's PP x EP limit is for train and generate."""
+    hf_dir, reference = hf_moe["qwen3_moe"]
+    out = str(tmp_path / "out.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "score", "--hf-model", hf_dir, "--input",
+                           os.path.join(hf_dir, "in.jsonl"), "--output", out, "--nproc", "4", "parallel.pp=2",
+                           "parallel.ep=2", "batch.micro_batch_size=2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert check_scores(out, reference) <= HF_TOL
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.validation import validate
+
+    moe = load_config(None, ["model.moe.num_experts=4", "parallel.pp=2", "parallel.ep=2", "rollout.engine=megatron"])
+    validate(moe, 4, generates=False)
+    with pytest.raises(ConfigError, match="^config error: parallel.pp=2: megatron's inference engine"):
+        validate(moe, 4)  # training generates
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp_ep2", "pp2_ep2"])

@@ -30,6 +30,7 @@ class Constraint:
     text: str  # shown in the matrix
     check: Check
     key: str = ""  # the config key its error names
+    generation: bool = False  # a limit of generating: checked for train and generate, not score / convert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,8 @@ def _get(cfg, key: str):
     return value
 
 
-def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callable = lambda c: True) -> Constraint:
+def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callable = lambda c: True,
+         generation: bool = False) -> Constraint:
     def check(cfg, world):
         if not when(cfg):
             return None
@@ -68,7 +70,7 @@ def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callab
             return None
         return key, _get(cfg, key), problem.format(c=cfg, w=world), fix.format(c=cfg, w=world)
 
-    return Constraint(text, check, key)
+    return Constraint(f"{text} (when generating)" if generation else text, check, key, generation)
 
 
 def model_parallel_size(cfg) -> int:

@@ -105,7 +105,8 @@ FEATURES = [
          "tests/test_moe.py::test_moe_layouts_are_refused_before_launch",
          "tests/test_moe.py::test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b",
          "tests/test_moe.py::test_planner_moe_activations_match_a_measurement",
-         "tests/test_runtime.py::test_the_layout_line_names_expert_parallelism"),
+         "tests/test_runtime.py::test_the_layout_line_names_expert_parallelism",
+         "tests/test_moe.py::test_score_command_on_pp2_ep2_is_not_refused_by_a_generation_rule"),
         (
             need("parallel.ep", lambda c, w: is_moe(c.model), "expert parallelism needs an MoE model",
                  "set model.moe.num_experts (or model.hf_path to an MoE checkpoint), or parallel.ep=1",
@@ -122,7 +123,7 @@ FEATURES = [
                  "megatron's inference engine keeps idle expert-parallel ranks in step with dummy forwards, "
                  "which have no pipeline stages", "use parallel.pp=1 with parallel.ep > 1 (more ep or tp instead)",
                  "rollout.engine=megatron with ep > 1 needs pp=1",
-                 when=lambda c: c.parallel.ep > 1 and rollout_engine(c) == MEGATRON),
+                 when=lambda c: c.parallel.ep > 1 and rollout_engine(c) == MEGATRON, generation=True),
         ),
         config="parallel.ep",
     ),

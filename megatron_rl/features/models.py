@@ -204,8 +204,9 @@ FEATURES = [
         "launch.",
         ("tests/test_hf_config.py::test_position_limit_is_checked_before_launch",),
         (
-            Constraint("prompt + response <= max positions (native, or YaRN factor x original)",
-                       lambda c, w: _position_limit(c), "rollout.max_new_tokens"),
+            # The lengths of what a run generates; score reads the sequences it is given.
+            Constraint("prompt + response <= max positions (native, or YaRN factor x original) (when generating)",
+                       lambda c, w: _position_limit(c), "rollout.max_new_tokens", generation=True),
         ),
         config="data.max_prompt_tokens, rollout.max_new_tokens, model.max_position_embeddings, model.rope_scaling",
     ),

@@ -61,7 +61,7 @@ FEATURES = [
             need("rollout.engine", lambda c, w: not c.parallel.vpp or c.parallel.vpp <= 1,
                  "megatron-core's inference refuses virtual pipeline stages (interleaved chunks)",
                  "use rollout.engine=tp_sharded or torch with parallel.vpp, or set parallel.vpp=null",
-                 "no VPP", when=lambda c: rollout_engine(c) == MEGATRON),
+                 "no VPP", when=lambda c: rollout_engine(c) == MEGATRON, generation=True),
         ),
         config="rollout.engine=megatron",
         measured=(Measured("CPU, tokens per CPU-second (fastest of 3 runs): long tail 0.73x the torch decoder's "

@@ -77,6 +77,10 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
+# Commands that generate nothing: the limits of generating do not apply to them.
+NON_GENERATING = ("score", "convert", "smoke")
+
+
 def _load(config: str | None, overrides: list[str], world: int | None, hf_model: str | None = None,
           command: str | None = "train"):
     """Load, take the architecture from an HF model directory when one is given, validate; for
@@ -92,7 +96,7 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
         from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 
         cfg.model = model_config_from_hf(read_hf_config(cfg.model.hf_path), cfg.model)
-    resolution = validate(cfg, world)
+    resolution = validate(cfg, world, generates=command not in NON_GENERATING)
     if command is not None:
         from megatron_rl.compat.versions import require_tested_megatron_core
 
