@@ -221,7 +221,7 @@ GUARD = """
 import contextlib, io, json, sys, time
 import megatron_rl.distributed.launcher as launcher
 import megatron_rl.tools.cli as cli
-import megatron_rl.tools.tool_paths  # imported once, before the clock: torch, megatron-core
+import megatron_rl.engine.checkpoint  # imported once, before the clock: torch, megatron-core
 
 def started(*args, **kwargs):
     print("RANKS STARTED", file=sys.stderr)
