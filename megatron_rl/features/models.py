@@ -88,7 +88,7 @@ FEATURES = [
         ("tests/test_rollout_megatron_engine.py::test_generate_command_writes_tokens_text_and_logprobs",
          "tests/test_export_tools.py::test_generate_output_is_read_back_as_input",
          "tests/test_export_tools.py::test_generate_from_ids_with_a_model_saved_without_tokenizer"),
-        config="megatron-rl generate --hf-model DIR | --checkpoint RUN --input IN --output OUT; rollout.*",
+        config="megatron-rl generate --hf-model DIR (or --checkpoint RUN) --input IN --output OUT; rollout.*",
     ),
     Feature(
         "Mixture-of-experts layers", "models", TESTED_CPU,
