@@ -240,9 +240,10 @@ for argv in json.loads(sys.argv[1]):
 def test_bad_tool_paths_exit_2_in_one_line_before_any_rank_starts(tmp_path):
     """Every bad path of score, generate and convert: one line naming the flag and the fix, exit
     code 2, within seconds and before the local launcher or a rank's work could start."""
+    from tests.support.helpers import make_hf_model
+
     hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
+    make_hf_model("llama", str(hf))  # a model the config accepts: only the bad path can stop the command
     rows = tmp_path / "in.jsonl"
     rows.write_text('{"prompt_ids": [1, 2]}\n')
     ckpt = tmp_path / "ckpt" / "step_00000000"
