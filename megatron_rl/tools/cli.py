@@ -6,11 +6,14 @@
     megatron-rl generate --hf-model DIR | --checkpoint CKPT --input IN.jsonl --output OUT.jsonl
                          [--nproc N] [key=value ...]
     megatron-rl convert  --hf-model DIR --out CKPT_ROOT | --checkpoint CKPT --hf-out DIR [--part critic]
+
+CKPT is a step_XXXXXXXX directory, or a run directory or its checkpoints/ (the newest complete step).
     megatron-rl plan     --model qwen2.5-7b --response-len 32768 --nodes 1 --gpus-per-node 8 --gpu-memory 80
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
     megatron-rl features [--markdown]
 
-Bad input (config, data, checkpoint) prints one line naming the key and the fix, exit code 2.
+Bad input (config, data, checkpoint, the paths a tool is given) prints one line naming the key
+and the fix, exit code 2, before any rank starts where it can.
 Distributed commands run under torchrun or srun as they are, or start ``--nproc`` local ranks.
 """
 
