@@ -137,7 +137,8 @@ def test_a_run_or_its_checkpoints_directory_resolves_to_the_newest_complete_step
     with pytest.raises(CheckpointError, match="meta.json is missing"):
         check_checkpoint(resolve_checkpoint(str(ckpts / "step_00000003")))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="not a checkpoint.*fix: give a step_XXXXXXXX directory, a run's"):
+    with pytest.raises(CheckpointError, match=r"not a checkpoint \(no meta.json here\); fix: give a step_XXXXXXXX "
+                                              r"directory, a run's checkpoints/"):
         check_checkpoint(resolve_checkpoint(str(tmp_path / "empty")))
     only_broken = tmp_path / "broken" / "checkpoints" / "step_00000001"
     only_broken.mkdir(parents=True)

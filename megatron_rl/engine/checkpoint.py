@@ -291,9 +291,9 @@ def check_checkpoint(path: str) -> dict:
             meta = json.load(fh)
     except FileNotFoundError:
         if not _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-            raise CheckpointError("checkpoint", path, "not a checkpoint: no meta.json and no step_XXXXXXXX "
-                                  "directories under it", "give a step_XXXXXXXX directory, a run's checkpoints/ "
-                                  "directory or the run directory") from None
+            raise CheckpointError("checkpoint", path, "not a checkpoint (no meta.json here)",
+                                  "give a step_XXXXXXXX directory, a run's checkpoints/ directory or the run "
+                                  "directory") from None
         raise CheckpointError("checkpoint", path, "meta.json is missing (the save did not finish)",
                               "use an earlier checkpoint") from None
     except ValueError:
