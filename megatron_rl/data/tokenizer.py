@@ -23,6 +23,16 @@ KEY = "data.tokenizer"
 
 Messages = Sequence[dict]
 
+# The files of a Hugging Face tokenizer, as transformers 4 and 5 write them: the chat template
+# is ``chat_template.jinja`` (transformers 5) or a key of ``tokenizer_config.json`` (4).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja",
+                      "chat_template.json")
+# Further chat templates by name (``apply_chat_template(chat_template="tool_use")``), transformers 5.
+HF_TOKENIZER_DIRS = ("additional_chat_templates",)
+# Any of these means the directory holds a tokenizer (the rest only add to one).
+_TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=#.,:?()\n"
 GENERATION_PROMPT = "assistant: "
 
@@ -146,6 +156,11 @@ class HFTokenizer:
             return self.encode_prompt(plain_chat_text(messages))
         # The rendered template already holds BOS and every marker, so add nothing more.
         return self.encode(self.chat_text(messages))
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """Whether the directory ``path`` holds a Hugging Face tokenizer (a model saved without one does not)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_MARKERS)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -290,6 +290,10 @@ def check_checkpoint(path: str) -> dict:
         with open(meta_path) as fh:
             meta = json.load(fh)
     except FileNotFoundError:
+        if not _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+            raise CheckpointError("checkpoint", path, "not a checkpoint (no meta.json here)",
+                                  "give a step_XXXXXXXX directory, a run's checkpoints/ directory or the run "
+                                  "directory") from None
         raise CheckpointError("checkpoint", path, "meta.json is missing (the save did not finish)",
                               "use an earlier checkpoint") from None
     except ValueError:
@@ -356,6 +360,23 @@ def find_latest(root: str) -> Optional[str]:
         except CheckpointError as err:
             log.warning("skipping %s: %s", path, err)
     return None
+
+
+def resolve_checkpoint(path: str, key: str = "--checkpoint") -> str:
+    """The step directory a tool should read for ``path``: ``path`` itself when it is one, else the
+    newest complete checkpoint under it, read as a run's ``checkpoints/`` directory or as the run
+    directory (``runs/<name>/``).  A path that is none of these comes back as it is, for
+    :func:`check_checkpoint` to say what is wrong with it."""
+    if os.path.isfile(os.path.join(path, "meta.json")) or _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        if list_checkpoints(root):
+            latest = find_latest(root)
+            if latest is None:
+                raise CheckpointError(key, path, f"none of the checkpoints under {root} is complete",
+                                      "give a step_XXXXXXXX directory whose save finished (it has meta.json)")
+            return latest
+    return path
 
 
 def load_newest(candidates: list[str], parts: dict[str, ModelPart], model_config: Optional[dict], *,

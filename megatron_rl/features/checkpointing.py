@@ -51,6 +51,17 @@ FEATURES = [
         config="trainer.resume=auto",
     ),
     Feature(
+        "Tools read a run's newest checkpoint", "checkpointing", TESTED_CPU,
+        "`convert --checkpoint` and `generate --checkpoint` take a step directory, or a run directory or its "
+        "checkpoints/ for the newest complete step (a save that did not finish is passed over; the step taken is "
+        "printed); a directory that is none of these says what to pass.",
+        ("tests/test_export_tools.py::test_a_run_or_its_checkpoints_directory_resolves_to_the_newest_complete_step",
+         "tests/test_export_tools.py::test_export_of_a_run_carries_its_tokenizer_chat_template_and_generation_config",
+         "tests/test_export_tools.py::test_generate_reads_the_newest_checkpoint_under_checkpoints_with_the_runs_"
+         "tokenizer"),
+        config="megatron-rl convert/generate --checkpoint runs/<name>",
+    ),
+    Feature(
         "Checkpoints never run code", "checkpointing", TESTED_CPU,
         "trainer_state, RNG files and byte items load with weights_only=True, .metadata through an allow-list "
         "unpickler; a crafted file is refused with one line (exit 2) by train, convert and generate. TE's FP8 extra "

@@ -90,9 +90,11 @@ FEATURES = [
     Feature(
         "HF import / export (bridge)", "models", TESTED_CPU,
         "Safetensors into any TP/PP/VPP layout, each rank reading only its slices; export back bit-exact (critic as "
-        "*ForTokenClassification).",
+        "*ForTokenClassification), with the tokenizer the run used (data.tokenizer, else the model's; every file, "
+        "chat_template.jinja included, so chat prompts give the same ids) and the model's generation_config.json.",
         ("tests/test_hf_models.py::test_hf_megatron_hf_round_trip_is_bit_exact",
-         "tests/test_hf_models.py::test_convert_command_both_directions"),
+         "tests/test_hf_models.py::test_convert_command_both_directions",
+         "tests/test_export_tools.py::test_export_of_a_run_carries_its_tokenizer_chat_template_and_generation_config"),
         config="megatron-rl convert",
     ),
     Feature(
@@ -101,6 +103,17 @@ FEATURES = [
         ("tests/test_hf_models.py::test_score_matches_hf_transformers",
          "tests/test_hf_models.py::test_score_command_line"),
         config="megatron-rl score --hf-model DIR --input IN --output OUT",
+    ),
+    Feature(
+        "megatron-rl generate", "models", TESTED_CPU,
+        "Completions (token ids, text, temperature-scaled log-probs, finish reason) for a JSONL of prompt_ids, prompt "
+        "or messages rows, from an HF model or a checkpoint, with the rollout engines on any layout. Rows keep the "
+        "name prompt_ids both ways, so an output file is also an input (input_ids is read too); rows of ids need no "
+        "tokenizer (a model saved without one generates, text null).",
+        ("tests/test_rollout_megatron_engine.py::test_generate_command_writes_tokens_text_and_logprobs",
+         "tests/test_export_tools.py::test_generate_output_is_read_back_as_input",
+         "tests/test_export_tools.py::test_generate_from_ids_with_a_model_saved_without_tokenizer"),
+        config="megatron-rl generate --hf-model DIR (or --checkpoint RUN) --input IN --output OUT; rollout.*",
     ),
     Feature(
         "Mixture-of-experts layers", "models", TESTED_CPU,

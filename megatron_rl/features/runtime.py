@@ -106,6 +106,14 @@ FEATURES = [
         config="megatron-rl validate CONFIG --world-size N",
     ),
     Feature(
+        "Tool paths checked before launch", "runtime", TESTED_CPU,
+        "score, generate and convert check what they are given before any rank starts: the --hf-model directory, "
+        "the --input file, the --checkpoint (and its --part), and that --output / --out / --hf-out can be written "
+        "without mixing with earlier files; one line naming the flag and the fix, exit code 2.",
+        ("tests/test_export_tools.py::test_bad_tool_paths_exit_2_in_one_line_before_any_rank_starts",),
+        config="(always on)",
+    ),
+    Feature(
         "Host-side collectives on NCCL-only groups", "runtime", GPU_UNTESTED,
         "Metrics, agreed micro-batch counts, stop flags, rollout and reward gathers, output and weight gathers over "
         "PP, and checkpoint barriers all go through megatron_rl/distributed/collectives.py, which puts host values on "

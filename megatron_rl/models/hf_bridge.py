@@ -99,8 +99,8 @@ def _fc1_module(rest: str) -> Optional[str]:
     if m and m.group(2) == "linear_fc1":
         return f"mlp.experts.{m.group(1)}"
     return None
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "generation_config.json", "added_tokens.json")
+# Written beside the weights from the model's own directory (sampling defaults, every EOS id).
+GENERATION_CONFIG = "generation_config.json"
 
 
 class HFReader:
@@ -241,8 +241,10 @@ def canonical_to_hf(canonical: dict[str, torch.Tensor], cfg) -> dict[str, torch.
 
 
 def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir: Optional[str] = None,
-              max_shard_bytes: int = 5 * 2**30, drop_lm_head: bool = False) -> Optional[str]:
-    """Write ``out_dir`` as an HF model directory (rank 0 writes; every rank must call)."""
+              max_shard_bytes: int = 5 * 2**30, drop_lm_head: bool = False,
+              tokenizer_dir: Optional[str] = None) -> Optional[str]:
+    """Write ``out_dir`` as an HF model directory (rank 0 writes; every rank must call), with the
+    tokenizer of ``tokenizer_dir`` (default ``source_dir``) and the generation config of ``source_dir``."""
     from safetensors.torch import save_file
 
     canonical = gather_canonical(chunks)
@@ -276,9 +278,46 @@ def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir
                        "weight_map": weight_map}, fh, indent=2)
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(hf_config_with_rope_scaling(hf_config, model_cfg), fh, indent=2)
-    if source_dir:
-        for fname in _TOKENIZER_FILES:
-            src = os.path.join(source_dir, fname)
-            if os.path.isfile(src):
-                shutil.copy(src, os.path.join(out_dir, fname))
+    copy_companion_files(out_dir, source_dir, tokenizer_dir or source_dir)
     return out_dir
+
+
+def model_source_meta(hf_path: Optional[str], tokenizer: Optional[str]) -> dict:
+    """What a checkpoint records of where its model came from, so an export can write the same
+    tokenizer (chat template included) and generation defaults beside the weights: the HF config,
+    the HF directory (``source``) and the tokenizer directory the run used, when it was not the
+    model's own (``data.tokenizer``)."""
+    from megatron_rl.models.hf_config import read_hf_config
+
+    meta: dict = {}
+    if hf_path:
+        meta["hf_config"] = read_hf_config(hf_path)
+        meta["source"] = os.path.abspath(hf_path)
+    if tokenizer and os.path.isdir(tokenizer):
+        meta["tokenizer"] = os.path.abspath(tokenizer)
+    return meta
+
+
+def copy_companion_files(out_dir: str, model_dir: Optional[str], tokenizer_dir: Optional[str]) -> dict[str, str]:
+    """Copy the tokenizer files (chat template included) from ``tokenizer_dir`` and
+    ``generation_config.json`` from ``model_dir`` (else ``tokenizer_dir``) into ``out_dir``;
+    returns each name copied with the directory it came from.  A directory that no longer exists
+    is skipped."""
+    from megatron_rl.data.tokenizer import HF_TOKENIZER_DIRS, HF_TOKENIZER_FILES
+
+    copied = {}
+    if tokenizer_dir and os.path.isdir(tokenizer_dir):
+        for name in HF_TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copy(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name))
+                copied[name] = tokenizer_dir
+        for name in HF_TOKENIZER_DIRS:
+            if os.path.isdir(os.path.join(tokenizer_dir, name)):
+                shutil.copytree(os.path.join(tokenizer_dir, name), os.path.join(out_dir, name), dirs_exist_ok=True)
+                copied[name + "/"] = tokenizer_dir
+    for where in (model_dir, tokenizer_dir):
+        if where and os.path.isfile(os.path.join(where, GENERATION_CONFIG)):
+            shutil.copy(os.path.join(where, GENERATION_CONFIG), os.path.join(out_dir, GENERATION_CONFIG))
+            copied[GENERATION_CONFIG] = where
+            break
+    return copied

@@ -149,11 +149,12 @@ def keyed_exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int) 
 
 def eos_token_ids(tokenizer, hf_dir: str | None = None) -> tuple[int, ...]:
     """Every id that ends a response: the tokenizer's EOS, and the ``eos_token_id`` of the model's
-    ``generation_config.json`` (one id or a list, e.g. Llama-3's end-of-text and end-of-turn)."""
+    ``generation_config.json`` (one id or a list, e.g. Llama-3's end-of-text and end-of-turn).
+    ``tokenizer`` None (a model saved without one, generating from ids): the latter alone."""
     import json
     import os
 
-    ids = [int(tokenizer.eos_id)]
+    ids = [int(tokenizer.eos_id)] if tokenizer is not None else []
     path = os.path.join(hf_dir, "generation_config.json") if hf_dir else None
     if path and os.path.isfile(path):
         with open(path) as fh:

@@ -6,11 +6,14 @@
     megatron-rl generate --hf-model DIR | --checkpoint CKPT --input IN.jsonl --output OUT.jsonl
                          [--nproc N] [key=value ...]
     megatron-rl convert  --hf-model DIR --out CKPT_ROOT | --checkpoint CKPT --hf-out DIR [--part critic]
+
+CKPT is a step_XXXXXXXX directory, or a run directory or its checkpoints/ (the newest complete step).
     megatron-rl plan     --model qwen2.5-7b --response-len 32768 --nodes 1 --gpus-per-node 8 --gpu-memory 80
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
     megatron-rl features [--markdown]
 
-Bad input (config, data, checkpoint) prints one line naming the key and the fix, exit code 2.
+Bad input (config, data, checkpoint, the paths a tool is given) prints one line naming the key
+and the fix, exit code 2, before any rank starts where it can.
 Distributed commands run under torchrun or srun as they are, or start ``--nproc`` local ranks.
 """
 
@@ -23,6 +26,7 @@ import sys
 from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UserInputError
 
 DISTRIBUTED_COMMANDS = ("train", "smoke", "score", "convert", "generate")
+TOOL_COMMANDS = ("score", "convert", "generate")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,9 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p = sub.add_parser("generate", help="completions (tokens, text, log-probs) for a JSONL of prompts")
     p.add_argument("--hf-model", help="local Hugging Face model directory")
-    p.add_argument("--checkpoint", help="megatron_rl checkpoint directory (step_XXXXXXXX), instead of --hf-model")
+    p.add_argument("--checkpoint", help="megatron_rl checkpoint (step_XXXXXXXX), or a run or its checkpoints/ "
+                                        "directory for the newest complete one; instead of --hf-model")
     p.add_argument("--part", default="actor", help="which model of the checkpoint (default actor)")
-    p.add_argument("--input", required=True, help="JSONL with input_ids, prompt or messages per line")
+    p.add_argument("--input", required=True, help="JSONL with prompt_ids, prompt or messages per line")
     p.add_argument("--output", required=True, help="JSONL to write, rollout.n lines per input line")
     p.add_argument("--config", help="YAML config file (parallel layout, rollout.*)")
     p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
@@ -53,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="Hugging Face <-> megatron_rl checkpoints")
     p.add_argument("--hf-model", help="HF model directory to convert into a megatron_rl checkpoint")
     p.add_argument("--out", help="checkpoint root to write (with --hf-model)")
-    p.add_argument("--checkpoint", help="megatron_rl checkpoint directory (step_XXXXXXXX) to export")
+    p.add_argument("--checkpoint", help="megatron_rl checkpoint (step_XXXXXXXX) to export, or a run or its "
+                                        "checkpoints/ directory for the newest complete one")
     p.add_argument("--hf-out", help="HF directory to write (with --checkpoint)")
     p.add_argument("--part", default="actor", help="which model of the checkpoint: actor (default) or critic")
     p.add_argument("--config", help="YAML config file (parallel layout)")
@@ -112,6 +118,35 @@ def _run_dir(cfg) -> str:
     path = os.path.join(cfg.run.dir, cfg.run.name)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _check_tool_paths(args, argv: list[str]) -> list[str]:
+    """Check the flags and paths a tool is given before any rank starts; a run directory or ``checkpoints/``
+    given as ``--checkpoint`` becomes its newest complete step directory, said once and passed to
+    the ranks as such.  Returns the command line the ranks get."""
+    from megatron_rl.tools.tool_paths import check_tool_paths
+
+    if args.command == "convert" and not ((args.hf_model and args.out) or (args.checkpoint and args.hf_out)):
+        raise UserInputError("convert --hf-model/--checkpoint", None,
+                             "needs --hf-model with --out, or --checkpoint with --hf-out",
+                             "e.g. megatron-rl convert --hf-model ./Qwen2.5-0.5B --out ./ckpt")
+    if args.command == "generate" and bool(args.hf_model) == bool(args.checkpoint):
+        raise UserInputError("generate --hf-model/--checkpoint", None, "needs exactly one of them",
+                             "e.g. megatron-rl generate --hf-model ./Qwen2.5-0.5B --input p.jsonl --output o.jsonl")
+    step = check_tool_paths(args)
+    if step is None or step == args.checkpoint:
+        return argv
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"--checkpoint {args.checkpoint}: using {step}, the newest complete checkpoint under it", flush=True)
+    args.checkpoint = step
+    out = []
+    for i, arg in enumerate(argv):
+        if i > 0 and argv[i - 1] == "--checkpoint":
+            arg = step
+        elif arg.startswith("--checkpoint="):
+            arg = "--checkpoint=" + step
+        out.append(arg)
+    return out
 
 
 def _rank_main(args) -> int:
@@ -232,13 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_rl.tools.plan import run_plan
 
             return run_plan(args)
-        if args.command == "convert" and not ((args.hf_model and args.out) or (args.checkpoint and args.hf_out)):
-            raise UserInputError("convert --hf-model/--checkpoint", None,
-                                 "needs --hf-model with --out, or --checkpoint with --hf-out",
-                                 "e.g. megatron-rl convert --hf-model ./Qwen2.5-0.5B --out ./ckpt")
-        if args.command == "generate" and bool(args.hf_model) == bool(args.checkpoint):
-            raise UserInputError("generate --hf-model/--checkpoint", None, "needs exactly one of them",
-                                 "e.g. megatron-rl generate --hf-model ./Qwen2.5-0.5B --input p.jsonl --output o.jsonl")
+        if args.command in TOOL_COMMANDS:
+            argv = _check_tool_paths(args, argv)
         if _under_launcher():
             return _rank_main(args)
         # Launcher side: validate for the world we are about to start, then start it.

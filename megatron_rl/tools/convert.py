@@ -6,13 +6,18 @@
 HF -> Megatron writes ``CKPT_ROOT/step_00000000`` (a model-only checkpoint that loads into any
 layout).  Megatron -> HF reads a model out of any checkpoint (a converted one or a PPO training
 checkpoint) and writes HF names, shapes, dtypes and config; a critic is written with its value
-head as ``score`` (``*ForTokenClassification``, one label) and without the LM head.
+head as ``score`` (``*ForTokenClassification``, one label) and without the LM head.  Beside the
+weights go the tokenizer the run used (``data.tokenizer``, else the model's own; every tokenizer
+file, ``chat_template.jinja`` included, so chats render as in training) and the model's
+``generation_config.json``: the checkpoint records both directories (``tokenizer``, ``source``).
+``--checkpoint`` may be a run directory or its ``checkpoints/``: the newest complete step is read.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 
 import torch.distributed as dist
@@ -24,8 +29,7 @@ from megatron_rl.engine.checkpoint import ModelPart, check_checkpoint, load_chec
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import attach_value_head
-from megatron_rl.models.hf_bridge import export_hf, load_hf_weights
-from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_bridge import copy_companion_files, export_hf, load_hf_weights, model_source_meta
 
 
 def _setup(cfg: Config):
@@ -38,8 +42,7 @@ def hf_to_megatron(cfg: Config, hf_dir: str, out_root: str) -> str:
     layout, device = _setup(cfg)
     chunks = build_gpt_chunks(cfg.model, layout, device)
     load_hf_weights(chunks, hf_dir)
-    meta = {"models": {"actor": model_config_to_dict(cfg.model)}, "hf_config": read_hf_config(hf_dir),
-            "source": os.path.abspath(hf_dir)}
+    meta = {"models": {"actor": model_config_to_dict(cfg.model)}, **model_source_meta(hf_dir, cfg.data.tokenizer)}
     path = save_checkpoint(out_root, 0, {"actor": ModelPart(chunks)}, meta=meta, with_optimizer=False)
     if dist.get_rank() == 0:
         print(f"converted {hf_dir} -> {path}")
@@ -71,7 +74,35 @@ def megatron_to_hf(cfg: Config, checkpoint: str, hf_out: str, part: str = "actor
         chunks = attach_value_head(chunks)
         hf_config = critic_hf_config(hf_config)
     load_checkpoint(checkpoint, {part: ModelPart(chunks)}, with_optimizer=False, load_rng=False)
-    export_hf(chunks, hf_out, hf_config, model_cfg, source_dir=meta.get("source"), drop_lm_head=part == "critic")
+    export_hf(chunks, hf_out, hf_config, model_cfg, drop_lm_head=part == "critic")
     if dist.get_rank() == 0:
         print(f"exported {part} of {checkpoint} -> {hf_out}")
+        print(_companions_line(hf_out, meta.get("source"), meta.get("tokenizer") or meta.get("source")), flush=True)
     return hf_out
+
+
+def _companions_line(hf_out: str, model_dir: str | None, tokenizer_dir: str | None) -> str:
+    """Copy the tokenizer and generation config the run used beside the export; say what was copied
+    or why nothing was (a chat model exported without its template renders chats differently)."""
+    copied = copy_companion_files(hf_out, model_dir, tokenizer_dir)
+    if not copied:
+        where = tokenizer_dir or model_dir
+        why = f"{where} no longer exists or holds none" if where else "the checkpoint records no tokenizer directory"
+        return (f"no tokenizer or generation_config.json copied ({why}); copy them into {hf_out} from the "
+                "model the run started from")
+    by_dir: dict[str, list[str]] = {}
+    for name, where in copied.items():
+        by_dir.setdefault(where, []).append(name)
+    template = "with" if _has_chat_template(hf_out) else "without"
+    groups = "; ".join(", ".join(names) + f" from {where}" for where, names in by_dir.items())
+    return f"copied {groups} (tokenizer {template} a chat template)"
+
+
+def _has_chat_template(hf_dir: str) -> bool:
+    if any(os.path.isfile(os.path.join(hf_dir, n)) for n in ("chat_template.jinja", "chat_template.json")):
+        return True
+    path = os.path.join(hf_dir, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as fh:
+        return bool(json.load(fh).get("chat_template"))

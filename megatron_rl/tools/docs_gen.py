@@ -48,6 +48,13 @@ RUNTIME_ERRORS = [
     ("checkpoint error: checkpoint=<dir>: meta.json is missing (the save did not finish)",
      "A save was interrupted; the directory was never renamed into place.",
      "Nothing to do: `trainer.resume=auto` skips it and uses the previous checkpoint."),
+    ("checkpoint error: checkpoint=<dir>: not a checkpoint (no meta.json here)",
+     "The directory is neither a step directory, nor (for `convert`/`generate --checkpoint`) a run or its "
+     "checkpoints/ with a step in it.",
+     "Pass `runs/<name>` or `runs/<name>/checkpoints` (the newest complete step is taken) or a step directory."),
+    ("storage error: --hf-out=<dir>: already exists and is not an empty directory",
+     "Files of another model there would mix with the export (stale shards, another tokenizer).",
+     "Choose a new directory, or remove that one first."),
     ("checkpoint error: checkpoint=<dir>: file ... is truncated or altered / does not match its sha256 checksum",
      "A checkpoint file changed after it was written (disk or copy problem); every file's sha256 is in meta.json.",
      "`trainer.resume=auto` falls back to the newest checkpoint that loads; or pass another path."),

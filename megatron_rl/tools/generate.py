@@ -3,15 +3,18 @@
     megatron-rl generate --hf-model DIR --input IN.jsonl --output OUT.jsonl [--nproc N] [key=value ...]
     megatron-rl generate --checkpoint CKPT --input IN.jsonl --output OUT.jsonl [--part actor] ...
 
-Each input line is ``{"input_ids": [...]}``, ``{"prompt": "..."}`` (encoded as a prompt, BOS
-included) or ``{"messages": [...]}`` (the chat template).  Each output line, for sample ``j`` of
-input line ``i`` (``rollout.n`` per prompt, in input order), is ``{"index": i, "sample": j,
-"prompt_ids", "response_ids", "text", "logprobs", "finish_reason"}``: ``logprobs[t]`` is the
-log-prob of ``response_ids[t]`` under the temperature-scaled distribution, the trainer's
-definition.  Sampling comes from the ``rollout.*`` keys (``rollout.engine``, ``temperature``,
-``top_p``, ``top_k``, ``n``, ``max_new_tokens``, ``stop``), the seed from ``run.seed``; every
-EOS id of the tokenizer and of ``generation_config.json`` ends a response.  Generation is spread
-over the data- and context-parallel ranks of the layout (``rollout/dp.py``).
+Each input line is ``{"prompt_ids": [...]}`` (``input_ids`` is read too), ``{"prompt": "..."}``
+(encoded as a prompt, BOS included) or ``{"messages": [...]}`` (the chat template).  Each output
+line, for sample ``j`` of input line ``i`` (``rollout.n`` per prompt, in input order), is
+``{"index": i, "sample": j, "prompt_ids", "response_ids", "text", "logprobs", "finish_reason"}``,
+so an output file is also an input file (its prompts again, ``rollout.n`` times each):
+``logprobs[t]`` is the log-prob of ``response_ids[t]`` under the temperature-scaled distribution,
+the trainer's definition.  Sampling comes from the ``rollout.*`` keys (``rollout.engine``,
+``temperature``, ``top_p``, ``top_k``, ``n``, ``max_new_tokens``, ``stop``), the seed from
+``run.seed``; every EOS id of the tokenizer and of ``generation_config.json`` ends a response.
+Rows of ids need no tokenizer: a model directory saved without tokenizer files generates from
+them (``text`` is then null).  Generation is spread over the data- and context-parallel ranks of
+the layout (``rollout/dp.py``).
 """
 
 from __future__ import annotations
@@ -23,14 +26,35 @@ import os
 import torch.distributed as dist
 
 from megatron_rl.config.schema import Config
-from megatron_rl.errors import CheckpointError, DataError
+from megatron_rl.errors import CheckpointError, ConfigError, DataError
+
+# The ids of a prompt: the name the output uses, then the name read before it.
+PROMPT_ID_KEYS = ("prompt_ids", "input_ids")
+
+
+def _prompt_ids(record: dict, where: str, tokenizer) -> list[int]:
+    for key in PROMPT_ID_KEYS:
+        if key in record:
+            ids = record[key]
+            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+                raise DataError(where, None, f"'{key}' must be a non-empty list of integers", "fix that line")
+            return ids
+    text_key = next((k for k, kind in (("prompt", str), ("messages", list)) if isinstance(record.get(k), kind)), None)
+    if text_key is None:
+        raise DataError(where, None, "needs 'prompt_ids', 'prompt' or 'messages'", "fix that line")
+    if tokenizer is None:
+        raise DataError(where, None, f"'{text_key}' needs a tokenizer and the model directory holds none",
+                        "give 'prompt_ids', or set data.tokenizer=<directory with the tokenizer files>")
+    if text_key == "prompt":
+        return tokenizer.encode_prompt(record["prompt"])
+    return tokenizer.apply_chat_template(record["messages"])
 
 
 def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Prompt ids, one per non-empty line of ``path``."""
+    """Prompt ids, one per non-empty line of ``path``; ``tokenizer`` None reads rows of ids only."""
     if not os.path.isfile(path):
         raise DataError("--input", path, "file not found",
-                        "give a JSONL file with input_ids, prompt or messages per line")
+                        "give a JSONL file with prompt_ids, prompt or messages per line")
     prompts = []
     with open(path) as fh:
         for lineno, line in enumerate(fh, 1):
@@ -41,16 +65,7 @@ def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(where, None, f"not valid JSON ({err.msg})", "write one JSON object per line") from None
-            if "input_ids" in record:
-                ids = record["input_ids"]
-                if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-                    raise DataError(where, None, "'input_ids' must be a non-empty list of integers", "fix that line")
-            elif isinstance(record.get("prompt"), str):
-                ids = tokenizer.encode_prompt(record["prompt"])
-            elif isinstance(record.get("messages"), list):
-                ids = tokenizer.apply_chat_template(record["messages"])
-            else:
-                raise DataError(where, None, "needs 'input_ids', 'prompt' or 'messages'", "fix that line")
+            ids = _prompt_ids(record, where, tokenizer)
             bad = [t for t in ids if t < 0 or t >= vocab_size]
             if bad or not ids:
                 raise DataError(where, bad[0] if bad else None,
@@ -62,6 +77,21 @@ def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
     return prompts
 
 
+def load_generation_tokenizer(cfg: Config, source: str | None):
+    """The tokenizer ``data.tokenizer`` names, else that of the model directory; None when the model
+    directory holds no tokenizer files and none was named (rows of ids need none)."""
+    from megatron_rl.data.sources import tokenizer_spec
+    from megatron_rl.data.tokenizer import has_tokenizer_files, load_tokenizer
+
+    spec = tokenizer_spec(cfg.data, source)
+    if not cfg.data.tokenizer and source and os.path.isdir(source) and not has_tokenizer_files(source):
+        if cfg.rollout.stop:
+            raise ConfigError("rollout.stop", list(cfg.rollout.stop), f"stop strings need a tokenizer and {source} "
+                              "holds none", "set data.tokenizer=<directory with the tokenizer files>, or drop them")
+        return None
+    return load_tokenizer(spec)
+
+
 def _model_from_checkpoint(checkpoint: str, part: str):
     from megatron_rl.config.model_io import model_config_from_dict
     from megatron_rl.engine.checkpoint import check_checkpoint
@@ -70,13 +100,12 @@ def _model_from_checkpoint(checkpoint: str, part: str):
     if part not in meta.get("models", {}):
         raise CheckpointError("--part", part, f"the checkpoint holds {sorted(meta.get('models', {}))}",
                               "choose one of those parts")
-    return model_config_from_dict(meta["models"][part]), meta.get("source")
+    model_dir = meta.get("source")
+    return model_config_from_dict(meta["models"][part]), model_dir, meta.get("tokenizer") or model_dir
 
 
 def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
                  checkpoint: str | None = None, part: str = "actor") -> int:
-    from megatron_rl.data.sources import tokenizer_spec
-    from megatron_rl.data.tokenizer import load_tokenizer
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.resolve import Job, resolve
@@ -84,10 +113,10 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
     from megatron_rl.rollout.engine import make_rollout_engine
     from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 
-    model_cfg, source = cfg.model, hf_dir
+    model_cfg, model_dir, tokenizer_dir = cfg.model, hf_dir, hf_dir
     if checkpoint:
-        model_cfg, source = _model_from_checkpoint(checkpoint, part)
-    tokenizer = load_tokenizer(tokenizer_spec(cfg.data, source))
+        model_cfg, model_dir, tokenizer_dir = _model_from_checkpoint(checkpoint, part)
+    tokenizer = load_generation_tokenizer(cfg, tokenizer_dir)
     prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size)
     # The rollout batch and engine for these prompts and this model (every sample of a rank's
     # share in one pass, within the KV budget, unless rollout.max_batch_size says otherwise).
@@ -110,8 +139,8 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
     engine.load_from_chunks(chunks)
     params = SamplingParams(
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
-        max_new_tokens=rollout.max_new_tokens, n=rollout.n, stop_token_ids=eos_token_ids(tokenizer, source),
-        stop_sequences=tuple(tuple(tokenizer.encode(s)) for s in rollout.stop),
+        max_new_tokens=rollout.max_new_tokens, n=rollout.n, stop_token_ids=eos_token_ids(tokenizer, model_dir),
+        stop_sequences=tuple(tuple(tokenizer.encode(s)) for s in rollout.stop) if tokenizer is not None else (),
     )
     batch = generate_data_parallel(engine, prompts, params, seed=cfg.run.seed)
     if dist.get_rank() == 0:
@@ -120,7 +149,8 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
             for k in range(len(batch)):
                 fh.write(json.dumps({
                     "index": batch.prompt_index[k], "sample": k % params.n, "prompt_ids": batch.prompt_ids[k],
-                    "response_ids": batch.response_ids[k], "text": tokenizer.decode(batch.response_ids[k]),
+                    "response_ids": batch.response_ids[k],
+                    "text": tokenizer.decode(batch.response_ids[k]) if tokenizer is not None else None,
                     "logprobs": batch.response_logprobs[k], "finish_reason": batch.finish_reason[k],
                 }) + "\n")
         os.replace(tmp, output_path)

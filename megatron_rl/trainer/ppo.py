@@ -52,8 +52,7 @@ from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
-from megatron_rl.models.hf_bridge import load_hf_weights
-from megatron_rl.models.hf_config import read_hf_config
+from megatron_rl.models.hf_bridge import load_hf_weights, model_source_meta
 from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.models.seeded_init import seeded_init
 from megatron_rl.planner.memory import total_params
@@ -276,10 +275,8 @@ class PPOTrainer:
         return parts
 
     def save(self, step: int) -> str:
-        meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()}}
-        if self.cfg.model.hf_path:
-            meta["hf_config"] = read_hf_config(self.cfg.model.hf_path)
-            meta["source"] = os.path.abspath(self.cfg.model.hf_path)
+        meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()},
+                **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer)}
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
         return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
                                           keep_last=self.cfg.trainer.keep_last)
