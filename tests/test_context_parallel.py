@@ -94,13 +94,11 @@ HF_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(HF_LAYOUTS))
 def test_score_matches_hf_transformers(hf_llama, layout, tmp_path):
-    from tests.support.helpers import check_scores, score_body
+    from tests.support.helpers import scored_gap
 
     hf_dir, reference_logprobs = hf_llama
     world, overrides = HF_LAYOUTS[layout]
-    out = str(tmp_path / "out.jsonl")
-    run_distributed(world, score_body, hf_dir, overrides, out)
-    worst = check_scores(out, reference_logprobs)
+    worst = scored_gap(world, hf_dir, overrides, reference_logprobs, tmp_path)
     print(f"llama {layout}: max |logprob - HF| = {worst:.2e}")
     assert worst <= 1e-4
 

@@ -18,7 +18,16 @@ import pytest
 import torch
 
 from megatron_rl.testing.harness import run_distributed
-from tests.support.helpers import ARCHS, COMMON, check_scores, hf_logprobs, make_hf_model, roundtrip_body, score_body
+from tests.support.helpers import (
+    ARCHS,
+    COMMON,
+    check_scores,
+    hf_logprobs,
+    make_hf_model,
+    roundtrip_body,
+    score_body,
+    scored_gap,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUTS = {
@@ -52,9 +61,7 @@ def hf_models(tmp_path_factory):
 def test_score_matches_hf_transformers(hf_models, kind, layout, tmp_path):
     hf_dir, reference = hf_models[kind]
     world, overrides = LAYOUTS[layout]
-    out = str(tmp_path / "out.jsonl")
-    run_distributed(world, score_body, hf_dir, overrides + ["batch.micro_batch_size=2"], out)
-    worst = check_scores(out, reference)
+    worst = scored_gap(world, hf_dir, overrides + ["batch.micro_batch_size=2"], reference, tmp_path)
     print(f"{kind} {layout}: max |logprob - HF| = {worst:.2e}")
     assert worst <= 1e-4
 
@@ -88,9 +95,7 @@ YARN_LAYOUTS = {
 def test_yarn_matches_hf_on_every_layout(hf_models, layout, tmp_path):
     hf_dir, reference = hf_models["qwen2_yarn"]
     world, overrides = YARN_LAYOUTS[layout]
-    out = str(tmp_path / "out.jsonl")
-    run_distributed(world, score_body, hf_dir, overrides, out)
-    worst = check_scores(out, reference)
+    worst = scored_gap(world, hf_dir, overrides, reference, tmp_path)
     print(f"qwen2 yarn {layout}: max |logprob - HF| = {worst:.2e}")
     assert worst <= 1e-4
 

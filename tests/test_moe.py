@@ -34,7 +34,7 @@ from tests.support.helpers import (
     hf_logprobs,
     read_metrics,
     roundtrip_body,
-    score_body,
+    scored_gap,
     spec_logits_body,
 )
 
@@ -139,9 +139,7 @@ def hf_moe(tmp_path_factory):
 def test_score_matches_hf_on_expert_parallel_layouts(hf_moe, layout, tmp_path):
     hf_dir, reference = hf_moe["qwen3_moe"]
     world, overrides = SCORE_LAYOUTS[layout]
-    out = str(tmp_path / "out.jsonl")
-    run_distributed(world, score_body, hf_dir, overrides + ["batch.micro_batch_size=2"], out)
-    worst = check_scores(out, reference)
+    worst = scored_gap(world, hf_dir, overrides + ["batch.micro_batch_size=2"], reference, tmp_path)
     print(f"qwen3_moe {layout}: max |logprob - HF| = {worst:.2e}")
     assert worst <= HF_TOL
 
@@ -172,9 +170,7 @@ def test_qwen2_moe_shared_experts_match_hf(hf_moe, layout, tmp_path):
     (on its own pipeline stage at PP2)."""
     hf_dir, reference = hf_moe["qwen2_moe"]
     world, overrides = SCORE_LAYOUTS[layout]
-    out = str(tmp_path / "out.jsonl")
-    run_distributed(world, score_body, hf_dir, overrides + ["batch.micro_batch_size=2"], out)
-    worst = check_scores(out, reference)
+    worst = scored_gap(world, hf_dir, overrides + ["batch.micro_batch_size=2"], reference, tmp_path)
     print(f"qwen2_moe {layout}: max |logprob - HF| = {worst:.2e}")
     assert worst <= HF_TOL
 

@@ -192,6 +192,16 @@ def read_scores(path: str) -> list[dict]:
         return [json.loads(line) for line in fh]
 
 
+def scored_gap(world: int, hf_dir: str, overrides: list[str], reference: list, tmp_path) -> float:
+    """``megatron-rl score`` of ``hf_dir/in.jsonl`` on ``world`` ranks with ``overrides``: the largest
+    |log-prob - reference| (:func:`check_scores`)."""
+    from megatron_rl.testing.harness import run_distributed
+
+    out = str(tmp_path / "out.jsonl")
+    run_distributed(world, score_body, hf_dir, overrides, out)
+    return check_scores(out, reference)
+
+
 def check_scores(path: str, reference: list) -> float:
     """Largest |log-prob - reference| over the scored file; checks the row and token counts."""
     import torch
