@@ -170,6 +170,21 @@ def _token_budget(cfg: Config, world: Optional[int], job: Job):
 # Resolved values that are not config keys: read from the Resolution.
 NOT_IN_CONFIG = frozenset({"batch.token_budget"})
 
+def _reward_convention(cfg: Config, world: Optional[int], job: Job):
+    """How reward.fn is called: told apart by its parameter names (verl's ``solution_str`` and
+    ``ground_truth``).  A reward.fn that does not resolve stays ``auto`` here; the check of what the
+    config points at reports it before launch."""
+    from megatron_rl.errors import UserInputError
+    from megatron_rl.rewards.registry import detected_convention
+
+    if cfg.reward.convention != AUTO:
+        return cfg.reward.convention, SET, ""
+    try:
+        return detected_convention(cfg.reward.fn), AUTO_ORIGIN, "from reward.fn's parameter names"
+    except UserInputError:
+        return AUTO, AUTO_ORIGIN, "reward.fn does not resolve (reported before launch)"
+
+
 def _eval_max_new_tokens(cfg: Config, world: Optional[int], job: Job):
     if cfg.eval.max_new_tokens is not None:
         return cfg.eval.max_new_tokens, SET, ""
@@ -186,6 +201,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("rollout.max_batch_size", _rollout_batch),
     ("batch.token_budget", _token_budget),
     ("eval.max_new_tokens", _eval_max_new_tokens),
+    ("reward.convention", _reward_convention),
 )
 
 

@@ -73,6 +73,13 @@ def get_reward_fn(spec: str, convention: str = "auto", kwargs: Optional[dict] = 
         raise RewardFunctionError(err.key, err.value, err.problem, err.fix) from None
 
 
+def detected_convention(spec: str) -> str:
+    """The calling convention ``reward.convention=auto`` gives the function ``spec`` names."""
+    from megatron_rl.rewards.conventions import detect
+
+    return detect(_resolve(spec))
+
+
 def _resolve(spec: str) -> RewardFn:
     _load_builtins()
     if not isinstance(spec, str) or not spec.strip():

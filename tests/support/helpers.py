@@ -145,6 +145,25 @@ def make_hf_model(kind: str, path: str, seed: int = 0):
     return model
 
 
+def hf_logprobs_in_a_fresh_process(hf_dir: str, sequences: list[list[int]]) -> list:
+    """HF transformers' log-probs (:func:`hf_logprobs`) of the model saved in ``hf_dir``, loaded
+    with ``from_pretrained`` in a process of its own: late in a long test process the same load
+    once gave NaN log-probs (a YaRN model 0.3 off) that a fresh process never gives."""
+    import subprocess
+    import sys
+
+    import torch
+
+    code = ("import json, sys, torch, transformers\n"
+            "from tests.support.helpers import hf_logprobs\n"
+            "model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
+            "print(json.dumps([hf_logprobs(model, ids).tolist() for ids in json.loads(sys.argv[2])]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code, hf_dir, json.dumps(sequences)], cwd=root,
+                          capture_output=True, text=True, timeout=300, check=True)
+    return [torch.tensor(row) for row in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
 def hf_logprobs(model, ids: list[int]):
     """HF's log-prob of each token after the first, in fp32."""
     import torch
