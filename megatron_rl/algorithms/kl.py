@@ -175,13 +175,16 @@ def make_kl_controller(kind: str, coef: float, target: float | None = None, hori
 
 
 @torch.no_grad()
+def token_kl(logprob, ref_logprob, mask, kind: str = "k1"):
+    """The per-token KL estimate ``kind``, 0 at masked positions."""
+    m = mask.to(torch.float32)
+    return torch.where(m > 0, estimate(logprob.float(), ref_logprob.float(), kind), torch.zeros_like(m))
+
+
 def apply_kl_penalty(token_rewards, logprob, ref_logprob, mask, coef, kind: str = "k1"):
     """Subtract ``coef * KL`` from per-token rewards; returns ``(rewards_with_penalty, kl)``.
 
-    ``kl`` is 0 at masked positions, so rewards there pass through unchanged.  With ``coef=0`` the
-    rewards come back unchanged (where the KL is finite): ``kl`` is only measured, for metrics and
-    the controller.
+    ``kl`` (:func:`token_kl`) is 0 at masked positions, so rewards there pass through unchanged.
     """
-    m = mask.to(torch.float32)
-    kl = torch.where(m > 0, estimate(logprob.float(), ref_logprob.float(), kind), torch.zeros_like(m))
+    kl = token_kl(logprob, ref_logprob, mask, kind)
     return token_rewards - coef * kl, kl

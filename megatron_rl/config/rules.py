@@ -18,7 +18,8 @@ from megatron_rl.errors import ConfigError
 _BOUND_TEXT = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
 
 
-def _get(cfg, key: str):
+def config_value(cfg, key: str):
+    """The value of a dotted key (``model.recompute.granularity``) of a config."""
     value = cfg
     for part in key.split("."):
         value = getattr(value, part)
@@ -42,7 +43,7 @@ def check_field_rules(cfg: Config) -> None:
     choices, then for the few rules between fields that no feature owns (the model's shape, the
     run's name)."""
     for key, field, _ in iter_fields():
-        value = _get(cfg, key)
+        value = config_value(cfg, key)
         if value is None:
             continue
         if isinstance(value, float) and not math.isfinite(value):

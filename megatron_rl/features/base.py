@@ -11,6 +11,7 @@ from packaging.version import Version
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
+from megatron_rl.config.rules import config_value
 from megatron_rl.models.arch import attention_dims
 from megatron_rl.ops.cp_attention import kv_replication
 
@@ -54,13 +55,6 @@ class Feature:
     measured: tuple[Measured, ...] = ()
 
 
-def _get(cfg, key: str):
-    value = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callable = lambda c: True,
          generation: bool = False) -> Constraint:
     def check(cfg, world):
@@ -68,7 +62,7 @@ def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callab
             return None
         if ok(cfg, world):
             return None
-        return key, _get(cfg, key), problem.format(c=cfg, w=world), fix.format(c=cfg, w=world)
+        return key, config_value(cfg, key), problem.format(c=cfg, w=world), fix.format(c=cfg, w=world)
 
     return Constraint(f"{text} (when generating)" if generation else text, check, key, generation)
 

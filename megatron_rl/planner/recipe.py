@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_rl.algorithms.advantages import needs_critic
+from megatron_rl.config.rules import config_value
 from megatron_rl.config.schema import Config
 
 
@@ -22,14 +23,6 @@ def plan_inputs(cfg: Config) -> PlanInputs:
     estimators that need one, a reference whenever there is a KL term (as the trainer does)."""
     return PlanInputs(prompt_len=cfg.data.max_prompt_tokens, response_len=cfg.rollout.max_new_tokens,
                       with_critic=needs_critic(cfg.algorithm.advantage), with_reference=cfg.algorithm.kl_coef > 0)
-
-
-def config_value(cfg: Config, key: str):
-    """The value of a dotted key (``model.recompute.granularity``)."""
-    value = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _normalised(cfg: Config, key: str, value):

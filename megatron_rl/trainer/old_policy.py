@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.algorithms.kl import apply_kl_penalty
+from megatron_rl.algorithms.kl import token_kl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +57,7 @@ def old_policy(exp, trainer_pass: Optional[PolicyPass], kl_kind: str) -> OldPoli
     """The old policy of ``exp``: its old log-probs where the loss read them as an input, else the
     update's own forward (``training_forward``: exactly those of a recompute pass)."""
     logprob = exp.old_logprob if exp.old_logprob is not None else trainer_pass.logprob
-    kl = None
-    if exp.ref_logprob is not None:
-        _, kl = apply_kl_penalty(exp.token_rewards, logprob, exp.ref_logprob, exp.mask, 0.0, kl_kind)
+    kl = token_kl(logprob, exp.ref_logprob, exp.mask, kl_kind) if exp.ref_logprob is not None else None
     if trainer_pass is None:
         return OldPolicy(logprob, None, None, None, kl)
     return OldPolicy(logprob, trainer_pass.logprob, trainer_pass.entropy, trainer_pass.rows, kl)
