@@ -36,7 +36,11 @@ class Resolved:
 
     def line(self) -> str:
         why = f": {self.why}" if self.why else ""
-        return f"{self.key}={self.value} ({self.origin}{why})"
+        value = self.value
+        if dataclasses.is_dataclass(value):  # a config section: its keys, as the YAML would say them
+            value = "{" + ", ".join(f"{k}: {'null' if v is None else v}"
+                                    for k, v in dataclasses.asdict(value).items()) + "}"
+        return f"{self.key}={value} ({self.origin}{why})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,23 @@ def _rollout_engine(cfg: Config, world: Optional[int], job: Job):
     facts = engine_facts(cfg.model, cfg.parallel.vpp, cfg.distributed.device == "cuda")
     engine = pick_engine(AUTO, **facts)
     return engine, AUTO_ORIGIN, auto_reason(engine, **facts)
+
+
+def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
+    """The inference model's layout: each unset size is the training layout's."""
+    from megatron_rl.config.schema import RolloutLayoutConfig
+
+    asked, train = cfg.rollout.layout, cfg.parallel
+    layout = RolloutLayoutConfig(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
+                                 etp=asked.etp or train.etp)
+    shares = ((layout.tp, layout.pp, layout.ep, layout.etp or layout.tp) == (train.tp, train.pp, train.ep,
+                                                                             train.etp or train.tp)
+              and not (train.vpp and train.vpp > 1))
+    why = ("generates with the actor's own shards, nothing copied" if shares
+           else "a model of its own, refit from the training shards before every rollout")
+    if None not in (asked.tp, asked.pp, asked.ep):
+        return layout, SET, why
+    return layout, DERIVED, "the training layout's sizes; " + why
 
 
 def _old_logprobs(cfg: Config, world: Optional[int], job: Job):
@@ -197,6 +218,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("model.params_dtype", _params_dtype),
     ("model.transformer_impl", _transformer_impl),
     ("rollout.engine", _rollout_engine),
+    ("rollout.layout", _rollout_layout),
     ("algorithm.old_logprobs", _old_logprobs),
     ("rollout.max_batch_size", _rollout_batch),
     ("batch.token_budget", _token_budget),

@@ -83,10 +83,12 @@ def _actor(layout_kw: dict, cfg: ModelConfig, seed: int, std: float = 0.2):
     return chunks
 
 
-def _engine(cfg: ModelConfig, chunks, **overrides):
+def _engine(cfg: ModelConfig, chunks, rollout_layout: dict | None = None, **overrides):
+    from megatron_rl.config.schema import RolloutLayoutConfig
     from megatron_rl.rollout.engine import make_engine
 
-    engine = make_engine("megatron", cfg, "cpu", **{**ENGINE, **overrides})
+    layout = RolloutLayoutConfig(**rollout_layout) if rollout_layout else None
+    engine = make_engine("megatron", cfg, "cpu", **{**ENGINE, **overrides}, layout=layout)
     engine.load_from_chunks(chunks)
     return engine
 
@@ -140,11 +142,11 @@ def _optimizer_step(chunks, batch):
     return trainable.chunks
 
 
-def parity_body(layout_kw: dict, hf_dir: str) -> dict:
+def parity_body(layout_kw: dict, hf_dir: str, rollout_layout: dict | None = None) -> dict:
     from megatron.core.inference.utils import InferenceMode
 
     cfg, chunks = _actor_from_hf(layout_kw, hf_dir)
-    engine = _engine(cfg, chunks)
+    engine = _engine(cfg, chunks, rollout_layout)
     greedy = engine.generate(PROMPTS, GREEDY, seed=0)
     inference_mode = [InferenceMode.is_active()]  # megatron's process-wide flag: on only while stepping
     # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
@@ -155,6 +157,7 @@ def parity_body(layout_kw: dict, hf_dir: str) -> dict:
     kv_bytes = engine.kv_cache_bytes()
     engine.release_weights()  # the trainer's call after a rollout: the KV cache is freed
     freed = engine.kv_cache_bytes() == 0 and not engine._engine.context.is_tensor_state_allocated
+    engine.load_from_chunks(chunks)  # the trainer's call before a rollout (a refit on a layout of its own)
     resumed = engine.generate(PROMPTS, SAMPLED, seed=5)
     inference_mode.append(InferenceMode.is_active())
     other_seed = engine.generate(PROMPTS[:2], SAMPLED, seed=6)  # two prompts suffice to tell seeds apart
@@ -169,8 +172,10 @@ def parity_body(layout_kw: dict, hf_dir: str) -> dict:
     # Suspended, the actor takes an optimizer step; the resumed engine must generate with the new weights.
     engine.release_weights()
     trained = _optimizer_step(chunks, greedy)
+    engine.load_from_chunks(trained)
     stepped = engine.generate(PROMPTS, GREEDY, seed=0)
-    out.update(stepped=dataclasses.asdict(stepped), stepped_view=_trainer_view(trained, stepped, 0.0))
+    out.update(stepped=dataclasses.asdict(stepped), stepped_view=_trainer_view(trained, stepped, 0.0),
+               refit=engine.last_refit is not None)
     return out
 
 
@@ -210,6 +215,10 @@ LAYOUTS = {
     "cp2": (2, dict(cp=2), "llama"),
     # YaRN (pretrained on 16 positions, prompts + responses up to 42): the engine's RoPE and attention factor
     "world1_yarn": (1, {}, "qwen2_yarn"),
+    # rollout.layout other than the training layout: the engine's own model, refit before each rollout
+    "tp2_pp2_sp_into_tp1": (4, dict(tp=2, pp=2, sp=True), "qwen2", dict(tp=1, pp=1)),
+    "tp2_cp2_into_tp1": (4, dict(tp=2, cp=2), "llama", dict(tp=1)),
+    "tp1_into_tp2": (2, {}, "qwen2", dict(tp=2)),
 }
 
 
@@ -228,10 +237,11 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_mo
     """Against HF transformers (generate, teacher-forced log-probs) and the trainer's own forward,
     before and after an optimizer step taken while the engine was suspended.  The actor is an HF
     checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2."""
-    world, layout_kw, kind = LAYOUTS[layout]
+    world, layout_kw, kind, *rollout_layout = LAYOUTS[layout]
     hf_dir, hf_model = hf_models[kind]
-    results = run_distributed(world, parity_body, layout_kw, hf_dir)
+    results = run_distributed(world, parity_body, layout_kw, hf_dir, *rollout_layout)
     first = results[0]
+    assert first["refit"] == bool(rollout_layout), "a layout of its own is refit, the training layout is not"
     worst = 0.0
     for got in results:  # every rank of the replica has the same samples
         assert got["greedy"] == first["greedy"] and got["sampled"] == first["sampled"]
@@ -270,6 +280,26 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_mo
         assert not any(stops[:-1]) and (reason == "stop") == stops[-1]
         assert reason == "stop" or len(response) == SAMPLED.max_new_tokens
         assert max(response) < first["vocab"]
+
+
+def vpp_greedy_body(hf_dir: str, rollout_layout: dict) -> dict:
+    cfg, chunks = _actor_from_hf(dict(pp=2, vpp=2), hf_dir)
+    engine = _engine(cfg, chunks, rollout_layout)
+    greedy = engine.generate(PROMPTS, GREEDY, seed=0)
+    return dict(greedy=greedy.response_ids, refit=engine.last_refit is not None,
+                refit_bytes=engine.last_refit.bytes_received)
+
+
+@pytest.mark.parametrize("rollout_layout", [dict(tp=1, pp=1), dict(tp=2, pp=1)], ids=["into_tp1", "into_tp2"])
+def test_virtual_pipeline_training_generates_with_the_engine_on_a_layout_of_its_own(rollout_layout, hf_models):
+    """megatron's engine refuses interleaved chunks: a PP2 x VPP2 actor is refit into the engine's
+    own model, whose greedy responses are HF generate's."""
+    hf_dir, hf_model = hf_models["llama"]
+    results = run_distributed(4, vpp_greedy_body, hf_dir, rollout_layout)
+    hf_greedy = _hf_generate_greedy(hf_model, PROMPTS, GREEDY.max_new_tokens)
+    for r in results:
+        assert r["refit"] and r["refit_bytes"] > 0
+        assert r["greedy"] == hf_greedy
 
 
 def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict]) -> list:

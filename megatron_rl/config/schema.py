@@ -249,6 +249,20 @@ class DataConfig:
 
 
 @dataclass
+class RolloutLayoutConfig:
+    """The inference model's own layout (CP is always 1; data-parallel replicas are the rest of the
+    ranks).  Unset sizes are the training layout's; when all four equal it and the actor has one
+    chunk per rank, the engine generates with the actor's own shards and nothing is copied, else a
+    second model on this layout is refit from the training shards before every rollout
+    (docs/rollout.md)."""
+
+    tp: Optional[int] = _f(None, "Tensor-parallel size of generation; null = parallel.tp.", ge=1)
+    pp: Optional[int] = _f(None, "Pipeline stages of generation; null = parallel.pp.", ge=1)
+    ep: Optional[int] = _f(None, "Expert-parallel size of generation (MoE); null = parallel.ep.", ge=1)
+    etp: Optional[int] = _f(None, "Expert tensor-parallel size of generation (MoE); null = parallel.etp.", ge=1)
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: auto (megatron for MoE models and on CUDA "
                                                        "with flash-attn >= 2.7.3 without VPP, else torch), torch "
@@ -277,6 +291,7 @@ class RolloutConfig:
     prefill_chunk_tokens: int = _f(4096, "rollout.engine=megatron: most tokens one forward step takes (longer prompts "
                                          "are prefilled in chunks).", ge=1)
     kv_block_tokens: int = _f(256, "rollout.engine=megatron: tokens per KV-cache page.", ge=1)
+    layout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
 
 
 @dataclass

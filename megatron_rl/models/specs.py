@@ -70,9 +70,11 @@ def te_layer_spec(config: TransformerConfig, moe: bool = False, router=None) -> 
     return spec
 
 
-def block_spec(config: TransformerConfig, impl: str, vp_stage: int | None, router=None) -> TransformerBlockSubmodules:
+def block_spec(config: TransformerConfig, impl: str, vp_stage: int | None, router=None,
+               pp_rank: int | None = None) -> TransformerBlockSubmodules:
     """The decoder block for this pipeline stage (and virtual stage): per layer the dense or the
-    MoE spec (``config.moe_layer_freq`` as a 0/1 list over all layers), MoE layers with ``router``."""
+    MoE spec (``config.moe_layer_freq`` as a 0/1 list over all layers), MoE layers with ``router``.
+    ``pp_rank``: the stage in a layout other than megatron's global groups (the inference model)."""
     make = te_layer_spec if impl == "transformer_engine" else local_layer_spec
     if impl == "transformer_engine":  # pragma: no cover - needs TE + CUDA
         from megatron.core.extensions.transformer_engine import TENorm
@@ -80,9 +82,9 @@ def block_spec(config: TransformerConfig, impl: str, vp_stage: int | None, route
         final_norm = TENorm
     else:
         final_norm = LocalNorm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     pattern = config.moe_layer_freq if config.num_moe_experts else [0] * config.num_layers
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     kinds = {kind: make(config, bool(kind), router) for kind in set(pattern[offset:offset + num_layers])}
     return TransformerBlockSubmodules(layer_specs=[kinds[k] for k in pattern[offset:offset + num_layers]],
                                       layer_norm=final_norm)

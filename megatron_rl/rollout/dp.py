@@ -27,10 +27,14 @@ def data_parallel_share(num_prompts: int, generators: int, index: int) -> range:
     return range(index * per_rank, min(num_prompts, (index + 1) * per_rank))
 
 
-def generator_of_this_rank() -> tuple[int, int, bool]:
+def generator_of_this_rank(engine: RolloutEngine | None = None) -> tuple[int, int, bool]:
     """``(generators, this rank's generator, whether this rank reports that generator's samples)``.
 
-    Generators are indexed by the DP x CP rank; with CP = 1 that is the data-parallel rank."""
+    Generators are indexed by the DP x CP rank; with CP = 1 that is the data-parallel rank.  An
+    engine generating on a layout of its own (``rollout.layout``) says which they are there."""
+    own = getattr(engine, "generator_of_this_rank", None)
+    if own is not None and (found := own()) is not None:
+        return found
     size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     index = parallel_state.get_data_parallel_rank(with_context_parallel=True)
     reports = (parallel_state.get_tensor_model_parallel_rank() == 0
@@ -45,7 +49,7 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
     ``prompt_index`` of the result indexes ``prompt_ids``; sample ``j`` of prompt ``i`` is at
     ``i * n + j``.  Each generator samples with its own seed derived from ``seed``.
     """
-    generators, index, reports = generator_of_this_rank()
+    generators, index, reports = generator_of_this_rank(engine)
     share = data_parallel_share(len(prompt_ids), generators, index)
     # The tag keeps the name it had when generators were the DP ranks: runs without CP sample
     # what they sampled before.

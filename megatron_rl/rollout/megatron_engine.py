@@ -253,7 +253,7 @@ class MegatronRolloutEngine:
 
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None, *,
                  kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256,
-                 record_routing: bool = False):
+                 record_routing: bool = False, layout=None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -270,12 +270,47 @@ class MegatronRolloutEngine:
         # MoE routing replay: the routers record every token's experts while generating; each
         # generate returns them in ``RolloutBatch.routing`` ({layer: [length, topk]} per sample).
         self.record_routing = record_routing
+        # rollout.layout (a RolloutLayoutConfig; unset sizes are the training layout's): where it
+        # differs from the training layout the engine generates with a model of its own, refit
+        # from the actor's chunks before every rollout (megatron_rl/rollout/refit.py).
+        self.layout = layout
+        self._inference_model = None
+        self.last_refit = None  # RefitStats of the latest refit; None while generating in place
 
     # -- weights -------------------------------------------------------------------------------
-    def load_from_chunks(self, chunks: list) -> None:
-        """Generate with the actor's chunk itself (no copy); VPP (several chunks) is refused."""
-        from megatron_rl.models.canonical import unwrap
+    def inference_layout(self):
+        """The :class:`~megatron_rl.rollout.refit.InferenceLayout` this engine generates on (the
+        training layout's sizes where ``rollout.layout`` leaves them unset)."""
+        from megatron_rl.distributed.runtime import active_layout
+        from megatron_rl.rollout.refit import InferenceLayout
 
+        train = active_layout()
+        asked = self.layout
+        if train is None:
+            raise RuntimeError("rollout.engine=megatron needs megatron's parallel groups (init_model_parallel)")
+        if asked is None:
+            return InferenceLayout.of_training(train)
+        return InferenceLayout(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
+                               etp=asked.etp or train.etp)
+
+    def load_from_chunks(self, chunks: list) -> None:
+        """Generate with the actor's chunk itself where the inference layout is the training
+        layout; else refit the actor's weights into the engine's own model on ``rollout.layout``."""
+        from megatron_rl.distributed.runtime import active_layout
+        from megatron_rl.models.canonical import unwrap
+        from megatron_rl.rollout.refit import build_inference_model, refit, shares_training_weights
+
+        infer = self.inference_layout()
+        if not shares_training_weights(infer, active_layout()):
+            if self._inference_model is None:
+                self._inference_model = build_inference_model(self.model_cfg, infer, active_layout(), self.device)
+            self._materialize_inference_weights()
+            self.last_refit = refit(chunks, self._inference_model, "nccl" if self.device.type == "cuda" else "gloo")
+            if self._model is not self._inference_model:
+                self._close()
+                self._model = self._inference_model
+            return
+        self.last_refit = None
         if len(chunks) != 1:
             raise ValueError(
                 f"rollout.engine=megatron needs one model chunk per rank, got {len(chunks)} (virtual "
@@ -304,10 +339,30 @@ class MegatronRolloutEngine:
         load_canonical(self._own_chunks, canonical)
 
     def release_weights(self) -> None:
-        """The weights are the actor's own and stay; the KV cache is freed until the next rollout."""
+        """The KV cache is freed until the next rollout; so are the weights of the engine's own
+        model (refit again before the next rollout), while the actor's own shards stay."""
         if self._engine is not None and not self._suspended:
             self._engine.suspend()
             self._suspended = True
+        if self._inference_model is not None:
+            for tensor in self._inference_model.parameters():
+                tensor.untyped_storage().resize_(0)
+
+    def generator_of_this_rank(self):
+        """``(generators, this rank's generator, whether it reports)`` on the engine's own layout
+        (its data-parallel replicas generate distinct shares); None while it generates in place
+        (the training layout's DP x CP ranks are the generators)."""
+        if self._model is None or self._model is not self._inference_model:
+            return None
+        groups = self._model.pg_collection
+        return groups.dp.size(), groups.dp.rank(), groups.tp.rank() == 0 and groups.pp.rank() == 0
+
+    def _materialize_inference_weights(self) -> None:
+        """Give released weights their storage back (the refit overwrites every value)."""
+        for tensor in self._inference_model.parameters():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
 
     def weight_bytes(self) -> int:
         """Bytes of the actor shard this rank generates with (shared with training, not a copy)."""
@@ -326,7 +381,6 @@ class MegatronRolloutEngine:
         self._engine, self._suspended = None, False
 
     def _build(self):
-        from megatron.core import parallel_state as ps
         from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode
         from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 
@@ -343,7 +397,9 @@ class MegatronRolloutEngine:
         # dispatcher; the default, 'nvls', needs NVLink symmetric memory (none on the CPU or a PCIe
         # GPU), and this model's layers (local / TE specs) never use either dispatcher.
         config.inference_moe_token_dispatcher_type = "nccl"
-        tp = ps.get_tensor_model_parallel_world_size()
+        own = model is self._inference_model  # the engine's own model: its groups are not megatron's globals
+        groups = model.pg_collection
+        tp = groups.tp.size()
         rounder = GPU_TOKEN_ROUNDER if self.device.type == "cuda" else CPU_TOKEN_ROUNDER
         token_rounder = math.ceil(rounder / tp) * tp
         max_requests = math.ceil(self.max_requests / tp) * tp
@@ -363,6 +419,7 @@ class MegatronRolloutEngine:
             enable_chunked_prefill=True,
             # suspend() frees the KV cache (the default, PERSIST, keeps it while the actor trains)
             kv_cache_management_mode=KVCacheManagementMode.RECOMPUTE,
+            pg_collection=groups if own else None,
         )
         # Layers, heads, head size, dtype and TP/PP sizes come from the model's config.
         context = _make_context_class(rounder)(model_config=config, inference_config=inference_config)
@@ -371,7 +428,7 @@ class MegatronRolloutEngine:
         controller = _make_controller_class()(wrapper, _IdsOnly())
         self._engine = DynamicInferenceEngine(controller, context)
         self._suspended = False
-        self._cp_group = ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+        self._cp_group = None if own or groups.cp.size() == 1 else groups.cp
         if self._cp_group is not None:
             _one_rank_group()  # collective: every rank creates the groups now, at the same time
 
@@ -379,21 +436,20 @@ class MegatronRolloutEngine:
         """Step until every request finished.  Expert-parallel ranks (each with its own share of
         prompts) step together: their MoE layers exchange tokens in every forward, so a rank
         without work runs megatron's dummy forward until all of its EP group are done."""
-        from megatron.core import parallel_state as ps
-
         from megatron_rl.distributed import collectives
 
+        groups = self._model.pg_collection
         done = []
-        if ps.get_expert_model_parallel_world_size() == 1:
+        if groups.ep.size() == 1:
             while engine.has_unfinished_requests():
                 done += engine.step_modern()["finished_request_records"]
             return done
-        if ps.get_pipeline_model_parallel_world_size() > 1:
+        if groups.pp.size() > 1:
             raise NotImplementedError(
                 "rollout.engine=megatron with expert parallelism needs parallel.pp=1: idle expert-parallel "
                 "ranks' dummy forwards across pipeline stages are not covered by the tests"
             )
-        group = ps.get_expert_model_parallel_group()
+        group = groups.ep
         while True:
             busy = engine.has_unfinished_requests()
             if not collectives.agree_any(busy, group=group):

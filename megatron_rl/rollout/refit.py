@@ -1,0 +1,237 @@
+"""``rollout.layout``: the inference model's own layout, refreshed from the training shards.
+
+Training and generating want different layouts: a 7B policy at 32k trains at TP4 x CP2 with
+recompute and generates best at TP1 or TP2 with many replicas, no CP and no recompute.  The
+inference model here is a second :class:`~megatron_rl.models.gpt.RLGPTModel` on the same ranks,
+built once with process groups of its own (megatron-core's
+``megatron.core.inference.shards.build_inference_pg_collection``: TP / PP / EP / expert-TP of
+``rollout.layout``, CP 1, the rest data-parallel replicas).  Before every rollout
+:func:`refit` moves the actor's weights into it with megatron-core's
+``megatron.core.resharding.swap_model_weights``: a plan built once (collectively) and cached,
+each rank receiving exactly the slices of its inference shard (gloo on the CPU, NCCL on GPU).
+
+When the inference layout equals the training layout (same TP / PP / EP / expert-TP, one chunk
+per rank) there is nothing to move: the engine generates with the actor's chunk in place
+(:func:`shares_training_weights`), as it always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.distributed.runtime import ParallelLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceLayout:
+    """The inference model's TP / PP / EP / expert-TP; CP is always 1, DP is the rest of the world."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # None = tp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    def dp(self, world: int) -> int:
+        return world // (self.tp * self.pp)
+
+    def describe(self) -> str:
+        etp = f" x ETP{self.etp}" if self.etp and self.etp != self.tp else ""
+        return f"TP{self.tp} x PP{self.pp}" + (f" x EP{self.ep}" if self.ep > 1 else "") + etp
+
+    @classmethod
+    def of_training(cls, layout: ParallelLayout) -> "InferenceLayout":
+        """The training layout without CP and VPP: the inference layout that shares its weights."""
+        return cls(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
+
+
+def shares_training_weights(infer: InferenceLayout, train: ParallelLayout) -> bool:
+    """Whether the engine can generate with the actor's own chunk (no second model, no copy):
+    the same TP / PP / EP / expert-TP and one chunk per rank.  CP needs no copy: each CP rank
+    generates whole sequences with its (replicated) TP / PP shard."""
+    return (infer.tp, infer.pp, infer.ep, infer.expert_tp) == (train.tp, train.pp, train.ep, train.expert_tp) \
+        and not train.vpp
+
+
+@functools.lru_cache(maxsize=None)
+def inference_groups(infer: InferenceLayout, world: int):
+    """megatron's process groups of the inference layout over the whole world (collective: every
+    rank creates them, once per process and layout)."""
+    from megatron.core.inference.shards import build_inference_pg_collection
+
+    return build_inference_pg_collection(world_size=world, tp_size=infer.tp, pp_size=infer.pp, cp_size=1,
+                                         ep_size=infer.ep, expt_tp_size=infer.expert_tp)
+
+
+def build_inference_model(model_cfg: ModelConfig, infer: InferenceLayout, train: ParallelLayout,
+                          device: torch.device):
+    """This rank's shard of the inference model, weights allocated but not initialised (the
+    first :func:`refit` fills them)."""
+    from megatron_rl.capabilities import resolve_transformer_impl
+    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.models.builder import MEGATRON_ROPE_SCALING_FACTOR, transformer_config
+    from megatron_rl.models.gpt import RLGPTModel
+    from megatron_rl.models.moe import attach_moe_state, router_class
+    from megatron_rl.models.specs import block_spec
+
+    world = dist.get_world_size()
+    groups = inference_groups(infer, world)
+    layout = ParallelLayout(tp=infer.tp, pp=infer.pp, cp=1, dp=infer.dp(world), sequence_parallel=False,
+                            ep=infer.ep, etp=infer.etp if infer.etp and infer.etp != infer.tp else None)
+    impl = resolve_transformer_impl(model_cfg.transformer_impl)
+    dtype = resolve_dtype(model_cfg.params_dtype, device)
+    # Recompute is a training setting: the inference model never runs a backward.
+    config = transformer_config(model_cfg, layout, dtype, impl, device=device, initialize=False,
+                                recompute_granularity=None, recompute_method=None, recompute_num_layers=None,
+                                recompute_modules=None)
+    vocab = refit_vocab_rows(model_cfg, train.tp, infer.tp)
+    pp_rank, pp_size = groups.pp.rank(), groups.pp.size()
+    rs = model_cfg.rope_scaling
+    model = RLGPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config, impl, None, router_class(model_cfg), pp_rank=pp_rank),
+        vocab_size=vocab,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=pp_rank == 0,
+        post_process=pp_rank == pp_size - 1,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
+        position_embedding_type="yarn" if rs.type == "yarn" else "rope",
+        rotary_base=int(model_cfg.rotary_base),
+        rope_scaling=rs.type == "llama3",
+        rope_scaling_factor=rs.factor if rs.type == "llama3" else MEGATRON_ROPE_SCALING_FACTOR,
+        pg_collection=groups,
+    )
+    model.true_vocab_size = model_cfg.vocab_size
+    model = model.to(device).eval().requires_grad_(False)
+    attach_moe_state([model])
+    return model
+
+
+def refit_vocab_rows(model_cfg: ModelConfig, train_tp: int, infer_tp: int) -> int:
+    """The inference model's vocabulary rows: the training model's padded count, so the
+    embedding and output layer map row for row (a TP1 model alone would pad less than a TP2 one)."""
+    from megatron_rl.models.canonical import padded_vocab_size
+
+    rows = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, train_tp)
+    if rows % infer_tp:
+        raise ValueError(f"rollout.layout.tp={infer_tp} does not divide the {rows} vocabulary rows of the training "
+                         f"model (parallel.tp={train_tp}); use a TP that divides {rows}")
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitStats:
+    seconds: float
+    bytes_received: int  # bytes this rank received into its inference shard (copies within the rank included)
+
+
+def refit(train_chunks: list, infer_model, method: str) -> RefitStats:
+    """Copy the actor's weights (``train_chunks``: this rank's megatron chunks, DDP-wrapped or
+    not) into ``infer_model`` with megatron-core's resharding; collective over the world."""
+    from megatron.core.resharding.refit import swap_model_weights
+
+    from megatron_rl.models.canonical import unwrap
+
+    source, target = _refit_view([unwrap(c) for c in train_chunks]), _refit_view([infer_model])
+    _forget_plans_of_other_models(source, target)
+    start = time.perf_counter()
+    with torch.no_grad():
+        swap_model_weights([source], [target], refit_method=method)
+    seconds = time.perf_counter() - start
+    return RefitStats(seconds, received_bytes(source, target))
+
+
+_PLANNED: list = []  # the (source, inference model) pair megatron's cached plans were built for
+
+
+def _forget_plans_of_other_models(source, infer_model) -> None:
+    """megatron caches reshard plans by the two layouts' sizes, not by model: a plan built for
+    other models of the same sizes (another run in this process) names their tensors' slices, so
+    it is dropped when the pair changes."""
+    from megatron.core.resharding.refit import clear_plan_cache
+
+    pair = (source, infer_model)
+    if not _PLANNED or _PLANNED[0][0] is not source or _PLANNED[0][1] is not infer_model:
+        clear_plan_cache()
+        _PLANNED[:] = [pair]
+
+
+def _refit_view(chunks: list) -> "_RefitView":
+    """The one module per rank megatron's resharding reads (made once per set of chunks, so the
+    plan cached for it stays valid)."""
+    view = getattr(chunks[0], "_refit_view", None)
+    if view is None or view.chunks != chunks:
+        view = _RefitView(chunks)
+        object.__setattr__(chunks[0], "_refit_view", view)  # not a submodule: no cycle in named_modules
+    return view
+
+
+def received_bytes(source, infer_model) -> int:
+    """Bytes the cached plan writes into this rank's inference shard per refit."""
+    from megatron.core.resharding.refit import _build_plan_cache_key, _plan_cache, _unwrap_model_cores
+    from megatron.core.resharding.utils import get_refit_tensor_dict
+
+    src_core, tgt_core, experts = _unwrap_model_cores([source], [infer_model])
+    plan = _plan_cache.get(_build_plan_cache_key(src_core, tgt_core, experts))
+    if plan is None:
+        return 0
+    tensors = get_refit_tensor_dict(tgt_core)
+    total = 0
+    for op in plan.recv_ops:
+        t = tensors[op.param_name]
+        total += t[op.my_slice].numel() * t.element_size()
+    return total
+
+
+class _RefitView(torch.nn.Module):
+    """A rank's chunks of one model as megatron's resharding should see them: one module whose
+    parameters are named by global layer index (VPP chunks each number their layers from 0) and
+    global expert index.  megatron-core 0.19 resolves expert numbers only in TransformerEngine's
+    grouped names (``weightK``); the local spec's ``SequentialMLP`` names its experts
+    ``local_experts.K`` on every EP rank, so without this an EP2 -> EP1 refit finds no source."""
+
+    def __init__(self, chunks: list):
+        super().__init__()
+        self.chunks = chunks  # a plain list: the chunks are not submodules, only named below
+        self.config = chunks[0].config
+        self.pg_collection = chunks[0].pg_collection
+        ep = getattr(self.pg_collection, "ep", None)
+        experts = self.config.num_moe_experts or 0
+        self._first_expert = ep.rank() * (experts // ep.size()) if ep is not None and experts else 0
+
+    def _renamers(self):
+        from megatron.core.resharding.utils import _build_layer_module_prefix_map, _resolve_global_layer_number_in_name
+
+        for chunk in self.chunks:
+            prefix_map = _build_layer_module_prefix_map(chunk)
+            yield chunk, lambda name, m=prefix_map: self._global_expert(_resolve_global_layer_number_in_name(name, m))
+
+    def _global_expert(self, name: str) -> str:
+        parts = name.split(".")
+        for i in range(len(parts) - 1):
+            if parts[i] == "local_experts" and parts[i + 1].isdigit():
+                parts[i + 1] = str(self._first_expert + int(parts[i + 1]))
+        return ".".join(parts)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for chunk, rename in self._renamers():
+            for name, param in chunk.named_parameters(recurse=recurse):
+                yield rename(name), param
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        yield "", self
+        for chunk, rename in self._renamers():
+            for name, module in chunk.named_modules():
+                if name:
+                    yield rename(name), module
