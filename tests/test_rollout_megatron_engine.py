@@ -487,6 +487,26 @@ def test_ppo_runs_with_the_megatron_engine_and_recomputes_its_logprobs(tmp_path)
     assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
 
 
+@pytest.mark.parametrize("train,rollout", [(["parallel.tp=2", "parallel.pp=2"], ["rollout.layout.tp=1",
+                                                                              "rollout.layout.pp=1"]),
+                                           (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4",
+                                             "trainer.prompts_per_step=8", "algorithm.mini_batches=1",
+                                             "batch.micro_batch_size=1"], [])],
+                         ids=["tp2_pp2_into_tp1", "pp2_vpp2"])
+def test_ppo_generates_on_a_layout_of_its_own_refit_every_step(train, rollout, tmp_path):
+    """PPO trains on one layout and generates on another: every step refits the engine's model
+    (time and bytes logged), and what the engine sampled with is what the actor computes."""
+    from tests.support.helpers import ppo_body, read_metrics
+
+    run_distributed(4, ppo_body, train + rollout + [
+        "rollout.engine=megatron", "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16", "trainer.steps=2",
+        f"run.dir={tmp_path}", "run.name=r", "algorithm.old_logprobs=recompute"])
+    rows = read_metrics(tmp_path / "r")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["timing/refit_s"] > 0 and r["rollout/refit_bytes"] > 0 for r in rows)
+    assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
+
+
 # RL steps after the recipe's supervised warm-up: enough for the reward to rise clearly.
 LEARNING_STEPS = 20
 
@@ -510,15 +530,15 @@ def test_grpo_learns_the_demo_task_with_the_megatron_engine(tmp_path):
     assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
 
 
-def test_config_refuses_the_megatron_engine_with_virtual_pipeline_stages():
+def test_config_sends_virtual_pipeline_stages_to_a_model_of_their_own():
+    """megatron's engine refuses interleaved chunks, so a VPP actor generates on a model of its own."""
     from megatron_rl.config.loader import load_config
-    from megatron_rl.errors import UserInputError
     from megatron_rl.validation import validate
 
     cfg = load_config(None, ["rollout.engine=megatron", "parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"])
-    with pytest.raises(UserInputError, match="rollout.engine"):
-        validate(cfg, 2)
-    validate(load_config(None, ["rollout.engine=megatron", "parallel.pp=2", "model.num_layers=4"]), 2)
+    assert "refit" in validate(cfg, 2).get("rollout.layout").why
+    plain = load_config(None, ["rollout.engine=megatron", "parallel.pp=2", "model.num_layers=4"])
+    assert "nothing copied" in validate(plain, 2).get("rollout.layout").why
 
 
 def test_generate_command_writes_tokens_text_and_logprobs(tmp_path):
@@ -542,6 +562,31 @@ def test_generate_command_writes_tokens_text_and_logprobs(tmp_path):
         assert row["prompt_ids"] in ([3, 9, 27], [5, 1])
         assert 0 < len(row["response_ids"]) == len(row["logprobs"]) <= 5
         assert isinstance(row["text"], str) and all(lp <= 0 for lp in row["logprobs"])
+
+
+def test_generate_command_runs_on_a_rollout_layout_of_its_own(tmp_path):
+    """megatron-rl generate loads the model on the training layout (TP2 x PP2) and generates on
+    rollout.layout TP1 (four replicas): the greedy responses are HF generate's."""
+    from megatron_rl.testing.harness import get_pool
+    from tests.support.helpers import make_hf_model
+
+    hf_dir = str(tmp_path / "hf")
+    hf_model = make_hf_model("llama", hf_dir)
+    prompts = PROMPTS[:4]
+    with open(tmp_path / "in.jsonl", "w") as fh:
+        for prompt in prompts:
+            fh.write(json.dumps({"prompt_ids": prompt}) + "\n")
+    out = str(tmp_path / "out.jsonl")
+    get_pool(4).run(generate_body, hf_dir, str(tmp_path / "in.jsonl"), out,
+                    ["parallel.tp=2", "parallel.pp=2", "rollout.layout.tp=1", "rollout.layout.pp=1",
+                     "rollout.engine=megatron", "rollout.n=1", "rollout.max_new_tokens=8", "rollout.temperature=0",
+                     "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16"])
+    rows = [json.loads(line) for line in open(out)]
+    assert [r["index"] for r in rows] == list(range(len(prompts)))
+    hf_greedy = _hf_generate_greedy(hf_model, prompts, 8)
+    got = [r["response_ids"] for r in rows]
+    # HF generate runs to max_new_tokens; the command stops at the model's EOS, kept as the last token
+    assert all(g == h[: len(g)] for g, h in zip(got, hf_greedy)) and all(got)
 
 
 def test_generate_command_needs_one_model_source(capsys):

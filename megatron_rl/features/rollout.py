@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
-from megatron_rl.rollout.choice import MEGATRON, rollout_engine
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured
 
 AREA = "rollout"
 FEATURES = [
@@ -57,12 +56,6 @@ FEATURES = [
          "tests/test_rollout_megatron_engine.py::test_ppo_runs_with_the_megatron_engine_and_recomputes_its_logprobs",
          "tests/test_rollout_megatron_engine.py::test_grpo_learns_the_demo_task_with_the_megatron_engine",
          "tests/test_planner.py::test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards"),
-        constraints=(
-            need("rollout.engine", lambda c, w: not c.parallel.vpp or c.parallel.vpp <= 1,
-                 "megatron-core's inference refuses virtual pipeline stages (interleaved chunks)",
-                 "use rollout.engine=tp_sharded or torch with parallel.vpp, or set parallel.vpp=null",
-                 "no VPP", when=lambda c: rollout_engine(c) == MEGATRON, generation=True),
-        ),
         config="rollout.engine=megatron",
         measured=(Measured("CPU, tokens per CPU-second (fastest of 3 runs): long tail 0.73x the torch decoder's "
                            "(target 2x) "
@@ -83,7 +76,7 @@ FEATURES = [
         "and the reason. The CUDA branch has not run on a GPU.",
         ("tests/test_rollout_choice.py::test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere",
          "tests/test_rollout_choice.py::test_config_and_engine_builder_agree_on_this_machine",
-         "tests/test_rollout_choice.py::test_vpp_runs_the_decoder_under_auto_and_is_refused_for_megatron",
+         "tests/test_rollout_choice.py::test_vpp_runs_the_decoder_under_auto_and_megatron_on_a_model_of_its_own",
          "tests/test_moe.py::test_train_refuses_an_moe_model_with_a_decoder_without_experts"),
         config="rollout.engine=auto",
     ),
@@ -96,10 +89,21 @@ FEATURES = [
         config="(always on)",
     ),
     Feature(
-        "Generation on its own layout with weight refit", "rollout", PLANNED,
-        "Rollout on a layout of its own (e.g. TP1 replicas while training runs TP4 x CP2 with recompute), weights "
-        "moved by megatron-core's resharding (swap_model_weights) each step; today rollout runs on the training "
-        "layout.",
+        "Generation on its own layout with weight refit", "rollout", TESTED_CPU,
+        "rollout.layout (tp, pp, ep, etp; CP 1, the other ranks data-parallel replicas): megatron's engine generates "
+        "with a second model built on that layout's process groups, refit from the actor's shards before every "
+        "rollout with megatron-core's resharding (swap_model_weights: a plan built once, gloo on the CPU, NCCL on "
+        "GPU) and freed after it; timing/refit_s and rollout/refit_bytes logged per step. Bit-exact from TP2, PP2, "
+        "PP2xVPP2, TP2xPP2, CP2, TP2xCP2, EP2, PP2xEP2 into TP1, TP2, EP2; greedy responses after refit are HF "
+        "generate's; VPP actors generate through it. Where rollout.layout equals the training layout (the default) "
+        "the engine generates in place, nothing copied. NCCL refit untested (no GPU run).",
+        ("tests/test_refit.py::test_refit_from_a_dense_training_layout_is_bit_exact",
+         "tests/test_refit.py::test_refit_from_a_moe_training_layout_is_bit_exact",
+         "tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
+         "tests/test_rollout_megatron_engine.py::"
+         "test_virtual_pipeline_training_generates_with_the_engine_on_a_layout_of_its_own",
+         "tests/test_rollout_megatron_engine.py::test_ppo_generates_on_a_layout_of_its_own_refit_every_step"),
+        config="rollout.layout.tp=1",
     ),
     Feature(
         "Asynchronous RL (one-step-off and fully async)", "rollout", PLANNED,

@@ -346,6 +346,10 @@ class PPOTrainer:
         metrics.update(timings)
         metrics.update(memory_metrics())
         metrics["rollout/weights_gb"] = self.engine.weight_bytes() / 2**30
+        refit = getattr(self.engine, "last_refit", None)  # rollout.layout of its own: the copy into it
+        if refit is not None:
+            metrics[timing_key("refit")] = refit.seconds
+            metrics["rollout/refit_bytes"] = refit.bytes_received
         metrics.update(throughput_metrics(samples, timings[timing_key("step")]))
         return metrics
 
