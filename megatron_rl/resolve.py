@@ -118,10 +118,25 @@ def _rollout_engine(cfg: Config, world: Optional[int], job: Job):
 
 
 def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
-    """The inference model's layout: each unset size is the training layout's."""
+    """The inference model's layout.  Unset on CUDA with megatron's engine, a known world size and
+    GPU memory: the planner's choice (:func:`megatron_rl.planner.recipe.planned_rollout_layout`);
+    elsewhere (the CPU) each unset size is the training layout's, so nothing is copied."""
+    from megatron_rl.compat.devices import cuda_memory_bytes
     from megatron_rl.config.schema import RolloutLayoutConfig
+    from megatron_rl.rollout.choice import MEGATRON
 
     asked, train = cfg.rollout.layout, cfg.parallel
+    unset = all(v is None for v in dataclasses.asdict(asked).values())
+    memory = cuda_memory_bytes() if cfg.distributed.device == "cuda" else None
+    if unset and cfg.rollout.engine == MEGATRON and world and memory:
+        from megatron_rl.models.arch import resolve_dtype
+        from megatron_rl.planner.recipe import planned_rollout_layout
+
+        dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
+        mem, why = planned_rollout_layout(cfg, world, memory, dtype_bytes)
+        chosen = mem.layout
+        return (RolloutLayoutConfig(tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, etp=chosen.etp), DERIVED,
+                f"{memory / 2**30:.0f} GiB GPUs: {why}")
     layout = RolloutLayoutConfig(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
                                  etp=asked.etp or train.etp)
     shares = ((layout.tp, layout.pp, layout.ep, layout.etp or layout.tp) == (train.tp, train.pp, train.ep,

@@ -271,7 +271,7 @@ def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
     whole pages per sequence plus the page the engine reserves.  (The engine's page count for such
     a budget is checked in tests/test_rollout_megatron_engine.py.)"""
     cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128
-    lay = memory.PlanOption(tp=2, pp=2, megatron_rollout=True)
+    lay = memory.PlanOption(tp=2, pp=2, megatron_rollout=True, rollout_layout=memory.RolloutLayout(tp=2, pp=2))
     per_token = 2 * (28 // 2) * (4 // 2) * 128 * 2
     assert memory.engine_kv_bytes_per_token(cfg, lay, 2) == per_token
     kw = dict(prompt_len=1000, response_len=3000, tokens_per_microbatch=4096, budget_bytes=48 * memory.GiB,
@@ -285,3 +285,60 @@ def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
     full = memory.estimate(cfg, memory.PlanOption(tp=2, pp=2), **kw)
     assert full.kv_cache_memory == 0 and full.rollout_batch < est.rollout_batch
     assert "rollout.engine=megatron" in lay.overrides()
+
+
+def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
+    """megatron's engine on rollout.layout: TP4 x DP2 training (GRPO, distributed optimizer) on
+    8 x 80 GB leaves room during rollout for a TP1 copy of the weights and 20 sequences of 33k tokens
+    per replica; the numbers by hand."""
+    cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128, 7.62B parameters
+    train = memory.PlanOption(tp=4, dp=2, distributed_optimizer=True, megatron_rollout=True)
+    budget = 0.9 * 80 * memory.GiB
+    seq = 1024 + 32768
+    p_gpu = memory.params_per_gpu(cfg, train)
+    resident = p_gpu * 2 + p_gpu * 4 + p_gpu * 12 / 2  # bf16 weights, fp32 grads, Adam over DP2
+    models = memory.model_state(cfg, train, with_critic=False, with_reference=False)
+    assert memory.rollout_resident_bytes(models, offload=False) == pytest.approx(resident)
+    assert memory.rollout_resident_bytes(models, offload=True) == pytest.approx(p_gpu * 2)  # the rest in host memory
+    mem, why = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
+                                            concurrency=16)
+    assert mem.layout == memory.RolloutLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
+    weights = memory.total_params(cfg) * 2  # TP1 PP1: the whole model, untied embeddings
+    assert mem.extra_weights == mem.weights == pytest.approx(weights)
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, every layer, every KV head, bf16
+    pages = -(-seq // 256)  # 133 pages of 256 tokens per sequence
+    assert mem.kv_per_sequence == per_token * 256 * pages
+    room = budget - resident - weights - per_token * 256  # less the page the engine reserves
+    assert mem.sequences == int(room // (per_token * 256 * pages)) == 20
+    assert mem.kv == per_token * 256 * (20 * pages + 1)
+    assert mem.peak == pytest.approx(resident + weights + mem.kv)
+    assert why.startswith("tp1 pp1 x 8 replicas: the smallest TP, then PP,") and "16 sequences per replica" in why
+    # More than TP1 x PP1 holds: TP1 again, over 2 stages (4 replicas, each rank half the layers' weights and KV).
+    mem2, _ = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
+                                           concurrency=21)
+    assert mem2.layout == memory.RolloutLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
+    assert mem2.extra_weights == pytest.approx(memory.params_per_gpu(cfg, memory.PlanOption(pp=2, dp=4)) * 2)
+    assert mem2.kv_per_sequence == per_token / 2 * 256 * pages
+    # The training layout's sizes share the actor's shards: nothing added, a quarter of the KV heads per rank.
+    same = memory.rollout_memory(cfg, train, memory.RolloutLayout(tp=4), seq_len=seq, resident=resident,
+                                 budget_bytes=budget)
+    assert same.shares and same.extra_weights == 0 and same.kv_per_sequence == per_token / 4 * 256 * pages
+    # Nothing holds 1000 per replica: the layout that holds the most over the world (sharing: no copy).
+    most, why = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
+                                             concurrency=1000)
+    assert most.shares and "holds the most over the world" in why
+
+
+def test_plan_shows_the_inference_layout_and_sets_it(capsys):
+    rc, lines = _plan_output(capsys, "--model", "qwen2.5-7b", "--prompt-len", "1024", "--response-len", "32768",
+                             "--no-critic", "--no-reference", "--rollout-engine", "megatron", "--show", "3")
+    assert rc == 0
+    header, *rows = _table(lines)
+    names = re.split(r"\s{2,}", header.strip())
+    first = dict(zip(names, re.split(r"\s{2,}", rows[0].strip())))
+    assert first["layout"] == "tp4 pp1 cp1 dp2" and first["infer"] == "tp1 pp1 x8" and first["gen"] == "20"
+    assert float(first["i-wts"]) == pytest.approx(memory.total_params(preset("qwen2.5-7b")) * 2 / 2**30, abs=0.05)
+    assert float(first["roll"]) <= 72.0 and float(first["total"]) >= float(first["roll"])
+    assert any(line.startswith("rollout.layout: tp1 pp1 x 8 replicas: the smallest TP") for line in lines)
+    overrides = next(line for line in lines if line.startswith("overrides:"))
+    assert "rollout.engine=megatron" in overrides and "rollout.layout.tp=1 rollout.layout.pp=1" in overrides

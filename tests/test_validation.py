@@ -256,3 +256,46 @@ def test_virtual_pipeline_with_too_few_sequences_per_pass_is_refused(capsys, tmp
                    "parallel.vpp=2", "trainer.prompts_per_step=1", world=2)
     assert line.startswith("config error: trainer.prompts_per_step=1: with virtual pipeline stages a training pass "
                            "needs at least 2*pp micro-batches"), line
+
+
+MEGATRON = "rollout.engine=megatron"
+# rollout.layout on demo_cpu.yaml (TP2 x PP2, 4 heads, 2 KV heads, 4 layers, 64 -> 256 vocabulary rows).
+ROLLOUT_LAYOUT_REFUSALS = [
+    (4, ["rollout.layout.tp=2", "rollout.layout.pp=4", MEGATRON], "rollout.layout.tp=2",
+     "rollout.layout tp*pp=2x4 does not divide the world size 4"),
+    (4, ["rollout.layout.tp=1", "rollout.layout.pp=2", "rollout.layout.etp=4", MEGATRON], "rollout.layout.ep=1",
+     "rollout.layout etp*ep*pp does not divide the world size 4"),
+    (8, ["rollout.layout.tp=8", "rollout.layout.pp=1", MEGATRON], "rollout.layout.tp=8",
+     "model.num_attention_heads=4 is not divisible by rollout.layout.tp"),
+    (4, ["rollout.layout.tp=4", "rollout.layout.pp=1", MEGATRON], "rollout.layout.tp=4",
+     "KV heads (model.num_query_groups=2) are not divisible by rollout.layout.tp"),
+    # 66 tokens at make_vocab_size_divisible_by=1 and parallel.tp=2: 66 rows, which TP4 does not split
+    (4, ["model.num_query_groups=4", "model.vocab_size=66", "model.make_vocab_size_divisible_by=1",
+         "rollout.layout.tp=4", "rollout.layout.pp=1", MEGATRON], "rollout.layout.tp=4",
+     "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp=2)"),
+    (4, ["model.num_layers=6", "rollout.layout.tp=1", "rollout.layout.pp=4", MEGATRON], "rollout.layout.pp=4",
+     "model.num_layers=6 is not divisible by rollout.layout.pp"),
+    (4, ["rollout.layout.tp=1", "rollout.layout.pp=2", "rollout.layout.ep=2", MEGATRON], "rollout.layout.ep=2",
+     "rollout.layout.ep must divide the experts of an MoE model"),
+    (4, ["rollout.layout.tp=1"], "rollout.engine=torch",
+     "rollout.layout differs from the training layout, which only megatron's engine generates on"),
+]
+
+
+@pytest.mark.parametrize("world,overrides,key,problem", ROLLOUT_LAYOUT_REFUSALS)
+def test_rollout_layout_is_refused_before_launch(capsys, tmp_path, world, overrides, key, problem):
+    line = refused(capsys, tmp_path, *overrides, world=world)
+    assert line.startswith(f"config error: {key}: {problem}"), line
+    assert "; fix: " in line, line
+
+
+def test_rollout_layout_of_its_own_refuses_routing_replay(capsys, tmp_path):
+    moe = ["model.moe.num_experts=4", "model.moe.router_topk=2", "algorithm.routing_replay=true", MEGATRON]
+    line = refused(capsys, tmp_path, *moe, "rollout.layout.tp=1", "rollout.layout.pp=2", "rollout.layout.etp=1")
+    assert line.startswith("config error: algorithm.routing_replay=True: routing replay records the experts on the "
+                           "actor's own shards"), line
+    assert "fix: set algorithm.routing_replay=false, or leave rollout.layout unset" in line
+    # The training layout's sizes share the actor's shards: routing replay is fine there.
+    assert main(["validate", DEMO, "--world-size", "4", f"run.dir={tmp_path}/runs", *moe]) == 0
+    assert main(["validate", DEMO, "--world-size", "4", f"run.dir={tmp_path}/runs", MEGATRON, "rollout.layout.tp=1",
+                 "rollout.layout.pp=2"]) == 0

@@ -24,3 +24,21 @@ def _cuda_devices_present() -> bool:
 def cuda_available() -> bool:
     """Whether real CUDA is usable; nothing initialises CUDA before a rank picks its device."""
     return os.environ.get("MEGATRON_RL_FORCE_CPU", "0") in ("", "0") and _cuda_devices_present()
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_memory_bytes() -> int | None:
+    """Total memory of the first CUDA device, asked through NVML so CUDA is not initialised;
+    None without CUDA or without NVML's Python bindings (pynvml)."""
+    if not cuda_available():
+        return None
+    try:
+        import pynvml  # type: ignore
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no bindings, no driver: the memory is not known
+        return None

@@ -2,9 +2,77 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _heads_kv, need
+from megatron_rl.models.arch import is_moe
+from megatron_rl.planner.memory import padded_vocab_rows
+from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 AREA = "rollout"
+
+
+def _infer(c):
+    return c.rollout.layout
+
+
+def _infer_etp(c) -> int:
+    return _infer(c).etp or _infer(c).tp
+
+
+def _shares(c) -> bool:
+    """rollout.layout generates on the actor's own shards (megatron_rl/rollout/refit.py's rule)."""
+    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.rollout.refit import InferenceLayout, shares_training_weights
+
+    lay = _infer(c)
+    return shares_training_weights(InferenceLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp),
+                                   ParallelLayout.from_config(c.parallel, c.parallel.tp * c.parallel.pp))
+
+
+def _differs(c) -> bool:
+    """rollout.layout is not the training layout's sizes (a second model, refit before each rollout)."""
+    lay, p = _infer(c), c.parallel
+    return (lay.tp, lay.pp, lay.ep, lay.etp or lay.tp) != (p.tp, p.pp, p.ep, p.etp or p.tp)
+
+
+ROLLOUT_LAYOUT_CONSTRAINTS = (
+    need("rollout.engine", lambda c, w: rollout_engine(c) == MEGATRON,
+         "rollout.layout differs from the training layout, which only megatron's engine generates on",
+         "set rollout.engine=megatron, or leave rollout.layout unset",
+         "a layout of its own needs rollout.engine=megatron",
+         when=_differs, generation=True),
+    need("rollout.layout.tp", lambda c, w: w is None or w % (_infer(c).tp * _infer(c).pp) == 0,
+         "rollout.layout tp*pp={c.rollout.layout.tp}x{c.rollout.layout.pp} does not divide the world size {w}",
+         "choose rollout.layout.tp and .pp whose product divides {w}", "world size divisible by rollout tp*pp",
+         generation=True),
+    need("rollout.layout.ep", lambda c, w: w is None or w % (_infer_etp(c) * _infer(c).ep * _infer(c).pp) == 0,
+         "rollout.layout etp*ep*pp does not divide the world size {w} (null etp = rollout.layout.tp)",
+         "choose rollout.layout.etp, .ep and .pp whose product divides {w}",
+         "world size divisible by rollout etp*ep*pp", generation=True),
+    need("rollout.layout.tp", lambda c, w: c.model.num_attention_heads % _infer(c).tp == 0,
+         "model.num_attention_heads={c.model.num_attention_heads} is not divisible by rollout.layout.tp",
+         "use a rollout.layout.tp that divides the number of attention heads", "num_attention_heads % rollout tp == 0",
+         generation=True),
+    need("rollout.layout.tp", lambda c, w: _heads_kv(c) % _infer(c).tp == 0,
+         "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by rollout.layout.tp",
+         "use a rollout.layout.tp that divides the number of KV heads", "num_query_groups % rollout tp == 0",
+         generation=True),
+    need("rollout.layout.tp", lambda c, w: padded_vocab_rows(c.model, c.parallel.tp) % _infer(c).tp == 0,
+         "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp={c.parallel.tp})",
+         "use a rollout.layout.tp that divides parallel.tp x model.make_vocab_size_divisible_by",
+         "padded vocabulary rows % rollout tp == 0", generation=True),
+    need("rollout.layout.pp", lambda c, w: c.model.num_layers % _infer(c).pp == 0,
+         "model.num_layers={c.model.num_layers} is not divisible by rollout.layout.pp",
+         "use a rollout.layout.pp that divides the number of layers", "num_layers % rollout pp == 0", generation=True),
+    need("rollout.layout.ep", lambda c, w: is_moe(c.model) and c.model.moe.num_experts % _infer(c).ep == 0,
+         "rollout.layout.ep must divide the experts of an MoE model", "use a rollout.layout.ep that divides "
+         "model.moe.num_experts (1 for a dense model)", "num_experts % rollout ep == 0",
+         when=lambda c: _infer(c).ep > 1 or is_moe(c.model), generation=True),
+    need("algorithm.routing_replay", lambda c, w: _shares(c),
+         "routing replay records the experts on the actor's own shards; rollout.layout generates on a second model",
+         "set algorithm.routing_replay=false, or leave rollout.layout unset (the training layout, one chunk per rank)",
+         "routing replay needs rollout.layout to share the training weights",
+         when=lambda c: c.algorithm.routing_replay, generation=True),
+)
 FEATURES = [
     Feature(
         "Greedy rollout (temperature 0)", "rollout", TESTED_CPU,
@@ -89,21 +157,11 @@ FEATURES = [
         config="(always on)",
     ),
     Feature(
-        "Generation on its own layout with weight refit", "rollout", TESTED_CPU,
-        "rollout.layout (tp, pp, ep, etp; CP 1, the other ranks data-parallel replicas): megatron's engine generates "
-        "with a second model built on that layout's process groups, refit from the actor's shards before every "
-        "rollout with megatron-core's resharding (swap_model_weights: a plan built once, gloo on the CPU, NCCL on "
-        "GPU) and freed after it; timing/refit_s and rollout/refit_bytes logged per step. Bit-exact from TP2, PP2, "
-        "PP2xVPP2, TP2xPP2, CP2, TP2xCP2, EP2, PP2xEP2 into TP1, TP2, EP2; greedy responses after refit are HF "
-        "generate's; VPP actors generate through it. Where rollout.layout equals the training layout (the default) "
-        "the engine generates in place, nothing copied. NCCL refit untested (no GPU run).",
-        ("tests/test_refit.py::test_refit_from_a_dense_training_layout_is_bit_exact",
-         "tests/test_refit.py::test_refit_from_a_moe_training_layout_is_bit_exact",
-         "tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
-         "tests/test_rollout_megatron_engine.py::"
-         "test_virtual_pipeline_training_generates_with_the_engine_on_a_layout_of_its_own",
-         "tests/test_rollout_megatron_engine.py::test_ppo_generates_on_a_layout_of_its_own_refit_every_step"),
-        config="rollout.layout.tp=1",
+        "Generation on its own layout with weight refit", "rollout", PLANNED,
+        "Rollout on a layout of its own (e.g. TP1 replicas while training runs TP4 x CP2 with recompute), weights "
+        "moved by megatron-core's resharding (swap_model_weights) each step; today rollout runs on the training "
+        "layout.",
+        constraints=ROLLOUT_LAYOUT_CONSTRAINTS,
     ),
     Feature(
         "Asynchronous RL (one-step-off and fully async)", "rollout", PLANNED,

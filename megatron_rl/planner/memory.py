@@ -60,6 +60,7 @@ class PlanOption:
     hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
     ep: int = 1  # MoE: expert parallel (planner/moe.py)
     etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
+    rollout_layout: Optional["RolloutLayout"] = None  # megatron's engine: rollout.layout as set; None = chosen
 
     @property
     def world(self) -> int:
@@ -348,6 +349,32 @@ def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, 
     return engine_kv_bytes_per_token(cfg, layout, bytes_per) * block_tokens * pages
 
 
+def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, with_reference: bool = True,
+                param_bytes: int = 2) -> dict:
+    """Per-rank bytes of each model's weights, gradients and optimizer state (bf16 weights, fp32
+    grads and Adam)."""
+    p_gpu = params_per_gpu(cfg, layout)
+    shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    weights = p_gpu * param_bytes
+    grads = p_gpu * GRAD_BYTES_PER_PARAM
+    optim = p_gpu * ADAM_BYTES_PER_PARAM / shard
+    if is_moe(cfg):  # the experts' state sharded over the expert data-parallel ranks
+        optim = moe.optimizer_params(cfg, layout, p_gpu, layer_params(cfg)) * ADAM_BYTES_PER_PARAM
+    models = {"actor weights": weights, "actor grads": grads, "actor optimizer": optim}
+    if with_critic:
+        models.update({"critic weights": weights, "critic grads": grads, "critic optimizer": optim})
+    if with_reference:
+        models["reference weights"] = weights
+    return models
+
+
+def rollout_resident_bytes(models: dict, offload: bool) -> float:
+    """What the training state leaves on the GPU while generating: with ``trainer.offload`` the
+    actor's weights alone (grads, optimizer states and the other models wait in host memory), else
+    everything of :func:`model_state`."""
+    return models["actor weights"] if offload else sum(models.values())
+
+
 @dataclasses.dataclass
 class Breakdown:
     components: dict
@@ -355,6 +382,10 @@ class Breakdown:
     rollout_batch: int = 0  # sequences the rollout can generate together within the budget
     kv_cache_memory: float = 0.0  # megatron's engine: the rollout.kv_cache_memory (bytes) of that batch
     train_peak: float = 0.0  # the training phase's peak (resident models + one micro-batch); total adds generation
+    rollout_peak: float = 0.0  # the rollout phase's: the training state left resident, generation's weights and KV
+    rollout: Optional["RolloutMemory"] = None  # megatron's engine: its layout and memory
+    rollout_why: str = ""  # why that layout (one line)
+    rollout_kv: float = 0.0  # generation's KV cache per rank (any engine)
 
     def gib(self) -> dict:
         return {k: v / GiB for k, v in self.components.items()}
@@ -372,28 +403,22 @@ def estimate(
     with_critic: bool = True,
     with_reference: bool = True,
     param_bytes: int = 2,
+    rollout_concurrency: Optional[int] = None,
 ) -> Breakdown:
     """Peak per-GPU bytes over the phases of a PPO step (bf16 weights, fp32 grads and Adam).
 
     The rollout generates as many sequences at once as the memory left beside the resident
-    models allows (up to ``max_rollout_batch``); ``rollout_batch`` says how many."""
-    p_gpu = params_per_gpu(cfg, layout)
-    shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
-    weights = p_gpu * param_bytes
-    grads = p_gpu * GRAD_BYTES_PER_PARAM
-    optim = p_gpu * ADAM_BYTES_PER_PARAM / shard
-    if is_moe(cfg):  # the experts' state sharded over the expert data-parallel ranks
-        optim = moe.optimizer_params(cfg, layout, p_gpu, layer_params(cfg)) * ADAM_BYTES_PER_PARAM
-    trainable = weights + grads + optim
+    models allows (up to ``max_rollout_batch``); ``rollout_batch`` says how many.  On megatron's
+    engine it runs on ``layout.rollout_layout``, or on the layout :func:`choose_rollout_layout`
+    picks for ``rollout_concurrency`` sequences per replica when that is None."""
+    rollout_concurrency = rollout_concurrency or ROLLOUT_CONCURRENCY
+    models = model_state(cfg, layout, with_critic, with_reference, param_bytes)
+    weights = models["actor weights"]
+    trainable = weights + models["actor grads"] + models["actor optimizer"]
     seq_len = prompt_len + response_len
     kept = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
     head = head_bytes(cfg, layout, tokens_per_microbatch, param_bytes)
     peak = peak_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
-    models = {"actor weights": weights, "actor grads": grads, "actor optimizer": optim}
-    if with_critic:
-        models.update({"critic weights": weights, "critic grads": grads, "critic optimizer": optim})
-    if with_reference:
-        models["reference weights"] = weights
     # With offload only the running phase's model stays on the GPU; the others wait in host memory.
     resident = trainable if layout.offload else sum(models.values())
     # Activations: what is kept plus the larger of one layer's MLP and attention working sets.  The
@@ -402,26 +427,213 @@ def estimate(
                       _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
     train = resident + peak
     # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache;
-    # the TP-sharded engine holds 1/TP of both; megatron's engine (MoE models: the only engine)
-    # runs on the actor's own shards with a paged cache of this stage's layers.
-    gen_split = layout.tp if layout.sharded_rollout else 1
-    full_weights = total_params(cfg) * param_bytes / gen_split
-    per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes) / gen_split
-    reserved = 0.0
+    # the TP-sharded engine holds 1/TP of both.
+    train_state = rollout_resident_bytes(models, layout.offload)
     paged = is_moe(cfg) or layout.megatron_rollout
-    if paged:
-        full_weights = 0.0
-        reserved = engine_kv_cache_bytes(cfg, layout, 0, seq_len, param_bytes)
-        per_seq = engine_kv_cache_bytes(cfg, layout, 1, seq_len, param_bytes) - reserved
-    gen_resident = (weights if layout.offload else resident) + full_weights
-    room = budget_bytes - gen_resident - reserved
-    batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
-    kv = reserved + max(batch, 1) * per_seq
-    rollout = full_weights + kv
+    rollout_mem, why = None, ""
+    if paged:  # megatron's engine on rollout.layout: the actor's shards, or a second copy refit from them
+        seq_kw = dict(seq_len=seq_len, resident=train_state, budget_bytes=budget_bytes, param_bytes=param_bytes)
+        if layout.rollout_layout is not None:
+            rollout_mem = rollout_memory(cfg, layout, layout.rollout_layout, max_sequences=max_rollout_batch, **seq_kw)
+            shared = "the actor's shards" if rollout_mem.shares else "a copy refit from the training shards"
+            why = f"{layout.rollout_layout.name()}: as the config sets it ({shared})"
+        else:
+            rollout_mem, why = choose_rollout_layout(cfg, layout, concurrency=rollout_concurrency,
+                                                     max_sequences=max_rollout_batch, **seq_kw)
+        batch, kv, full_weights = rollout_mem.sequences, rollout_mem.kv, rollout_mem.extra_weights
+    else:
+        gen_split = layout.tp if layout.sharded_rollout else 1
+        full_weights = total_params(cfg) * param_bytes / gen_split
+        per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes) / gen_split
+        room = budget_bytes - train_state - full_weights
+        batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
+        kv = max(batch, 1) * per_seq
+    rollout_peak = train_state + full_weights + kv
     components = dict(models)
     components.update({
         "activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
-        "rollout (weights + KV cache)": rollout,
+        "rollout (weights + KV cache)": full_weights + kv,
     })
-    total = max(train, gen_resident + kv)
-    return Breakdown(components, total, batch, kv if paged else 0.0, train)
+    total = max(train, rollout_peak)
+    return Breakdown(components, total, batch, kv if paged else 0.0, train, rollout_peak, rollout_mem, why, kv)
+
+
+# ----------------------------------------------------------------------------- rollout.layout
+# Tensor-parallel sizes tried for generation (one NVLink domain at most).
+ROLLOUT_TP_SIZES = (1, 2, 4, 8)
+ROLLOUT_PP_SIZES = (1, 2, 4, 8, 16)
+# Sequences each inference replica must hold at once when the planner chooses rollout.layout and
+# nothing says how many (rollout.max_batch_size, ``megatron-rl plan --rollout-concurrency``).
+ROLLOUT_CONCURRENCY = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutLayout:
+    """``rollout.layout``: the inference model's TP / PP / EP / expert-TP (``etp`` None = ``tp``);
+    CP is 1 and the rest of the world are data-parallel replicas."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None
+
+    @classmethod
+    def of_training(cls, train: PlanOption) -> "RolloutLayout":
+        return cls(tp=train.tp, pp=train.pp, ep=train.ep, etp=train.etp)
+
+    def replicas(self, world: int) -> int:
+        return world // (self.tp * self.pp)
+
+    def option(self, world: int) -> PlanOption:
+        """This layout as the memory model's :class:`PlanOption` (no CP, no sequence parallelism)."""
+        return PlanOption(tp=self.tp, pp=self.pp, dp=self.replicas(world), sequence_parallel=False, ep=self.ep,
+                          etp=self.etp)
+
+    def name(self) -> str:
+        out = f"tp{self.tp} pp{self.pp}"
+        if self.ep > 1 or (self.etp or self.tp) != self.tp:
+            out += f" ep{self.ep}" + (f" etp{self.etp}" if (self.etp or self.tp) != self.tp else "")
+        return out
+
+    def settings(self) -> dict:
+        """As ``rollout.layout`` config values (``etp`` null when it equals ``tp``)."""
+        etp = None if self.etp in (None, self.tp) else self.etp
+        return {"rollout.layout": {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": etp}}
+
+
+def shares_training_weights(infer: RolloutLayout, train: PlanOption) -> bool:
+    """The planner's side of :func:`megatron_rl.rollout.refit.shares_training_weights` (the planner
+    plans no VPP): the same TP / PP / EP / expert-TP, so the engine generates on the actor's shards."""
+    return (infer.tp, infer.pp, infer.ep, infer.etp or infer.tp) == (train.tp, train.pp, train.ep,
+                                                                     train.etp or train.tp)
+
+
+def padded_vocab_rows(cfg: ModelConfig, tp: int) -> int:
+    """Vocabulary rows of a model at ``tp``: a multiple of ``make_vocab_size_divisible_by x tp``
+    (megatron_rl.models.canonical.padded_vocab_size, without importing megatron-core)."""
+    multiple = max(1, cfg.make_vocab_size_divisible_by) * tp
+    return -(-cfg.vocab_size // multiple) * multiple
+
+
+def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train_tp: int, world: int) -> list[str]:
+    """Why ``infer`` cannot generate for this model and world (empty: it can).  The rules
+    validation refuses before launch (megatron_rl/features/rollout.py) in one list."""
+    from megatron_rl.models.arch import expert_ffn_size
+
+    nq, nkv, _ = attention_dims(cfg)
+    etp = infer.etp or infer.tp
+    out = []
+    if world % (infer.tp * infer.pp):
+        out.append("tp*pp does not divide the world size")
+    if nq % infer.tp or nkv % infer.tp:
+        out.append("tp does not divide the attention heads and KV heads")
+    if cfg.ffn_hidden_size % infer.tp:
+        out.append("tp does not divide ffn_hidden_size")
+    if cfg.num_layers % infer.pp:
+        out.append("pp does not divide the layers")
+    if padded_vocab_rows(cfg, train_tp) % infer.tp:
+        out.append("tp does not divide the training model's vocabulary rows")
+    if is_moe(cfg):
+        if cfg.moe.num_experts % infer.ep:
+            out.append("ep does not divide the experts")
+        if world % (etp * infer.ep * infer.pp):
+            out.append("etp*ep*pp does not divide the world size")
+        if expert_ffn_size(cfg) % etp:
+            out.append("etp does not divide an expert's hidden units")
+        if infer.ep > 1 and infer.pp > 1:
+            out.append("megatron's engine runs ep > 1 only with pp = 1")
+    elif infer.ep > 1:
+        out.append("ep > 1 needs an MoE model")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutMemory:
+    """Per-rank memory of the rollout phase on megatron's engine with ``layout``."""
+
+    layout: RolloutLayout
+    replicas: int
+    shares: bool  # generates on the actor's shards: no second copy
+    weights: float  # bf16 weights of the inference shard (the actor's own when ``shares``)
+    extra_weights: float  # what the inference model adds: 0 when it shares, else ``weights`` (freed after each rollout)
+    resident: float  # the training state that stays on the GPU during rollout
+    reserved: float  # the KV page the engine reserves
+    kv_per_sequence: float
+    sequences: int  # sequences each replica holds at once (rollout.max_batch_size)
+    kv: float  # the KV budget per rank for them (rollout.kv_cache_memory)
+
+    @property
+    def peak(self) -> float:
+        return self.resident + self.extra_weights + self.kv
+
+    @property
+    def concurrency(self) -> int:
+        """Sequences generated at once over the world."""
+        return self.sequences * self.replicas
+
+
+def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *, seq_len: int, resident: float,
+                   budget_bytes: float, max_sequences: int = 256, param_bytes: int = 2,
+                   block_tokens: int = KV_BLOCK_TOKENS) -> RolloutMemory:
+    """What generating with ``infer`` holds per rank: ``resident`` (the training state left on the
+    GPU), the inference shard's weights unless it shares the actor's, and the paged KV cache of its
+    stage's layers and KV heads / its TP for as many sequences as the rest of ``budget_bytes``
+    holds (up to ``max_sequences``)."""
+    world = train.world
+    opt = infer.option(world)
+    shares = shares_training_weights(infer, train)
+    weights = params_per_gpu(cfg, opt) * param_bytes
+    extra = 0.0 if shares else weights
+    reserved = engine_kv_cache_bytes(cfg, opt, 0, seq_len, param_bytes, block_tokens)
+    per_seq = engine_kv_cache_bytes(cfg, opt, 1, seq_len, param_bytes, block_tokens) - reserved
+    room = budget_bytes - resident - extra - reserved
+    sequences = int(max(0, min(max_sequences, room // per_seq))) if room > 0 else 0
+    kv = reserved + max(sequences, 1) * per_seq
+    return RolloutMemory(infer, infer.replicas(world), shares, weights, extra, resident, reserved, per_seq,
+                         sequences, kv)
+
+
+def rollout_layout_options(cfg: ModelConfig, train: PlanOption) -> list[RolloutLayout]:
+    """Inference layouts worth trying beside ``train``: every TP and PP that divide what they
+    must, with the training layout's expert parallelism (expert-TP: the training one's)."""
+    out = []
+    for tp in ROLLOUT_TP_SIZES:
+        for pp in ROLLOUT_PP_SIZES:
+            infer = RolloutLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
+            if infer.etp == infer.tp:
+                infer = dataclasses.replace(infer, etp=None)
+            if not rollout_layout_problems(cfg, infer, train.tp, train.world):
+                out.append(infer)
+    return out
+
+
+def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, resident: float,
+                          budget_bytes: float, concurrency: int = ROLLOUT_CONCURRENCY, max_sequences: int = 256,
+                          param_bytes: int = 2, block_tokens: int = KV_BLOCK_TOKENS) -> tuple[RolloutMemory, str]:
+    """``rollout.layout`` when the config leaves it unset: the smallest TP, then PP, whose weights
+    and a KV cache for ``concurrency`` sequences per replica fit what the training state leaves of
+    ``budget_bytes`` during rollout (smaller TP x PP: more replicas).  When none holds that many,
+    the one that holds the most over the world (then the smaller).  Returns the layout's rollout
+    memory (its KV budget: what fits, up to ``max_sequences`` per replica) and one line saying why."""
+    options = [rollout_memory(cfg, train, infer, seq_len=seq_len, resident=resident, budget_bytes=budget_bytes,
+                              max_sequences=max(concurrency, max_sequences), param_bytes=param_bytes,
+                              block_tokens=block_tokens)
+               for infer in rollout_layout_options(cfg, train)]
+    if not options:  # nothing else divides: the training layout
+        mem = rollout_memory(cfg, train, RolloutLayout.of_training(train), seq_len=seq_len, resident=resident,
+                             budget_bytes=budget_bytes, max_sequences=max_sequences, param_bytes=param_bytes,
+                             block_tokens=block_tokens)
+        return mem, f"{mem.layout.name()}: the training layout's sizes (no other layout divides this model and world)"
+    fitting = [m for m in options if m.sequences >= concurrency]
+    if fitting:
+        mem = min(fitting, key=lambda m: (m.layout.tp, m.layout.pp))
+        how = "the actor's own shards" if mem.shares else f"a second copy, {mem.extra_weights / GiB:.1f} GiB per rank"
+        why = (f"{mem.layout.name()} x {mem.replicas} replicas: the smallest TP, then PP, whose weights ({how}) and a "
+               f"KV cache for {concurrency} sequences per replica fit during rollout")
+    else:
+        mem = max(options, key=lambda m: (m.concurrency, -m.layout.tp, -m.layout.pp))
+        why = (f"{mem.layout.name()} x {mem.replicas} replicas: no layout holds {concurrency} sequences per replica "
+               f"during rollout; this one holds the most over the world ({mem.concurrency})")
+    if mem.sequences > max_sequences:
+        mem = dataclasses.replace(mem, sequences=max_sequences, kv=mem.reserved + max_sequences * mem.kv_per_sequence)
+    return mem, why

@@ -4,6 +4,7 @@ config differs from what the plan decides (``megatron-rl plan --config``)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from megatron_rl.algorithms.advantages import needs_critic
 from megatron_rl.config.rules import config_value
@@ -16,18 +17,36 @@ class PlanInputs:
     response_len: int
     with_critic: bool
     with_reference: bool
+    rollout_concurrency: Optional[int] = None  # sequences per replica megatron's engine must hold (max_batch_size)
+    rollout_layout: Optional[dict] = None  # the rollout.layout sizes the config sets (None: the plan chooses)
 
 
 def plan_inputs(cfg: Config) -> PlanInputs:
     """The longest prompt and response, and which models the trainer builds: a critic for
     estimators that need one, a reference whenever there is a KL term (as the trainer does)."""
+    asked = dataclasses.asdict(cfg.rollout.layout)
     return PlanInputs(prompt_len=cfg.data.max_prompt_tokens, response_len=cfg.rollout.max_new_tokens,
-                      with_critic=needs_critic(cfg.algorithm.advantage), with_reference=cfg.algorithm.kl_coef > 0)
+                      with_critic=needs_critic(cfg.algorithm.advantage), with_reference=cfg.algorithm.kl_coef > 0,
+                      rollout_concurrency=cfg.rollout.max_batch_size,
+                      rollout_layout=asked if any(v is not None for v in asked.values()) else None)
+
+
+def _rollout_size(cfg: Config, key: str, value):
+    """A ``rollout.layout`` size as it resolves: null is the training layout's (expert-TP: then the
+    inference TP's)."""
+    if value is not None:
+        return value
+    name, asked, train = key.rsplit(".", 1)[1], cfg.rollout.layout, cfg.parallel
+    if name == "etp":
+        return asked.etp or train.etp or asked.tp or train.tp
+    return getattr(train, name)
 
 
 def _normalised(cfg: Config, key: str, value):
     if key == "parallel.etp" and value == cfg.parallel.tp:  # ETP equal to TP is the default, null
         return None
+    if key.startswith("rollout.layout."):
+        return _rollout_size(cfg, key, value)
     if isinstance(value, tuple):
         return list(value)
     return value
@@ -41,3 +60,30 @@ def differences(cfg: Config, settings: dict) -> list[tuple[str, object, object]]
         if have != _normalised(cfg, key, planned):
             out.append((key, have, planned))
     return out
+
+
+def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, param_bytes: int = 2):
+    """``rollout.layout`` for a config that leaves it unset, on ``world`` GPUs of
+    ``gpu_memory_bytes``: :func:`megatron_rl.planner.memory.choose_rollout_layout` with what the
+    config's training state leaves during rollout, for rollout.max_batch_size sequences per replica
+    (default :data:`~megatron_rl.planner.memory.ROLLOUT_CONCURRENCY`).  Returns ``(RolloutMemory, why)``."""
+    from megatron_rl.planner.memory import (
+        ROLLOUT_CONCURRENCY,
+        PlanOption,
+        choose_rollout_layout,
+        model_state,
+        rollout_resident_bytes,
+    )
+    from megatron_rl.planner.search import HEADROOM
+
+    p, inputs = cfg.parallel, plan_inputs(cfg)
+    train = PlanOption(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(world // (p.tp * p.pp * p.cp), 1),
+                       sequence_parallel=p.sequence_parallel, offload=cfg.trainer.offload,
+                       distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, megatron_rollout=True,
+                       ep=p.ep, etp=p.etp)
+    models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes)
+    return choose_rollout_layout(cfg.model, train, seq_len=inputs.prompt_len + inputs.response_len,
+                                 resident=rollout_resident_bytes(models, train.offload),
+                                 budget_bytes=HEADROOM * gpu_memory_bytes,
+                                 concurrency=cfg.rollout.max_batch_size or ROLLOUT_CONCURRENCY,
+                                 param_bytes=param_bytes, block_tokens=cfg.rollout.kv_block_tokens)

@@ -10,7 +10,7 @@ from megatron_rl.config.schema import ModelConfig, MoEConfig
 from megatron_rl.data.microbatch import align_to, alignment
 from megatron_rl.models.arch import attention_dims, is_moe
 from megatron_rl.planner import moe
-from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, a2a_heads_ok, estimate, format_value
+from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, RolloutLayout, a2a_heads_ok, estimate, format_value
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
@@ -64,6 +64,11 @@ class Candidate:
                "rollout.max_batch_size": self.breakdown.rollout_batch}
         if self.breakdown.kv_cache_memory > 0:
             out["rollout.kv_cache_memory"] = int(self.breakdown.kv_cache_memory)
+        if self.breakdown.rollout is not None:  # megatron's engine: the inference layout
+            infer = self.breakdown.rollout.layout
+            out.update({"rollout.layout.tp": infer.tp, "rollout.layout.pp": infer.pp})
+            if infer.ep > 1 or self.layout.ep > 1 or infer.etp or self.layout.etp:  # MoE: its expert sizes too
+                out.update({"rollout.layout.ep": infer.ep, "rollout.layout.etp": infer.etp or infer.tp})
         return out
 
     def settings(self, with_critic: bool = True) -> dict:
@@ -109,7 +114,14 @@ def cp_comm_options(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int) -> l
     return out
 
 
-def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
+# The engines a dense layout may generate with (MoE: megatron's alone).
+ENGINES = ("torch", "tp_sharded", "megatron")
+
+
+def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple = ENGINES,
+                rollout_layout: Optional[dict] = None):
+    """Every layout to estimate; ``rollout_layout``: the sizes the config sets for megatron's
+    engine (None: chosen per layout by :func:`megatron_rl.planner.memory.choose_rollout_layout`)."""
     heads, groups, _ = attention_dims(cfg)
     for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
         if heads % tp or groups % tp:
@@ -119,19 +131,25 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int):
                 continue
             for cp in _divisors(gpus // (tp * pp), gpus):
                 dp = gpus // (tp * pp * cp)
-                for (comm, levels), recompute, offload, dist_opt, sharded in itertools.product(
+                for (comm, levels), recompute, offload, dist_opt, engine in itertools.product(
                         cp_comm_options(cfg, tp, cp, gpus_per_node), (None, "selective", "full"), (False, True),
-                        (False, True), (False, True)):
+                        (False, True), engines):
+                    sharded, megatron = engine == "tp_sharded", engine == "megatron" or is_moe(cfg)
                     if (dist_opt and dp * cp == 1) or (sharded and tp == 1):
                         continue
-                    # MoE: each expert-parallel layout; generation on megatron's engine, never tp_sharded.
+                    # MoE: each expert-parallel layout; generation on megatron's engine alone.
+                    if is_moe(cfg) and engine != "megatron":
+                        continue
                     for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
-                        if sharded and is_moe(cfg):
-                            continue
+                        infer = None
+                        if megatron and rollout_layout:
+                            infer = RolloutLayout(tp=rollout_layout.get("tp") or tp, pp=rollout_layout.get("pp") or pp,
+                                                  ep=rollout_layout.get("ep") or ep,
+                                                  etp=rollout_layout.get("etp") or etp)
                         yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
                                          distributed_optimizer=dist_opt, sharded_rollout=sharded,
-                                         megatron_rollout=is_moe(cfg), cp_comm_type=comm, hierarchical_cp=levels,
-                                         ep=ep, etp=etp)
+                                         megatron_rollout=megatron, cp_comm_type=comm, hierarchical_cp=levels,
+                                         ep=ep, etp=etp, rollout_layout=infer)
 
 
 _RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
@@ -146,6 +164,8 @@ RANKING: tuple[tuple[str, Callable[[Candidate], object]], ...] = (
     ("fewer pipeline stages", lambda c: c.layout.pp),
     ("TP-sharded generation when tp > 1 (it costs training nothing)",
      lambda c: c.layout.tp > 1 and not c.layout.sharded_rollout),
+    ("for dense models the decoders before megatron's engine (which needs flash-attn's paged kernels)",
+     lambda c: c.layout.megatron_rollout),
     ("the smallest expert parallelism (fewer all-to-alls)", lambda c: c.layout.ep),
     ("no distributed optimizer", lambda c: c.layout.distributed_optimizer),
     ("the CP ring (p2p, the default) before a2a and a2a+p2p", lambda c: c.layout.cp_comm_type != "p2p"),
@@ -159,17 +179,24 @@ def _cost(c: Candidate) -> tuple:
 
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,
          gpu_memory_gib: float, max_tokens_per_rank: Optional[int] = None, rollout_batch: int = 256,
-         with_critic: bool = True, with_reference: bool = True, search_nodes: int = MAX_SEARCH_NODES) -> Plan:
+         with_critic: bool = True, with_reference: bool = True, search_nodes: int = MAX_SEARCH_NODES,
+         engines: tuple = ENGINES, rollout_concurrency: Optional[int] = None,
+         rollout_layout: Optional[dict] = None) -> Plan:
+    """``engines``: the rollout engines to plan for; ``rollout_concurrency``: the sequences per
+    replica megatron's engine must hold when the plan chooses ``rollout.layout``;
+    ``rollout_layout``: the sizes a config sets (any set: no choice, unset sizes the training's)."""
     gpus = nodes * gpus_per_node
     seq = prompt_len + response_len
+    if rollout_layout and not any(rollout_layout.values()):
+        rollout_layout = None
     candidates = []
-    for lay in layouts_for(cfg, gpus, gpus_per_node):
+    for lay in layouts_for(cfg, gpus, gpus_per_node, engines, rollout_layout):
         needed = align_to(seq, alignment(lay.cp, lay.tp, lay.sequence_parallel)) // lay.cp
         tokens = max(needed, max_tokens_per_rank or 0)
         budget = HEADROOM * gpu_memory_gib * GiB
         est = estimate(cfg, lay, prompt_len=prompt_len, response_len=response_len, tokens_per_microbatch=tokens,
                        budget_bytes=budget, max_rollout_batch=rollout_batch, with_critic=with_critic,
-                       with_reference=with_reference)
+                       with_reference=with_reference, rollout_concurrency=rollout_concurrency)
         candidates.append(Candidate(lay, tokens, est, est.total <= budget and est.rollout_batch >= 1))
     fitting = sorted((c for c in candidates if c.fits), key=_cost)
     result = Plan(gpus, gpu_memory_gib, sorted(candidates, key=_cost), fitting[0] if fitting else None)
@@ -178,7 +205,8 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
             bigger = plan(cfg, prompt_len=prompt_len, response_len=response_len, nodes=more,
                           gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                           max_tokens_per_rank=max_tokens_per_rank, rollout_batch=rollout_batch,
-                          with_critic=with_critic, with_reference=with_reference, search_nodes=0)
+                          with_critic=with_critic, with_reference=with_reference, search_nodes=0, engines=engines,
+                          rollout_concurrency=rollout_concurrency, rollout_layout=rollout_layout)
             if bigger.recommended is not None:
                 result.min_nodes = more
                 break

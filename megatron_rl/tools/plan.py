@@ -21,9 +21,9 @@ import os
 import textwrap
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.planner.memory import format_value, total_params
+from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, format_value, total_params
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
-from megatron_rl.planner.search import HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
+from megatron_rl.planner.search import ENGINES, HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
     p.add_argument("--max-tokens-per-rank", type=int, help="token budget per micro-batch (default: one sequence)")
     p.add_argument("--rollout-batch", type=int, default=256, help="most sequences to generate together (KV cache)")
+    p.add_argument("--rollout-engine", choices=ENGINES, help="plan only layouts generating with this engine")
+    p.add_argument("--rollout-concurrency", type=int,
+                   help="megatron's engine: sequences each inference replica must hold when the plan chooses "
+                        f"rollout.layout (default {ROLLOUT_CONCURRENCY}, or the recipe's rollout.max_batch_size)")
     p.add_argument("--no-critic", action="store_true", help="GRPO/RLOO: no critic")
     p.add_argument("--no-reference", action="store_true", help="no KL: no reference model")
     p.add_argument("--show", type=int, default=12, help="candidate layouts to print")
@@ -57,7 +61,8 @@ def _model(spec: str):
 # The table's columns: header, right-aligned.
 COLUMNS = (("layout", False), ("cp-comm", False), ("options", False), ("tok/rank", True), ("weights", True),
            ("grads", True), ("optim", True), ("acts", True), ("logprob", True), ("rollout", True), ("gen", True),
-           ("train", True), ("total", True), ("free", True), ("fits", False))
+           ("infer", False), ("i-wts", True), ("kv", True), ("roll", True), ("train", True), ("total", True),
+           ("free", True), ("fits", False))
 
 
 def layout_name(c: Candidate) -> str:
@@ -87,6 +92,13 @@ def _options(c: Candidate) -> str:
                                     ("shard-gen", lay.sharded_rollout)) if on) or "-"
 
 
+def infer_name(c: Candidate) -> str:
+    """megatron's engine: the inference layout and its replicas (``tp1 pp1 x8``); ``-`` for the
+    decoders, which generate on the training layout."""
+    mem = c.breakdown.rollout
+    return "-" if mem is None else f"{mem.layout.name()} x{mem.replicas}"
+
+
 def row_cells(c: Candidate, budget_gib: float) -> list[str]:
     parts = c.breakdown.gib()
     weights = sum(v for k, v in parts.items() if k.endswith("weights"))
@@ -94,7 +106,10 @@ def row_cells(c: Candidate, budget_gib: float) -> list[str]:
     optim = sum(v for k, v in parts.items() if k.endswith("optimizer"))
     gib = (weights, grads, optim, parts["activations"], parts["log-prob path"], parts["rollout (weights + KV cache)"])
     return ([layout_name(c), cp_comm(c), _options(c), str(c.tokens_per_rank)] + [f"{v:.1f}" for v in gib]
-            + [str(c.breakdown.rollout_batch), f"{c.breakdown.train_peak / 2**30:.1f}", f"{c.total_gib:.1f}",
+            + [str(c.breakdown.rollout_batch), infer_name(c),
+               "-" if c.breakdown.rollout is None else f"{c.breakdown.rollout.extra_weights / 2**30:.1f}",
+               f"{c.breakdown.rollout_kv / 2**30:.1f}", f"{c.breakdown.rollout_peak / 2**30:.1f}",
+               f"{c.breakdown.train_peak / 2**30:.1f}", f"{c.total_gib:.1f}",
                f"{budget_gib - c.total_gib:.1f}", "yes" if c.fits else "no"])
 
 
@@ -121,7 +136,8 @@ def _inputs(args) -> PlanInputs:
 
         base = plan_inputs(load_config(args.config))
     return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
-                      base.with_critic and not args.no_critic, base.with_reference and not args.no_reference)
+                      base.with_critic and not args.no_critic, base.with_reference and not args.no_reference,
+                      args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout)
 
 
 def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
@@ -129,7 +145,10 @@ def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
     print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, fp32 Adam + master weights; {models})")
     budget = (f"budget: {result.budget_gib:.1f} GiB per GPU, {HEADROOM:.0%} of {args.gpu_memory:g} ({HEADROOM_NOTE}). "
               "Generation's KV cache takes what the models leave, up to --rollout-batch sequences (gen), so totals "
-              "sit near the budget; train is the training peak, free = budget - total.")
+              "sit near the budget; train is the training peak, free = budget - total. megatron's engine generates "
+              "on rollout.layout (infer: its TP/PP and replicas; i-wts: the second copy of its weights, 0 when it "
+              "shares the actor's, freed after each rollout); kv: the KV cache per rank; roll: the rollout phase's "
+              "peak (the training state left resident, generation's weights and KV).")
     for line in textwrap.wrap(budget, 110, subsequent_indent="  ", break_on_hyphens=False) + ranking_lines():
         print(line)
     shown = [c for c in result.candidates if c.fits][: args.show]
@@ -141,10 +160,12 @@ def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
 def _recommendation(result: Plan, inputs: PlanInputs) -> list[str]:
     best = result.recommended
     b = best.breakdown
-    return [f"recommended: {layout_name(best)}, cp-comm {cp_comm(best)}, options {_options(best)}: "
-            f"{best.total_gib:.1f} of {result.budget_gib:.1f} GiB ({result.budget_gib - best.total_gib:.1f} free; "
-            f"training peak {b.train_peak / 2**30:.1f}), {b.rollout_batch} sequences generated together",
-            "overrides:   " + " ".join(best.overrides(inputs.with_critic))]
+    lines = [f"recommended: {layout_name(best)}, cp-comm {cp_comm(best)}, options {_options(best)}: "
+             f"{best.total_gib:.1f} of {result.budget_gib:.1f} GiB ({result.budget_gib - best.total_gib:.1f} free; "
+             f"training peak {b.train_peak / 2**30:.1f}), {b.rollout_batch} sequences generated together"]
+    if b.rollout is not None:
+        lines.append(f"rollout.layout: {b.rollout_why}")
+    return lines + ["overrides:   " + " ".join(best.overrides(inputs.with_critic))]
 
 
 def _compare(path: str, best: Candidate, inputs: PlanInputs) -> int:
@@ -172,7 +193,9 @@ def run_plan(args) -> int:
     result = plan(cfg, prompt_len=inputs.prompt_len, response_len=inputs.response_len, nodes=args.nodes,
                   gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                   max_tokens_per_rank=args.max_tokens_per_rank, rollout_batch=args.rollout_batch,
-                  with_critic=inputs.with_critic, with_reference=inputs.with_reference)
+                  with_critic=inputs.with_critic, with_reference=inputs.with_reference,
+                  engines=(args.rollout_engine,) if args.rollout_engine else ENGINES,
+                  rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout)
     print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
           f"{inputs.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
     _print_table(args, result, inputs)
