@@ -197,7 +197,7 @@ def test_plan_columns_line_up_on_an_moe_plan(capsys):
     assert rc == 0
     header, *rows = _table(lines)
     assert len(rows) == 40 and any(" etp1 " in r for r in rows) and any(" ep2 " in r for r in rows)
-    left = {"layout", "cp-comm", "options", "fits"}
+    left = {"layout", "cp-comm", "options", "infer", "fits"}
     for match in re.finditer(r"\S+", header):
         start, end = match.span()
         for row in rows:
