@@ -12,13 +12,19 @@ The same random model and prompts, on the CPU, one fresh process per engine and 
                   ``--batch`` left-padded rows, a cache that grows by one token per step for every
                   row until the batch's last row stops.
 
-Two workloads:
+Three workloads:
 
 * ``uniform``  -- no stop ids: every sample runs to ``--uniform-max-new`` tokens;
 * ``longtail`` -- ``--stop-ids`` of the vocabulary's ids end a response: with near-uniform
                   next-token distributions the lengths are geometric (mean about vocab / stop
                   ids), capped at ``--max-new``, so a few samples run many times longer than the
-                  median -- the tail a static batch waits for.
+                  median -- the tail a static batch waits for;
+* ``prefix``   -- GRPO groups: ``--prefix-prompts`` prompts of ``--prefix-len`` tokens, ``--prefix-n``
+                  samples each, ``--prefix-max-new`` new tokens each, megatron only, with
+                  ``rollout.prefix_caching`` off and on (runs interleaved).  It also reports the
+                  prompt tokens the forwards computed: with caching a prompt is prefilled once
+                  and each other sample computes the tokens after its last whole page (>= 2:
+                  a prompt ending on a page boundary recomputes its last page).
 
 megatron's cache is ``--uniform-kv-fraction`` / ``--kv-fraction`` of the planner's budget for
 ``--batch`` whole sequences of the longest prompt + ``max_new_tokens`` in pages of
@@ -38,10 +44,13 @@ overhead of the engine's allocation policy (1.0: nothing held for finished or no
 tokens).
 
 Targets (PASS/FAIL printed for each): long tail, megatron >= 2x the torch decoder's tokens per
-CPU-second; uniform, megatron >= 1x HF ``generate``'s; every engine's KV allocated <= 1.25x needed.
+CPU-second; uniform, megatron >= 1x HF ``generate``'s; every engine's KV allocated <= 1.25x needed;
+prefix, caching on computes <= 1/n of the group's prompt tokens (also judged with one page per extra
+sample allowed, the least megatron computes) and >= 1.5x the tokens per second of caching off.
 
     python benchmarks/rollout_throughput.py        # 32 prompts x 2, about 2 minutes on 2 idle cores
     python benchmarks/rollout_throughput.py --samples 32 --max-new 256 --engines torch megatron
+    python benchmarks/rollout_throughput.py --workloads prefix    # 4 prompts of 512 tokens x 8
 
 On a 2-core CPU the megatron engine's per-step host work (scheduling, bookkeeping, the SDPA
 stand-in for flash-attn's paged kernels) dominates; the figures say nothing about a GPU.
@@ -59,7 +68,9 @@ import torch
 from megatron_rl.config.schema import ModelConfig
 
 MiB = 2**20
-TARGETS = {"longtail_vs_torch": 2.0, "uniform_vs_hf": 1.0, "kv_allocated_over_needed": 1.25}
+TARGETS = {"longtail_vs_torch": 2.0, "uniform_vs_hf": 1.0, "kv_allocated_over_needed": 1.25, "prefix_speedup": 1.5}
+# The prefix workload's two runs of the megatron engine: (label, rollout.prefix_caching).
+PREFIX_ENGINES = (("megatron-cache-off", False), ("megatron-cache-on", True))
 
 
 def workload(vocab: int, samples: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -69,6 +80,11 @@ def workload(vocab: int, samples: int, n: int, seed: int = 0) -> list[list[int]]
         length = int(torch.randint(16, 97, (1,), generator=gen))
         prompts.append(torch.randint(0, vocab, (length,), generator=gen).tolist())
     return prompts
+
+
+def prefix_workload(vocab: int, prompts: int, length: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=gen).tolist() for _ in range(prompts)]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
@@ -134,17 +150,17 @@ def _watch_live_tokens(engine) -> list[int]:
     controller, ctx = engine._engine.controller, engine._engine.context
     sample_logits, peak = controller._dynamic_step_sample_logits, [0]
 
-    def watched(logits):
+    def watched(*args, **kwargs):  # megatron-core 0.19.2 passes nothing (the logits are on the controller)
         held = (ctx.request_kv_length_offsets + ctx.request_query_lengths)[: ctx.total_request_count]
         peak[0] = max(peak[0], int(held.sum()))
-        return sample_logits(logits)
+        return sample_logits(*args, **kwargs)
 
     controller._dynamic_step_sample_logits = watched
     return peak
 
 
 def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, batch: int, threads: int,
-               kv_fraction: float, block_tokens: int = 16) -> dict:
+               kv_fraction: float, block_tokens: int = 16, prefix_caching: bool = False) -> dict:
     """In a fresh one-rank worker: build the model, generate once, report speed and KV sizes."""
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
@@ -168,7 +184,7 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
         options = {}
         if name == "megatron":
             options = dict(kv_cache_memory=float(max(int(kv_fraction * full_kv), 2)), prefill_chunk_tokens=512,
-                           kv_block_tokens=block_tokens)
+                           kv_block_tokens=block_tokens, prefix_caching=prefix_caching)
         engine = make_engine(name, cfg, "cpu", max_batch_size=batch, **options)
         engine.load_from_chunks(chunks)
         if name == "megatron":
@@ -187,7 +203,7 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
     tokens = sum(lengths)
     out = dict(engine=name, seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, cpu_seconds=cpu_seconds,
                tokens_per_cpu_s=tokens / cpu_seconds, median_len=lengths[len(lengths) // 2], max_len=lengths[-1],
-               evictions=0)
+               evictions=0, prompt_tokens=sum(prompt_lens), prefill_tokens=None)
     # A static batch decodes until its longest sample ends.
     out["steps"] = sum(max(r for _, r in rows) for rows in batches)
     if name == "torch":
@@ -199,10 +215,11 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
                                   for rows in batches) * per_token
         out["kv_needed"] = live_tokens_peak(batches) * per_token
     else:
-        out["steps"] = engine._engine.step_count
+        out["steps"] = engine._engine.context.step_count  # megatron-core 0.19 counts steps on the context
         out["evictions"] = engine._engine.evicted_request_count
         out["kv_allocated"] = engine._kv_bytes
         out["kv_needed"] = live_peak[0] * per_token
+        out["prefill_tokens"] = engine.prefill_tokens  # prompt tokens its forwards computed
     out["ms_per_step_cpu"] = 1e3 * cpu_seconds / out["steps"]
     return out
 
@@ -231,6 +248,21 @@ def verdicts(results: dict) -> list[str]:
             ratio, target = mine / theirs, TARGETS[key]
             lines.append(f"{workload}: megatron / {other} tokens per CPU-s = {ratio:.2f}x (target >= {target:g}x) "
                          f"{_verdict(ratio >= target)}")
+    prefix = results.get("prefix", {})
+    off, on = (prefix.get(label) for label, _ in PREFIX_ENGINES)
+    if off and on:
+        n, prompts = on["n"], on["prompt_tokens"]
+        share = on["prefill_tokens"] / prompts
+        lines.append(f"prefix: cache on computes {on['prefill_tokens']} of {prompts} prompt tokens = {share:.3f} "
+                     f"(target <= 1/n = {1 / n:.3f}) {_verdict(share <= 1 / n)}")
+        allowed = prompts / n + (n - 1) * on["block_tokens"] * on["prompts"]
+        lines.append(f"prefix: ... with one page per extra sample allowed (<= {allowed:.0f} tokens, the least megatron "
+                     f"computes) {_verdict(on['prefill_tokens'] <= allowed)}")
+        target = TARGETS["prefix_speedup"]
+        for key, what in (("tokens_per_s", "tokens / s (wall)"), ("tokens_per_cpu_s", "tokens / CPU-s")):
+            ratio = on[key] / off[key]
+            lines.append(f"prefix: cache on / off {what} = {ratio:.2f}x (target >= {target:g}x) "
+                         f"{_verdict(ratio >= target)}")
     target = TARGETS["kv_allocated_over_needed"]
     for workload, rows in results.items():
         for name, r in rows.items():
@@ -243,7 +275,8 @@ def verdicts(results: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", nargs="+", default=["torch", "megatron", "hf"])
-    parser.add_argument("--workloads", nargs="+", default=["uniform", "longtail"], choices=["uniform", "longtail"])
+    parser.add_argument("--workloads", nargs="+", default=["uniform", "longtail"],
+                        choices=["uniform", "longtail", "prefix"])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--n", type=int, default=2, help="samples per prompt")
     parser.add_argument("--batch", type=int, default=16, help="rows (torch, hf) or requests in flight (megatron)")
@@ -256,6 +289,10 @@ def main() -> None:
                         help="uniform: megatron's KV cache as a fraction of what --batch whole sequences need")
     parser.add_argument("--kv-block-tokens", type=int, default=16,
                         help="megatron's page size (tokens): small pages waste less of each sequence's last page")
+    parser.add_argument("--prefix-prompts", type=int, default=4, help="prefix: prompts (GRPO groups)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens per prompt")
+    parser.add_argument("--prefix-n", type=int, default=8, help="prefix: samples per prompt")
+    parser.add_argument("--prefix-max-new", type=int, default=32, help="prefix: every response's length")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of every (workload, engine), interleaved; the table keeps each one's fastest "
@@ -274,25 +311,41 @@ def main() -> None:
                               stop_token_ids=tuple(range(4, 4 + args.stop_ids)))
     settings = {"uniform": (dataclasses.replace(longtail, max_new_tokens=args.uniform_max_new, stop_token_ids=()),
                             args.uniform_kv_fraction),
-                "longtail": (longtail, args.kv_fraction)}
+                "longtail": (longtail, args.kv_fraction),
+                "prefix": (dataclasses.replace(longtail, max_new_tokens=args.prefix_max_new, n=args.prefix_n,
+                                               stop_token_ids=()), args.uniform_kv_fraction)}
+    group_prompts = prefix_workload(cfg.vocab_size, args.prefix_prompts, args.prefix_len)
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_query_groups} KV heads, vocab "
           f"{cfg.vocab_size}, fp32 ({kv_bytes_per_token(cfg)} KV bytes per token); {len(prompts)} prompts x "
           f"n={args.n}, prompts 16-96 tokens; batch {args.batch}; {args.threads} thread(s)")
     print(f"uniform: {args.uniform_max_new} new tokens each, megatron KV = {args.uniform_kv_fraction:g} x what "
           f"{args.batch} whole sequences need; longtail: up to {args.max_new} new tokens, {args.stop_ids} stop ids, "
           f"megatron KV = {args.kv_fraction:g} x that")
+    if "prefix" in args.workloads:
+        print(f"prefix: {args.prefix_prompts} prompts of {args.prefix_len} tokens x n={args.prefix_n}, "
+              f"{args.prefix_max_new} new tokens each, megatron with prefix caching off / on, pages of "
+              f"{args.kv_block_tokens} tokens")
+
+    def runs(workload_name):
+        if workload_name == "prefix":
+            return [(label, "megatron", on) for label, on in PREFIX_ENGINES]
+        return [(name, name, False) for name in args.engines]
+
     results: dict = {}
-    for repeat, workload_name, name in ((k, w, e) for k in range(args.repeats) for w in args.workloads
-                                        for e in args.engines):
+    for repeat, workload_name, (name, engine, caching) in ((k, w, e) for k in range(args.repeats)
+                                                           for w in args.workloads for e in runs(w)):
         params, kv_fraction = settings[workload_name]
         pool = get_pool(1)
-        r = pool.run(_this_module().run_engine, name, cfg, prompts, params, args.batch, args.threads,
-                     kv_fraction, args.kv_block_tokens)[0]
+        r = pool.run(_this_module().run_engine, engine, cfg, group_prompts if workload_name == "prefix" else prompts,
+                     params, args.batch, args.threads, kv_fraction, args.kv_block_tokens, caching)[0]
         pool.close()  # a fresh process for the next engine
+        r.update(n=params.n, block_tokens=args.kv_block_tokens, prompts=args.prefix_prompts)
         best = results.setdefault(workload_name, {}).get(name)
         if best is None or r["tokens_per_cpu_s"] > best["tokens_per_cpu_s"]:
             results[workload_name][name] = r
-        extra = f", {r['evictions']} evictions" if name == "megatron" else ""
+        extra = f", {r['evictions']} evictions" if engine == "megatron" else ""
+        if r["prefill_tokens"] is not None:
+            extra += f", {r['prefill_tokens']} of {r['prompt_tokens']} prompt tokens computed"
         print(f"run {repeat + 1}/{args.repeats} {workload_name:8s} {name:9s} {r['tokens_per_cpu_s']:7.1f} tokens/CPU-s "
               f"{r['tokens_per_s']:7.1f} "
               f"tokens/s ({r['tokens']} tokens, {r['cpu_seconds']:.1f} CPU-s, {r['seconds']:.1f} s; lengths "
@@ -300,13 +353,14 @@ def main() -> None:
               f"{r['ms_per_step_cpu']:.1f} CPU-ms/step{extra}; KV allocated {r['kv_allocated'] / MiB:.2f} MiB, "
               f"needed {r['kv_needed'] / MiB:.2f} MiB", flush=True)
     print(f"\nfastest of {args.repeats} run(s) each:")
-    print("| workload | engine | tokens / CPU-s | tokens / s (wall) | decode steps | CPU-ms / step "
-          "| KV allocated | KV needed | allocated / needed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | engine | tokens / CPU-s | tokens / s (wall) | prompt tokens computed | decode steps "
+          "| CPU-ms / step | KV allocated | KV needed | allocated / needed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for workload_name, rows in results.items():
         for name, r in rows.items():
+            computed = "-" if r["prefill_tokens"] is None else f"{r['prefill_tokens']} / {r['prompt_tokens']}"
             print(f"| {workload_name} | `{name}` | {r['tokens_per_cpu_s']:.0f} | {r['tokens_per_s']:.0f} "
-                  f"| {r['steps']} "
+                  f"| {computed} | {r['steps']} "
                   f"| {r['ms_per_step_cpu']:.1f} | {r['kv_allocated'] / MiB:.2f} MiB | {r['kv_needed'] / MiB:.2f} MiB "
                   f"| {r['kv_allocated'] / r['kv_needed']:.2f}x |")
     print()

@@ -353,6 +353,89 @@ def test_kv_budget_as_a_fraction_of_free_memory_is_measured_for_each_rollout():
     assert same and rebuilt and kv > 2**20
 
 
+# -- prefix caching (rollout.prefix_caching) -------------------------------------------------------
+def _long_prompt(length: int, seed: int = 3) -> list[int]:
+    return torch.randint(0, CFG["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def caching_body(layout_kw: dict, cfg: ModelConfig, prompts, params: SamplingParams, engines: list[dict]) -> list:
+    """Each engine's samples and the prompt tokens its forwards computed (one fresh engine each)."""
+    chunks = _actor(layout_kw, cfg, 4)
+    out = []
+    for options in engines:
+        engine = _engine(cfg, chunks, **options)
+        batch = engine.generate(prompts, params, seed=9)
+        out.append((dataclasses.asdict(batch), engine.prefill_tokens))
+    return out
+
+
+# Two prompts sharing 3 pages of 16 (a system prompt), one sharing 1 page with them, two shorter than a page.
+SHARED = _long_prompt(48)
+CACHED_PROMPTS = [SHARED + [5, 6, 7, 8, 9], SHARED + _long_prompt(20, 4), SHARED[:16] + [1, 2, 3], [5, 17, 3],
+                  list(range(20, 32))]
+
+
+@pytest.mark.parametrize("world,layout_kw", [(1, {}), (2, dict(tp=2))], ids=["tp1", "tp2"])
+def test_prefix_caching_does_not_change_the_samples(world, layout_kw):
+    """Same seed, caching on vs off: the same tokens, and log-probs that differ only as two
+    batchings of the same steps do without caching (a control at another max_batch_size): fp32
+    sums cut differently, 1e-6 to 5e-6 here either way, so both are held to 1e-5.  Prompts are
+    prefilled in chunks of 16 tokens, one page (chunked prefill over shared pages)."""
+    cfg = _cfg(max_position_embeddings=128)
+    params = SamplingParams(temperature=0.9, top_k=40, max_new_tokens=16, n=4, stop_token_ids=(3,))
+    off, on, control = run_distributed(world, caching_body, layout_kw, cfg, CACHED_PROMPTS, params, [
+        dict(prefix_caching=False), dict(prefix_caching=True), dict(prefix_caching=False, max_batch_size=5),
+    ])[0]
+    assert on[0]["response_ids"] == off[0]["response_ids"] == control[0]["response_ids"]
+    first = max(abs(a[0] - b[0]) for a, b in zip(on[0]["response_logprobs"], off[0]["response_logprobs"]))
+
+    def worst(x, y):
+        return max(abs(a - b) for u, v in zip(x[0]["response_logprobs"], y[0]["response_logprobs"])
+                   for a, b in zip(u, v))
+
+    tokens = sum(len(p) for p in CACHED_PROMPTS) * params.n
+    print(f"{layout_kw or 'tp1'}: prompt tokens computed {on[1]} with caching, {off[1]} without (of {tokens}); "
+          f"max |log-prob on - off| first token {first:.1e}, all {worst(on, off):.1e}; "
+          f"off vs off at max_batch_size=5: {worst(control, off):.1e}")
+    assert off[1] == tokens and on[1] < off[1]
+    assert worst(on, off) <= 1e-5 and worst(control, off) <= 1e-5
+
+
+def prefill_tokens_computed(rule_of: list[tuple[int, int]], n: int, block: int) -> list[int]:
+    """Prompt tokens a group of ``n`` samples computes with caching on: the whole prompt once,
+    then each other sample the tokens after its last whole page -- megatron computes >= 2 of them,
+    so a prompt ending on a page boundary (or one token past it) recomputes its last page."""
+    out = []
+    for length, _ in rule_of:
+        tail = length % block
+        tail = tail if tail >= 2 else tail + block
+        out.append(length + (n - 1) * tail)
+    return out
+
+
+def test_prefix_caching_prefills_a_groups_prompt_once():
+    """n=8 samples of one 512-token prompt (32 pages of 16): without caching the forwards compute
+    8 x 512 prompt tokens; with it 512 + 7 x 16 (the last page again for each other sample: a request
+    computes at least 2 tokens) -- 15% of them, 1/n plus one page per extra sample.  A 517-token
+    prompt recomputes only its 5 tokens past the last page: 517 + 7 x 5."""
+    cfg = _cfg(max_position_embeddings=640)
+    params = SamplingParams(temperature=0.9, max_new_tokens=4, n=8)
+    block = 16
+    results = {}
+    for length in (512, 517):
+        prompt = _long_prompt(length)
+        engines = [dict(prefix_caching=on, kv_block_tokens=block, prefill_chunk_tokens=1024, max_batch_size=8)
+                   for on in (False, True)]
+        (off, off_tokens), (on, on_tokens) = run_distributed(1, caching_body, {}, cfg, [prompt], params, engines)[0]
+        assert on["response_ids"] == off["response_ids"]
+        results[length] = (off_tokens, on_tokens)
+    print({length: f"{on} of {off} prompt tokens computed ({on / off:.3f})" for length, (off, on) in results.items()})
+    assert results[512] == (8 * 512, 512 + 7 * block)
+    assert results[517] == (8 * 517, 517 + 7 * 5)
+    assert [on for _, on in results.values()] == prefill_tokens_computed(list(results.items()), 8, block)
+    assert all(on <= off / 8 + 7 * block for off, on in results.values())
+
+
 def stops_body(cfg: ModelConfig) -> dict:
     chunks = _actor({}, cfg, 4)
     engine = _engine(cfg, chunks)

@@ -222,6 +222,21 @@ register_workaround(
 )
 register_workaround(
     Workaround(
+        name="inference.prefix_cache_ref_zero",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "with enable_prefix_caching a KV page is found by a hash of its prompt tokens alone "
+            "(inference_request.compute_block_hashes_batched), not of the weights; the LRU eviction policy "
+            "keeps released pages for later requests, which after an optimizer step would reuse keys and "
+            "values of the old weights, so the engine asks for REF_ZERO (a page is shared only while a "
+            "request holds it). No CPU shim: the SDPA stand-ins read every request's keys through its "
+            "block table, shared pages included"
+        ),
+        used_in="rollout/megatron_engine.py:PrefixCachingEvictionPolicy.REF_ZERO",
+    )
+)
+register_workaround(
+    Workaround(
         name="inference.moe_dispatcher_nccl",
         megatron_versions=MEGATRON_TESTED,
         reason=(

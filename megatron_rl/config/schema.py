@@ -291,6 +291,10 @@ class RolloutConfig:
     prefill_chunk_tokens: int = _f(4096, "rollout.engine=megatron: most tokens one forward step takes (longer prompts "
                                          "are prefilled in chunks).", ge=1)
     kv_block_tokens: int = _f(256, "rollout.engine=megatron: tokens per KV-cache page.", ge=1)
+    prefix_caching: bool = _f(True, "rollout.engine=megatron: requests whose prompts share whole KV pages share "
+                                    "those pages, so the n samples of a prompt prefill it once (each other sample "
+                                    "computes only the tokens after its last whole page); samples are the same on "
+                                    "or off.  Off while MoE routing is recorded (algorithm.routing_replay).")
     layout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
 
 

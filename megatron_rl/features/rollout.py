@@ -136,6 +136,26 @@ FEATURES = [
                            "python benchmarks/paged_decode_cpu.py")),
     ),
     Feature(
+        "Prefix caching in megatron's engine", "rollout", TESTED_CPU,
+        "rollout.prefix_caching (default on, rollout.engine=megatron): megatron-core's prefix caching shares the KV "
+        "pages of prompts that start alike (whole pages, hashed by their tokens), so the n samples of a GRPO group "
+        "prefill their prompt once; each other sample computes the tokens after its last whole page (at least 2: a "
+        "prompt ending on a page boundary recomputes its last page). Samples are the same on or off (same tokens; "
+        "log-probs within 1e-5, as two batchings without caching differ) on TP1 and TP2. Pages are shared only while "
+        "a request holds them (REF_ZERO), never across rollouts, whose weights differ. Off while MoE routing is "
+        "recorded (algorithm.routing_replay): a reused token is not routed again. GPU path untested.",
+        ("tests/test_rollout_megatron_engine.py::test_prefix_caching_does_not_change_the_samples",
+         "tests/test_rollout_megatron_engine.py::test_prefix_caching_prefills_a_groups_prompt_once",
+         "tests/test_moe.py::test_rollout_records_the_routing_the_trainer_replays"),
+        config="rollout.prefix_caching",
+        measured=(Measured("CPU, 4 prompts of 512 tokens x n=8, pages of 16: 2,496 of 16,384 prompt tokens "
+                           "computed (0.152; target 1/n = 0.125, out of reach: each extra sample recomputes at "
+                           "least its last page), "
+                           "2.49x the tokens per CPU-second of caching off (target 1.5x; 1.69-2.49x per interleaved "
+                           "pair); pages of 256 (flash-attn's on a GPU): 0.562 computed, 1.14x (docs/rollout.md)",
+                           "python benchmarks/rollout_throughput.py --workloads prefix"),),
+    ),
+    Feature(
         "Rollout engine chosen by the layout (auto)", "rollout", TESTED_CPU,
         "rollout.engine=auto (the default): megatron's dynamic engine for MoE models, and for dense models on CUDA "
         "with flash-attn >= 2.7.3 (or FA3) and no VPP; the torch decoder for VPP layouts, on CUDA without flash-attn "

@@ -240,5 +240,5 @@ def make_rollout_engine(rollout, model_cfg: ModelConfig, device, vpp: Optional[i
     if name == MEGATRON:
         options = dict(kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
                        kv_block_tokens=rollout.kv_block_tokens, record_routing=record_routing,
-                       layout=rollout.layout)
+                       layout=rollout.layout, prefix_caching=rollout.prefix_caching)
     return make_engine(name, model_cfg, device=device, max_batch_size=rollout.max_batch_size, **options)

@@ -20,6 +20,14 @@ What this module adds around megatron's engine, so its samples mean what the tra
   The race noise is :func:`~megatron_rl.rollout.sampling.keyed_exponentials` of (seed, prompt,
   sample, position), so a seed gives the same samples whatever the KV budget, chunk size or
   scheduling (requests pausing, being evicted and re-prefilled).
+* **Prefix caching** (``rollout.prefix_caching``).  Requests whose prompts share whole KV pages
+  share those pages: the ``n`` samples of a prompt prefill it once, and each other sample
+  computes only the tokens after its last whole page (at least 2, a page when the prompt ends on
+  a page boundary).  The shared keys and values are the ones each sample would have computed,
+  so samples do not change.  Pages are shared only while a request holds them (megatron's
+  ``REF_ZERO`` eviction), so nothing is reused across rollouts, whose weights differ.  Off while
+  routing is recorded (MoE routing replay): a reused token is never routed again, so its experts
+  would be missing from the samples that reuse it.
 * **Our stop rule.**  Every stop id and stop sequence ends a sample on the step that produced it
   (the stop token kept), through the engine's own termination path; ``n`` samples per prompt are
   ``n`` requests.
@@ -166,6 +174,9 @@ def _make_wrapper_class():
                 tokens = inference_token_map(self.inference_context, state.rollout_lengths)
                 for router in state.routers:
                     router.tokens = tokens
+            if not dummy:  # the prompt tokens this step computes (a decode request runs one token)
+                ctx = self.inference_context
+                self.prefill_tokens += int(ctx.active_token_count) - int(ctx.num_decode_requests)
             try:
                 out = super()._forward(inference_input)
             finally:
@@ -253,7 +264,8 @@ class MegatronRolloutEngine:
 
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None, *,
                  kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256,
-                 record_routing: bool = False, layout=None):
+                 record_routing: bool = False, layout=None,
+                 prefix_caching: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -276,6 +288,8 @@ class MegatronRolloutEngine:
         self.layout = layout
         self._inference_model = None
         self.last_refit = None  # RefitStats of the latest refit; None while generating in place
+        self.prefix_caching = prefix_caching  # prompt pages shared between requests (module doc)
+        self.prefill_tokens = 0  # prompt tokens the last generate computed (shared pages are not)
 
     # -- weights -------------------------------------------------------------------------------
     def inference_layout(self):
@@ -381,7 +395,11 @@ class MegatronRolloutEngine:
         self._engine, self._suspended = None, False
 
     def _build(self):
-        from megatron.core.inference.config import InferenceConfig, KVCacheManagementMode
+        from megatron.core.inference.config import (
+            InferenceConfig,
+            KVCacheManagementMode,
+            PrefixCachingEvictionPolicy,
+        )
         from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
 
         model = self._model
@@ -420,17 +438,25 @@ class MegatronRolloutEngine:
             # suspend() frees the KV cache (the default, PERSIST, keeps it while the actor trains)
             kv_cache_management_mode=KVCacheManagementMode.RECOMPUTE,
             pg_collection=groups if own else None,
+            enable_prefix_caching=self._caching(),
+            # A page is shared only while a request holds it: the weights change between rollouts.
+            prefix_caching_eviction_policy=PrefixCachingEvictionPolicy.REF_ZERO,
         )
         # Layers, heads, head size, dtype and TP/PP sizes come from the model's config.
         context = _make_context_class(rounder)(model_config=config, inference_config=inference_config)
         self._kv_bytes = context.kv_block_allocator.total_count * context.block_size_bytes
         wrapper = _make_wrapper_class()(model, context)
+        wrapper.prefill_tokens = 0
         controller = _make_controller_class()(wrapper, _IdsOnly())
         self._engine = DynamicInferenceEngine(controller, context)
         self._suspended = False
         self._cp_group = None if own or groups.cp.size() == 1 else groups.cp
         if self._cp_group is not None:
             _one_rank_group()  # collective: every rank creates the groups now, at the same time
+
+    def _caching(self) -> bool:
+        """Prefix caching, unless routing is recorded: a token read from a shared page is not routed."""
+        return self.prefix_caching and not self.record_routing
 
     def _run(self, engine) -> list:
         """Step until every request finished.  Expert-parallel ranks (each with its own share of
@@ -489,6 +515,8 @@ class MegatronRolloutEngine:
                 )
         if self._engine is not None and self._suspended and self.kv_cache_memory <= 1:
             self._engine = None  # a fraction of what is free now: sized again for this rollout
+        if self._engine is not None and self._engine.context.enable_prefix_caching != self._caching():
+            self._close()  # record_routing or prefix_caching changed since it was built
         try:
             if self._engine is None:
                 self._build()
@@ -520,7 +548,10 @@ class MegatronRolloutEngine:
                     recording as routing:
                 for rid, (i, _) in enumerate(samples):
                     engine.add_request(rid, list(prompt_ids[i]), request)
+                wrapper = controller.inference_wrapped_model
+                wrapper.prefill_tokens = 0
                 done = self._run(engine)
+                self.prefill_tokens = wrapper.prefill_tokens
         finally:
             model.train(was_training)
             _clear_rope_cache()  # its tables were made in inference mode: training must not reuse them
