@@ -178,6 +178,9 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     if world is None:
         return None, DERIVED, "at launch, from the world size"
     dp = ParallelLayout.from_config(cfg.parallel, world).dp
+    own = cfg.rollout.layout
+    if (own.tp, own.pp) != (cfg.parallel.tp, cfg.parallel.pp):  # replicas of rollout.layout generate
+        dp = max(1, world // (own.tp * own.pp))
     prompts = job.prompts if job.prompts is not None else cfg.trainer.prompts_per_step
     per_rank = -(-prompts // dp) * cfg.rollout.n
     dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
