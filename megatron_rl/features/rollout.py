@@ -177,11 +177,30 @@ FEATURES = [
         config="(always on)",
     ),
     Feature(
-        "Generation on its own layout with weight refit", "rollout", PLANNED,
-        "Rollout on a layout of its own (e.g. TP1 replicas while training runs TP4 x CP2 with recompute), weights "
-        "moved by megatron-core's resharding (swap_model_weights) each step; today rollout runs on the training "
-        "layout.",
+        "Generation on its own layout with weight refit", "rollout", TESTED_CPU,
+        "rollout.layout (tp, pp, ep, etp; CP 1, the other ranks data-parallel replicas): megatron's engine generates "
+        "with a second model built on that layout's process groups, refit from the actor's shards before every "
+        "rollout with megatron-core's resharding (swap_model_weights: a plan built once, gloo on the CPU, NCCL on "
+        "GPU) and freed after it; timing/refit_s and rollout/refit_bytes logged per step. Bit-exact from TP2, PP2, "
+        "PP2xVPP2, TP2xPP2, CP2, TP2xCP2, EP2, PP2xEP2 into TP1, TP2, EP2; greedy responses after refit are HF "
+        "generate's; VPP actors generate through it. Where rollout.layout equals the training layout (the default "
+        "on the CPU) the engine generates in place, nothing copied; on CUDA the planner picks it when unset "
+        "(megatron-rl plan shows it). NCCL refit untested (no GPU run).",
+        ("tests/test_refit.py::test_refit_from_a_dense_training_layout_is_bit_exact",
+         "tests/test_refit.py::test_refit_from_a_moe_training_layout_is_bit_exact",
+         "tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
+         "tests/test_rollout_megatron_engine.py::"
+         "test_virtual_pipeline_training_generates_with_the_engine_on_a_layout_of_its_own",
+         "tests/test_rollout_megatron_engine.py::test_ppo_generates_on_a_layout_of_its_own_refit_every_step",
+         "tests/test_rollout_megatron_engine.py::test_generate_command_runs_on_a_rollout_layout_of_its_own",
+         "tests/test_validation.py::test_rollout_layout_is_refused_before_launch",
+         "tests/test_planner.py::test_rollout_layout_memory_and_choice_for_qwen7b_at_32k",
+         "tests/test_planner.py::test_plan_shows_the_inference_layout_and_sets_it"),
         constraints=ROLLOUT_LAYOUT_CONSTRAINTS,
+        config="rollout.layout.tp=1",
+        measured=(Measured("4 gloo ranks, 215 MiB model: each rank receives exactly its inference shard (1.000x, 16 "
+                           "layout pairs); refit 1.9-5.9x faster than gathering a full copy into TP1, 8-26x into TP2 / "
+                           "EP2 (docs/rollout.md, Refit cost)", "python benchmarks/rollout_refit.py"),),
     ),
     Feature(
         "Asynchronous RL (one-step-off and fully async)", "rollout", PLANNED,
