@@ -144,24 +144,43 @@ def test_score_matches_hf_on_expert_parallel_layouts(hf_moe, layout, tmp_path):
     assert worst <= HF_TOL
 
 
-def test_score_command_on_pp2_ep2_is_not_refused_by_a_generation_rule(hf_moe, tmp_path):
-    """``score`` generates nothing: the inference engine's PP x EP limit is for train and generate."""
-    hf_dir, reference = hf_moe["qwen3_moe"]
-    out = str(tmp_path / "out.jsonl")
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "score", "--hf-model", hf_dir, "--input",
-                           os.path.join(hf_dir, "in.jsonl"), "--output", out, "--nproc", "4", "parallel.pp=2",
-                           "parallel.ep=2", "batch.micro_batch_size=2"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+def _cli(*args) -> None:
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert check_scores(out, reference) <= HF_TOL
+
+
+def test_score_and_generate_commands_on_pp2_ep2(hf_moe, tmp_path):
+    """``score`` and ``generate`` (megatron's engine) of a Qwen3-MoE checkpoint on PP2 x EP2: HF's
+    log-probs, and one process's greedy completions and log-probs; validation refuses neither,
+    nor training on that layout with megatron's engine."""
+    hf_dir, reference = hf_moe["qwen3_moe"]
+    prompts = os.path.join(hf_dir, "in.jsonl")
+    layout = ["parallel.pp=2", "parallel.ep=2"]
+    scored = str(tmp_path / "scored.jsonl")
+    _cli("score", "--hf-model", hf_dir, "--input", prompts, "--output", scored, "--nproc", "4", *layout,
+         "batch.micro_batch_size=2")
+    assert check_scores(scored, reference) <= HF_TOL
+    generate = ["data.tokenizer=char", "data.max_prompt_tokens=64", "rollout.engine=megatron", "rollout.n=1",
+                "rollout.temperature=0", "rollout.max_new_tokens=6", "rollout.kv_cache_memory=4e6",
+                "rollout.kv_block_tokens=16"]
+    rows = {}
+    for nproc, overrides in (("1", []), ("4", layout)):
+        out = str(tmp_path / f"generated_{nproc}.jsonl")
+        _cli("generate", "--hf-model", hf_dir, "--input", prompts, "--output", out, "--nproc", nproc,
+             *overrides, *generate)
+        rows[nproc] = [json.loads(line) for line in open(out)]
+    assert len(rows["4"]) == len(rows["1"]) == len(reference)
+    worst = 0.0
+    for got, ref in zip(rows["4"], rows["1"], strict=True):
+        assert got["response_ids"] == ref["response_ids"] and len(ref["response_ids"]) == 6
+        worst = max([worst] + [abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"], strict=True)])
+    print(f"generate on PP2 x EP2: greedy = one process's, max |logprob - one process| = {worst:.2e}")
+    assert worst <= 1e-4
     from megatron_rl.config.loader import load_config
-    from megatron_rl.errors import ConfigError
     from megatron_rl.validation import validate
 
-    moe = load_config(None, ["model.moe.num_experts=4", "parallel.pp=2", "parallel.ep=2", "rollout.engine=megatron"])
-    validate(moe, 4, generates=False)
-    with pytest.raises(ConfigError, match="^config error: parallel.pp=2: megatron's inference engine"):
-        validate(moe, 4)  # training generates
+    validate(load_config(None, ["model.moe.num_experts=4", *layout, "rollout.engine=megatron"]), 4)
 
 
 @pytest.mark.parametrize("layout", ["tp2_sp_ep2", "pp2_ep2"])
@@ -614,14 +633,14 @@ def _perturb_routers(weights: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2_sp_ep2"])
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2_sp_ep2", "pp2_ep2"])
 def test_rollout_records_the_routing_the_trainer_replays(layout):
     """With routing replay, megatron's engine records every generated token's experts: they are
     the experts the trainer's own forward picks on the same weights (all but the never-fed last
     token), the forward replaying them gives the engine's log-probs, and on perturbed routers it
     routes as the replay of the old-log-prob pass's recording does (each generator records its
     own prompts; EP and TP x SP ranks route slices of each step's tokens)."""
-    world, layout_kw = {"ep1": (1, {}), "ep2": LAYOUTS["ep2"], "tp2_sp_ep2": LAYOUTS["tp2_sp_ep2"]}[layout]
+    world, layout_kw = (1, {}) if layout == "ep1" else LAYOUTS[layout]
     got = run_distributed(world, rollout_replay_body, layout_kw, None, _perturb_routers)[0]
     print(f"{layout}: {got['same']}/{got['compared']} (token, layer) routings the engine recorded equal the "
           f"trainer's; replay vs engine log-probs {got['engine_gap']:.2e}; perturbed routers: mismatch "
@@ -632,6 +651,123 @@ def test_rollout_records_the_routing_the_trainer_replays(layout):
     assert got["engine_gap"] <= 1e-4
     assert 0.0 < got["perturbed_mismatch"] < 1.0
     assert got["rollout_vs_pass"] <= TOL and got["replay_vs_own"] > 1e-3
+
+
+def moe_generate_body(layout_kw: dict, weights) -> dict:
+    """Greedy and sampled rollouts of megatron's engine on ``layout_kw`` (every rank's copy of the
+    gathered batch), and how many dummy steps this rank ran while its generator had no work."""
+    import dataclasses
+
+    from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.rollout.dp import generate_data_parallel
+    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.sampling import SamplingParams
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    moe_kw = dict(MOE, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
+    chunks, weights = build_moe(layout, weights, moe_kw, value_head=False)
+    engine = make_engine("megatron", ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
+                         kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8)
+    engine.load_from_chunks(chunks)
+    batch = generate_data_parallel(engine, GENERATE_PROMPTS, SamplingParams(greedy=True, max_new_tokens=9), seed=4)
+    engine.release_weights()
+    return dict(weights=weights, greedy=dataclasses.asdict(batch), idle=engine.idle_steps)
+
+
+# The first generator of two (DP2) gets the first three prompts, two of them longer than a prefill
+# chunk (8 tokens); the second gets two short ones, finishes steps earlier and dummy-steps meanwhile.
+GENERATE_PROMPTS = [list(range(1, 24)), [5, 9, 2], list(range(30, 47)), [7, 8], [11]]
+
+
+@pytest.mark.parametrize("layout", ["ep2", "pp2_ep2"])
+def test_megatron_engine_generates_on_expert_parallel_layouts_as_one_process(layout):
+    """Greedy tokens and their log-probs on EP2 and PP2 x EP2 are one process's, though the two
+    generators have unequal work: the idle one's ranks run megatron's dummy forward (through both
+    pipeline stages at PP2) while the other still generates.  (Sampled tokens are not compared:
+    each generator samples with its own seed.)"""
+    world, layout_kw = LAYOUTS[layout]
+    ref = run_distributed(1, moe_generate_body, {}, None)[0]
+    results = run_distributed(world, moe_generate_body, layout_kw, ref["weights"])
+    idle = [r["idle"] for r in results]
+    worst = 0.0
+    for got in results:
+        assert got["greedy"]["response_ids"] == ref["greedy"]["response_ids"]
+        for a, b in zip(got["greedy"]["response_logprobs"], ref["greedy"]["response_logprobs"], strict=True):
+            worst = max([worst] + [abs(x - y) for x, y in zip(a, b, strict=True)])
+    print(f"{layout}: max |logprob - one process| = {worst:.2e}; dummy steps per rank {idle}")
+    assert worst <= 1e-4
+    assert ref["idle"] == 0 and max(idle) > 0 and min(idle) == 0  # one generator idles, the other never
+
+
+def engine_routing_body(layout_kw: dict, tight: bool) -> dict:
+    """One generator's rollout with both recordings on: ours (``RolloutBatch.routing``) and megatron's
+    (``routing_indices``), compared request by request on this rank's pipeline stage.  ``tight``: a
+    KV cache of a few pages and 3 requests in flight, so requests are evicted and re-prefilled."""
+    from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
+    from megatron_rl.rollout.dp import data_parallel_share, generator_of_this_rank
+    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.sampling import SamplingParams
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    moe_kw = dict(MOE, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
+    chunks, _ = build_moe(layout, None, moe_kw, value_head=False)
+    cfg = ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw))
+    options = dict(max_batch_size=4, kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8)
+    new_tokens = 9
+    if tight:
+        new_tokens = 20
+        budget = engine_kv_cache_bytes(cfg, PlanOption(), 3, new_tokens, bytes_per=4, block_tokens=4)
+        options = dict(max_batch_size=3, kv_cache_memory=float(budget), prefill_chunk_tokens=8, kv_block_tokens=4)
+    engine = make_engine("megatron", cfg, "cpu", **options)
+    engine.record_routing = engine.megatron_routing = True
+    engine.load_from_chunks(chunks)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, MOE_MODEL["vocab_size"], (n,), generator=g).tolist() for n in (5, 11, 2, 17, 8)]
+    generators, index, _ = generator_of_this_rank()
+    share = data_parallel_share(len(prompts), generators, index)
+    batch = engine.generate([prompts[i] for i in share], SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
+                                                                        n=2), seed=4)
+    out = dict(requests=len(batch), lost=0, compared=0, same=0, ours_complete=True,
+               evictions=engine._engine.evicted_request_count)
+    for rid, tables in enumerate(batch.routing):
+        length = len(batch.prompt_ids[rid]) + len(batch.response_ids[rid])
+        for table in tables.values():  # ours: every fed token, -1 for the sampled last one
+            out["ours_complete"] &= table.shape[0] == length and bool((table[:-1] >= 0).all() and (table[-1] < 0).all())
+        theirs = engine.megatron_routing_indices[rid]
+        if theirs is None:
+            out["lost"] += 1
+            continue
+        for column, layer in enumerate(sorted(tables)):  # megatron's: this stage's MoE layers in order
+            same = (torch.from_numpy(theirs[:, column].astype("int64")) == tables[layer][:-1].long()).all(-1)
+            out["compared"] += same.numel()
+            out["same"] += int(same.sum())
+    engine.release_weights()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["ep1", "pp2_ep2"])
+def test_megatron_routing_indices_are_ours_where_recorded_and_lost_for_some_requests(layout):
+    """megatron-core's own routing record (``moe_enable_routing_replay``) against the routers' one
+    on the same generation: the same experts on every token both cover; but megatron's is missing
+    for whole requests -- ones whose KV blocks another request gets in the step they finish, and
+    evicted ones -- so ``RolloutBatch.routing`` stays ours (compat: inference.routing_indices_incomplete).
+    Should a megatron-core upgrade lose none, the engine's record can replace ours."""
+    world, layout_kw = (1, {}) if layout == "ep1" else LAYOUTS[layout]
+    runs = [("roomy", r) for r in run_distributed(world, engine_routing_body, layout_kw, False)]
+    if layout == "ep1":
+        runs += [("tight", r) for r in run_distributed(world, engine_routing_body, layout_kw, True)]
+    for name, got in runs:
+        print(f"{layout} {name}: {got['same']}/{got['compared']} (token, layer) routings of megatron's record equal "
+              f"ours; megatron's lost for {got['lost']}/{got['requests']} requests ({got['evictions']} evictions)")
+        assert got["ours_complete"] and got["compared"] > 50 and got["same"] == got["compared"]
+    assert all(got["evictions"] == 0 for name, got in runs if name == "roomy")
+    assert any(got["lost"] > 0 for name, got in runs if name == "roomy")  # handed-on KV blocks, no eviction
+    if layout == "ep1":
+        tight = runs[-1][1]
+        assert tight["evictions"] > 0 and tight["lost"] > runs[0][1]["lost"]
 
 
 # ----------------------------------------------------------------------------- config and validation
@@ -743,6 +879,10 @@ def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b(capsys):
     one = params_per_gpu(cfg, PlanOption(tp=2, cp=4))
     assert one - params_per_gpu(cfg, PlanOption(tp=2, cp=4, ep=4)) == pytest.approx(experts / 2 * (1 - 1 / 4))
     assert PlanOption(tp=2, cp=4, ep=4, etp=1).overrides()[-2:] == ["parallel.ep=4", "parallel.etp=1"]
+    from megatron_rl.planner.moe import layout_options
+
+    # EP with pipeline stages is planned too (megatron's engine generates on PP x EP)
+    assert layout_options(cfg, 8, 2, 2) == [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
     kw = dict(prompt_len=1024, nodes=1, gpus_per_node=8, gpu_memory_gib=80, with_critic=False, with_reference=False)
     best = plan(cfg, response_len=32768, **kw).recommended
     assert best is not None and best.layout.ep > 1 and best.layout.pp == 1

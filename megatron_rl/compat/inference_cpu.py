@@ -261,6 +261,23 @@ register_workaround(
     )
 )
 
+register_workaround(
+    Workaround(
+        name="inference.routing_indices_incomplete",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "with moe_enable_routing_replay the dynamic engine's per-request routing_indices are the "
+            "same experts as the routers' own recording on every token they cover, but are None for a "
+            "request that was evicted and re-prefilled (DynamicInferenceEngine reconstructs routing only "
+            "when the request's record holds one request) and for a request whose KV blocks the same "
+            "step's update_requests allocates to a waiting request (KVBlockAllocator."
+            "allocate_memory_blocks drops those blocks' routing before the engine reconstructs from "
+            "them); RolloutBatch.routing stays the routers' own recording (moe_rollout)"
+        ),
+        used_in="rollout/megatron_engine.py:megatron_routing; models/moe/router.py:_TopK",
+    )
+)
+
 
 _CPU_PATCHES = (
     ("inference_cpu.paged_attention_sdpa", _patch_paged_attention,

@@ -235,4 +235,16 @@ FEATURES = [
         ),
         config="algorithm.routing_replay=true",
     ),
+    Feature(
+        "Engine routing replay", "algorithms", TESTED_CPU,
+        "megatron-core's own routing record (moe_enable_routing_replay: routing_indices per finished request) compared "
+        "with the routers' on the same generation (one process and PP2 x EP2): the same experts for every token it "
+        "covers, but in megatron-core 0.19.2 it is lost for evicted requests and for requests whose KV blocks go to a "
+        "waiting request in the step they finish (1/10 requests without evictions, 5/10 with a tight KV cache), so the "
+        "rollout's routing (RolloutBatch.routing) stays the routers' own; MegatronRolloutEngine.megatron_routing turns "
+        "megatron's on for the comparison (compat: inference.routing_indices_incomplete).",
+        ("tests/test_moe.py::test_megatron_routing_indices_are_ours_where_recorded_and_lost_for_some_requests",
+         "tests/test_moe.py::test_rollout_records_the_routing_the_trainer_replays"),
+        config="(diagnostic: MegatronRolloutEngine.megatron_routing)",
+    ),
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, _heads_kv, _vpp_pass_sequences, need
 from megatron_rl.models.arch import expert_ffn_size, is_moe
-from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 AREA = "layouts"
 FEATURES = [
@@ -106,7 +105,7 @@ FEATURES = [
          "tests/test_moe.py::test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b",
          "tests/test_moe.py::test_planner_moe_activations_match_a_measurement",
          "tests/test_runtime.py::test_the_layout_line_names_expert_parallelism",
-         "tests/test_moe.py::test_score_command_on_pp2_ep2_is_not_refused_by_a_generation_rule"),
+         "tests/test_moe.py::test_score_and_generate_commands_on_pp2_ep2"),
         (
             need("parallel.ep", lambda c, w: is_moe(c.model), "expert parallelism needs an MoE model",
                  "set model.moe.num_experts (or model.hf_path to an MoE checkpoint), or parallel.ep=1",
@@ -119,13 +118,20 @@ FEATURES = [
                  lambda c, w: w is None or w % ((c.parallel.etp or c.parallel.tp) * c.parallel.ep * c.parallel.pp) == 0,
                  "world size {w} is not divisible by etp*ep*pp (one copy of the experts spans etp x ep x pp ranks)",
                  "choose etp*ep*pp that divides {w}, e.g. ep = {w} / (etp*pp)", "world size divisible by etp*ep*pp"),
-            need("parallel.pp", lambda c, w: c.parallel.pp == 1,
-                 "megatron's inference engine keeps idle expert-parallel ranks in step with dummy forwards, "
-                 "which have no pipeline stages", "use parallel.pp=1 with parallel.ep > 1 (more ep or tp instead)",
-                 "rollout.engine=megatron with ep > 1 needs pp=1",
-                 when=lambda c: c.parallel.ep > 1 and rollout_engine(c) == MEGATRON, generation=True),
         ),
         config="parallel.ep",
+    ),
+    Feature(
+        "MoE PP x EP", "layouts", TESTED_CPU,
+        "Pipeline stages with expert parallelism train, score and generate (megatron's engine): on PP2 x EP2 the "
+        "loss, router losses and gradients are one process's, score gives HF's log-probs, and greedy tokens and "
+        "log-probs are one process's, also when one generator finishes first -- its ranks run megatron's dummy forward "
+        "through both stages, keeping the other generator's expert exchanges in step; the rollout's routing replays.",
+        ("tests/test_moe.py::test_megatron_engine_generates_on_expert_parallel_layouts_as_one_process",
+         "tests/test_moe.py::test_score_and_generate_commands_on_pp2_ep2",
+         "tests/test_moe.py::test_loss_and_gradients_match_one_process",
+         "tests/test_moe.py::test_rollout_records_the_routing_the_trainer_replays"),
+        config="parallel.pp > 1 with parallel.ep > 1",
     ),
     Feature(
         "Expert tensor parallelism", "layouts", TESTED_CPU,

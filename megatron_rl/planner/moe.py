@@ -126,15 +126,13 @@ def layer_working_bytes(cfg, layout, tokens_local: int, bytes_per: int, training
 
 def layout_options(cfg, gpus: int, tp: int, pp: int) -> list[tuple[int, int]]:
     """``(ep, etp)`` pairs worth planning for an MoE model on this dense layout: EP dividing the
-    experts with etp*ep*pp dividing the world, and ETP 1 or TP (etp = tp is megatron's default).
-    EP > 1 only without pipeline stages: megatron's inference engine keeps idle expert-parallel
-    ranks in step with dummy forwards, which have no pipeline stages."""
+    experts with etp*ep*pp dividing the world, and ETP 1 or TP (etp = tp is megatron's default)."""
     out = []
     for etp in sorted({1, tp}):
         if expert_ffn_size(cfg) % etp:
             continue
         for ep in (1, 2, 4, 8, 16, 32, 64):
-            if cfg.moe.num_experts % ep == 0 and gpus % (etp * ep * pp) == 0 and (ep == 1 or pp == 1):
+            if cfg.moe.num_experts % ep == 0 and gpus % (etp * ep * pp) == 0:
                 out.append((ep, etp))
     return out
 

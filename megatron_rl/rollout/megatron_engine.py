@@ -32,9 +32,9 @@ What this module adds around megatron's engine, so its samples mean what the tra
   (the stop token kept), through the engine's own termination path; ``n`` samples per prompt are
   ``n`` requests.
 
-Layouts: TP, PP, SP, and CP -- each context-parallel rank generates on its own as a replica of
-the TP/PP shards (megatron's inference has no context parallelism, so the model's CP group is
-swapped for a one-rank group while it generates).  Not VPP: megatron's inference refuses
+Layouts: TP, PP, SP, EP (with PP too) and CP -- each context-parallel rank generates on its own
+as a replica of the TP/PP shards (megatron's inference has no context parallelism, so the model's
+CP group is swapped for a one-rank group while it generates).  Not VPP: megatron's inference refuses
 interleaved chunks; validation points such layouts to the ``torch`` or ``tp_sharded`` engine.
 
 On a CPU the engine runs through the shims of :mod:`megatron_rl.compat.inference_cpu`; on a GPU
@@ -150,6 +150,37 @@ def _clear_rope_cache() -> None:
 
     RotaryEmbedding.forward.cache_clear()
     YarnRotaryEmbedding.forward.cache_clear()  # its own cache (YaRN models)
+
+
+@contextlib.contextmanager
+def _engine_records_routing(model, context):
+    """megatron's own routing recording (``moe_enable_routing_replay``) on ``model``'s routers while
+    the engine steps: each finished request then carries ``routing_indices`` [prompt + response - 1,
+    this stage's MoE layers, top-k], or None where megatron-core 0.19.2 lost it (evicted requests,
+    and requests whose KV blocks are handed on in the step they finish).  megatron's list of router
+    instances is process-global (every MoE model built in the process): it holds only this model's
+    routers meanwhile, in layer order."""
+    from megatron.core.inference.contexts.routing_metadata import RoutingMetadata
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    state = getattr(model, "moe_state", None)
+    if state is None:
+        yield
+        return
+    config = model.config
+    instances = list(RouterReplay.global_router_replay_instances)
+    RouterReplay.global_router_replay_instances[:] = [r.router_replay for r in state.routers]
+    if getattr(context, "moe_routing_metadata", None) is None:
+        context.moe_enable_routing_replay = True
+        context.moe_routing_metadata = RoutingMetadata(context, config.moe_router_topk)
+    config.moe_enable_routing_replay = True
+    try:
+        yield
+    finally:
+        config.moe_enable_routing_replay = False
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        RouterReplay.global_router_replay_instances[:] = instances
 
 
 def _make_wrapper_class():
@@ -290,6 +321,12 @@ class MegatronRolloutEngine:
         self.last_refit = None  # RefitStats of the latest refit; None while generating in place
         self.prefix_caching = prefix_caching  # prompt pages shared between requests (module doc)
         self.prefill_tokens = 0  # prompt tokens the last generate computed (shared pages are not)
+        self.idle_steps = 0  # the last generate's dummy steps (this expert-parallel rank had no work)
+        # megatron's own routing record (``routing_indices``), for comparison only: in megatron-core
+        # 0.19.2 it is the same experts as ours wherever it exists, but some requests finish without
+        # one (compat: inference.routing_indices_incomplete), so ``RolloutBatch.routing`` stays ours.
+        self.megatron_routing = False
+        self.megatron_routing_indices: dict = {}  # request id -> [tokens - 1, layers, topk] or None
 
     # -- weights -------------------------------------------------------------------------------
     def inference_layout(self):
@@ -461,20 +498,21 @@ class MegatronRolloutEngine:
     def _run(self, engine) -> list:
         """Step until every request finished.  Expert-parallel ranks (each with its own share of
         prompts) step together: their MoE layers exchange tokens in every forward, so a rank
-        without work runs megatron's dummy forward until all of its EP group are done."""
+        without work runs megatron's dummy forward until all of its EP group are done.
+
+        With PP > 1 every stage of a generator has the same requests (the last stage's logits are
+        broadcast to all), so its stages idle on the same steps; an EP group holds one stage of
+        several generators, so every stage's group agrees on the same steps, and a dummy forward
+        passes its one-token request stage to stage as a real step does."""
         from megatron_rl.distributed import collectives
 
         groups = self._model.pg_collection
         done = []
+        self.idle_steps = 0
         if groups.ep.size() == 1:
             while engine.has_unfinished_requests():
                 done += engine.step_modern()["finished_request_records"]
             return done
-        if groups.pp.size() > 1:
-            raise NotImplementedError(
-                "rollout.engine=megatron with expert parallelism needs parallel.pp=1: idle expert-parallel "
-                "ranks' dummy forwards across pipeline stages are not covered by the tests"
-            )
         group = groups.ep
         while True:
             busy = engine.has_unfinished_requests()
@@ -484,6 +522,7 @@ class MegatronRolloutEngine:
                 done += engine.step_modern()["finished_request_records"]
             else:
                 engine.controller.dummy_forward()
+                self.idle_steps += 1
 
     @property
     def max_sequence_length(self) -> int:
@@ -543,9 +582,11 @@ class MegatronRolloutEngine:
         model.eval()
         lengths = {rid: len(prompt_ids[i]) + params.max_new_tokens for rid, (i, _) in enumerate(samples)}
         recording = moe_rollout(model, lengths) if self.record_routing else contextlib.nullcontext({})
+        megatron_records = (_engine_records_routing(model, engine.context) if self.megatron_routing
+                            else contextlib.nullcontext())
         try:
             with _without_context_parallel(model, self._cp_group), InferenceMode.active(), \
-                    recording as routing:
+                    recording as routing, megatron_records:
                 for rid, (i, _) in enumerate(samples):
                     engine.add_request(rid, list(prompt_ids[i]), request)
                 wrapper = controller.inference_wrapped_model
@@ -555,6 +596,8 @@ class MegatronRolloutEngine:
         finally:
             model.train(was_training)
             _clear_rope_cache()  # its tables were made in inference mode: training must not reuse them
+        if self.megatron_routing:
+            self.megatron_routing_indices = {r.request_id: r.merge().routing_indices for r in done}
         failed = [r for r in done if r.requests[-1].status == Status.FAILED]
         if failed:
             events = failed[0].requests[-1].events

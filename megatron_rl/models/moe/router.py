@@ -12,6 +12,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megatron_rl.models.moe.tokens import TokenMap, map_for_count
 
@@ -33,15 +34,21 @@ class LossSettings:
 DEFAULT_LOSSES = LossSettings()
 
 
-class _TopK:
+class _TopK(RouterReplay):
     """What ``topk_routing_with_score_function`` calls for the top-k (megatron's ``router_replay``
-    interface): the router's own choice, recorded or replaced by the recording when replaying."""
+    interface): the router's own choice, recorded or replaced by the recording when replaying.
+    Not in megatron's process-global list of instances (every model built in the process would be);
+    megatron's inference engine records through it when the rollout puts it there."""
 
     def __init__(self, router: "RLTopKRouter"):
         self.router = router
+        self.target_topk_idx = self.recorded_topk_idx = self.static_buffer = None
+        self.router_replay_action, self.replay_backward_list, self.layer_number = None, [], None
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.router_replay_action == RouterReplayAction.RECORD:  # megatron's inference engine records
+            self.record_indices(indices)
         target = self.router.topk_for(indices)
         if target is None:
             return values, indices
