@@ -590,6 +590,27 @@ def test_ppo_generates_on_a_layout_of_its_own_refit_every_step(train, rollout, t
     assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
 
 
+def sp_train_after_generate_body(cfg: ModelConfig) -> float:
+    """Generate first, then train: megatron's sequence-parallel gather buffer (a process-wide
+    GlobalMemoryBuffer) must not be left as an inference tensor for the training forward."""
+    chunks = _actor(dict(tp=2, sp=True), cfg, 4)
+    # One prefill step of every prompt: more tokens than the training micro-batch below.
+    engine = _engine(cfg, chunks, prefill_chunk_tokens=256, max_batch_size=16)
+    batch = engine.generate(PROMPTS, SAMPLED, seed=1)
+    engine.release_weights()
+    first = dataclasses.replace(batch, **{f: getattr(batch, f)[:2] for f in (
+        "prompt_index", "prompt_ids", "response_ids", "response_logprobs", "finish_reason")})
+    _optimizer_step(chunks, first)  # asserts the update was applied
+    again = engine.generate(PROMPTS, SAMPLED, seed=1)
+    return sum(r != a for r, a in zip(batch.response_ids, again.response_ids))
+
+
+def test_training_after_generating_with_sequence_parallelism():
+    """The demo's layout (TP2 with sequence parallelism) trains after the engine's first rollout."""
+    changed = run_distributed(2, sp_train_after_generate_body, _cfg())
+    assert changed[0] == changed[1] > 0, "the step changes what the engine samples with the same seed"
+
+
 # RL steps after the recipe's supervised warm-up: enough for the reward to rise clearly.
 LEARNING_STEPS = 20
 
@@ -810,6 +831,68 @@ def test_cpu_decode_stand_in_groups_requests_by_length():
         values = v[pages].flatten(0, 1)[:n].repeat_interleave(2, 1)
         att = torch.softmax(torch.einsum("hd,khd->hk", q[r, 0], keys) / 8**0.5, -1)
         assert torch.allclose(out[r, 0], torch.einsum("hk,khd->hd", att, values), atol=1e-5)
+
+
+def _attention_over(q, keys, values, kv_len: int):
+    """Reference: each query of a request's chunk over its visible keys (causal aligned to the last key)."""
+    heads, kv_heads = q.size(1), keys.size(1)
+    out = []
+    for j in range(q.size(0)):
+        visible = kv_len - q.size(0) + j + 1
+        kk = keys[:visible].repeat_interleave(heads // kv_heads, 1)
+        vv = values[:visible].repeat_interleave(heads // kv_heads, 1)
+        att = torch.softmax(torch.einsum("hd,khd->hk", q[j], kk) / q.size(-1) ** 0.5, -1)
+        out.append(torch.einsum("hk,khd->hd", att, vv))
+    return torch.stack(out)
+
+
+def test_cpu_prefill_stand_in_batches_requests_of_similar_work():
+    """A mixed step -- a first prompt chunk, a later chunk over two pages, decodes and a padding
+    request -- in one varlen call: every request equals attention over its own keys (NaN in unwritten
+    slots), and the long chunk is not padded together with the one-token requests."""
+    from megatron_rl.compat.inference_cpu import attention_groups, sdpa_varlen_paged
+
+    q_lens, kv_lens = [12, 4, 1, 1, 0], [12, 20, 9, 7, 0]
+    assert attention_groups(q_lens[:4], kv_lens[:4]) == [[1], [0], [2, 3]]
+    gen = torch.Generator().manual_seed(2)
+    block = 8
+    k, v = torch.randn(12, block, 2, 8, generator=gen), torch.randn(12, block, 2, 8, generator=gen)
+    table = torch.full((5, 3), -1, dtype=torch.int32)
+    table[0, :2], table[1, :3], table[2, :2], table[3, :1] = (torch.tensor(t, dtype=torch.int32) for t in
+                                                              ([3, 5], [0, 7, 9], [1, 2], [4]))
+    for cache in (k, v):  # slots past every request's keys, and pages nobody owns
+        cache[5, 4:], cache[9, 4:], cache[2, 1:], cache[4, 7:], cache[6], cache[8] = (float("nan"),) * 6
+    cu_q = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + kv_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu_q[-1]), 4, 8, generator=gen)
+    out = sdpa_varlen_paged(q, k, v, cu_q, cu_k, block_table=table)
+    assert not out.isnan().any()
+    for r, kl in enumerate(kv_lens[:4]):
+        pages = table[r, : -(-kl // block)].long()
+        keys, values = k[pages].flatten(0, 1)[:kl], v[pages].flatten(0, 1)[:kl]
+        rows = slice(int(cu_q[r]), int(cu_q[r + 1]))
+        assert torch.allclose(out[rows], _attention_over(q[rows], keys, values, kl), atol=1e-5)
+
+
+def test_suspending_an_engine_without_cuda_graphs_collects_no_garbage(monkeypatch):
+    """megatron's suspend deletes CUDA graphs and runs a full gc.collect() even when none were
+    captured (0.3-0.5 s per rollout in a trainer): the patched delete returns at once then, and
+    still deletes when graphs were recorded."""
+    from megatron.core.inference.engines import dynamic_engine
+    from megatron.core.transformer.cuda_graphs import _CudagraphGlobalRecord
+
+    from megatron_rl.compat import enable_compat
+    from megatron_rl.compat.inference_cpu import _delete_cuda_graphs_if_any
+
+    enable_compat()
+    assert hasattr(dynamic_engine.delete_cuda_graphs, "__wrapped__")
+    calls = []
+    delete = _delete_cuda_graphs_if_any(lambda: calls.append("deleted"))
+    delete()
+    assert calls == []
+    monkeypatch.setattr(_CudagraphGlobalRecord, "cudagraph_inference_record", [("runner",)])
+    delete()
+    assert calls == ["deleted"]
 
 
 def test_megatron_engine_is_registered():

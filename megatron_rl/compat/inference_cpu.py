@@ -52,27 +52,6 @@ def _patch_pp_broadcast_check() -> None:
 
 
 # ----------------------------------------------------------------------------- paged attention
-def _pages(cache: torch.Tensor, table_row: torch.Tensor, length: int) -> torch.Tensor:
-    """``[length, kv_heads, d]``: one request's keys (or values) read from its KV pages."""
-    block = cache.size(1)
-    blocks = table_row[: -(-length // block)].long()
-    return cache[blocks].flatten(0, 1)[:length]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """``q [sq, h, d]`` over ``k/v [sk, kvh, d]``, causal aligned to the last key (flash-attn's rule)."""
-    sq, sk = q.size(0), k.size(0)
-    mask = None
-    if causal and sq > 1:
-        rows = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
-        mask = torch.arange(sk, device=q.device)[None, :] <= rows
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
-        enable_gqa=q.size(1) != k.size(1),
-    )
-    return out.transpose(0, 1)
-
-
 def _full_attention_only(window_size, lse: bool) -> None:
     """The stand-ins compute full causal attention and return no log-sum-exp: a sliding-window
     layer or a sink softmax (which corrects the output with the LSE) would be silently wrong."""
@@ -82,6 +61,74 @@ def _full_attention_only(window_size, lse: bool) -> None:
         raise NotImplementedError("the CPU paged attention returns no softmax LSE (sink softmax)")
 
 
+# Requests are padded to their group's longest (queries and keys); requests are grouped (longest
+# keys first) while the padded work stays within this factor of the real work, so one long request
+# does not make every short one attend over its length.
+DECODE_PADDING_SLACK = 1.5
+
+
+def attention_groups(query_lengths: list[int], key_lengths: list[int],
+                     slack: float = DECODE_PADDING_SLACK) -> list[list[int]]:
+    """Indices of the requests in groups, longest keys first, each padded to its longest query
+    and key count with at most ``slack`` x the group's real query x key work."""
+    groups: list[list[int]] = []
+    real = longest_q = 0  # the last group's real work and longest query
+    for i in sorted(range(len(key_lengths)), key=lambda i: (-key_lengths[i], -query_lengths[i])):
+        work = query_lengths[i] * key_lengths[i]
+        if groups:
+            q = max(longest_q, query_lengths[i])
+            if (len(groups[-1]) + 1) * q * key_lengths[groups[-1][0]] <= slack * (real + work):
+                groups[-1].append(i)
+                real, longest_q = real + work, q
+                continue
+        groups.append([i])
+        real, longest_q = work, query_lengths[i]
+    return groups
+
+
+def decode_groups(lengths: list[int], slack: float = DECODE_PADDING_SLACK) -> list[list[int]]:
+    """:func:`attention_groups` of one query per request (decode)."""
+    return attention_groups([1] * len(lengths), lengths, slack)
+
+
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor):
+    """``(keys, values, valid)``: each request's first ``lengths[r]`` keys and values read from its
+    pages (``table[r]``) as ``[requests, longest, kv_heads, d]``, zero past its length, and the
+    ``[requests, longest]`` mask of its real slots.
+
+    Pages are copied whole (``index_select`` of pages: about 3x faster on the CPU than gathering
+    token slots); when every request fits in its first page only the slots up to the longest are
+    copied.  The slots past a request's length may hold anything -- uninitialised memory, NaN
+    included, which would survive the mask as 0 * NaN -- so they are zeroed."""
+    block = k_cache.size(1)
+    longest = int(lengths.max())
+    pages = -(-longest // block)
+    blocks = table[:, :pages].long().clamp_min(0)
+    rows = blocks.size(0)
+    if pages == 1:
+        keys = k_cache[:, :longest].index_select(0, blocks[:, 0])
+        values = v_cache[:, :longest].index_select(0, blocks[:, 0])
+    else:
+        shape = (rows, pages * block) + tuple(k_cache.shape[2:])
+        keys = k_cache.index_select(0, blocks.flatten()).view(shape)[:, :longest]
+        values = v_cache.index_select(0, blocks.flatten()).view(shape)[:, :longest]
+    valid = torch.arange(longest, device=lengths.device)[None, :] < lengths[:, None]
+    if not bool(valid.all()):
+        hidden = ~valid[:, :, None, None]
+        keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
+    return keys, values, valid
+
+
+def _attend_padded(q, keys, values, mask, scale: float):
+    """SDPA of ``q [requests, queries, heads, d]`` over ``keys/values [requests, slots, kv_heads, d]``
+    with ``mask [requests, queries, slots]`` (GQA by head groups)."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None], scale=scale,
+        enable_gqa=q.size(2) != keys.size(2),
+    )
+    return out.transpose(1, 2)
+
+
 def sdpa_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
                       softmax_scale=None, causal=True, block_table=None, window_size=None,
                       return_attn_probs=False, **_unused):
@@ -89,80 +136,55 @@ def sdpa_varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, ma
 
     ``q [tokens, heads, d]`` packs every request's new tokens (``cu_seqlens_q``); ``k``/``v`` are the
     paged caches ``[blocks, block_size, kv_heads, d]`` already holding the new keys; request ``i``
-    has ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` keys in pages ``block_table[i]``.
+    has ``cu_seqlens_k[i+1] - cu_seqlens_k[i]`` keys in pages ``block_table[i]``.  Causal attention
+    is aligned to the end of the keys: the query at chunk offset ``j`` sees keys
+    ``< kv_len - q_len + j + 1``.  Requests of similar length are batched into one padded SDPA
+    (:func:`attention_groups`); padding tokens and padding requests get zeros.
     """
     _full_attention_only(window_size, return_attn_probs)
     scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
     out = torch.zeros_like(q)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(cu_q) - 1):
-        q0, q1, kv_len = cu_q[i], cu_q[i + 1], cu_k[i + 1] - cu_k[i]
-        if q1 == q0 or kv_len == 0:
-            continue  # a padding request
-        keys, values = _pages(k, block_table[i], kv_len), _pages(v, block_table[i], kv_len)
-        out[q0:q1] = _attend(q[q0:q1], keys, values, scale, causal)
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    q_lens, k_lens = cu_q.diff(), cu_k.diff()
+    live = ((q_lens > 0) & (k_lens > 0)).nonzero().squeeze(1)  # padding requests: zeros
+    if live.numel() == 0:
+        return out
+    q_live, k_live = q_lens[live], k_lens[live]
+    for group in attention_groups(q_live.tolist(), k_live.tolist()):
+        members = torch.tensor(group, dtype=torch.long, device=live.device)
+        rows, ql, kl = live[members], q_live[members], k_live[members]
+        keys, values, valid = _gather_kv(k, v, block_table[rows], kl)
+        offsets = torch.arange(int(ql.max()), device=q.device)
+        real = offsets[None, :] < ql[:, None]  # [requests, queries]
+        index = (cu_q[rows][:, None] + offsets[None, :]).clamp(max=q.size(0) - 1)  # padded queries: any row
+        mask = valid[:, None, :]
+        if causal:
+            last_visible = (kl - ql)[:, None, None] + offsets[None, :, None]
+            mask = mask & (torch.arange(keys.size(1), device=q.device)[None, None, :] <= last_visible)
+        attn = _attend_padded(q[index], keys, values, mask, scale)
+        out[index[real]] = attn[real]
     return out
-
-
-# A batch of decode requests is padded to its longest; requests are grouped (longest first) while
-# the padded slots stay within this factor of the real ones, so one long request does not make
-# every short one attend over its length.
-DECODE_PADDING_SLACK = 1.5
-
-
-def decode_groups(lengths: list[int], slack: float = DECODE_PADDING_SLACK) -> list[list[int]]:
-    """Indices into ``lengths`` in groups, longest first, each padded to its first (longest)
-    member with at most ``slack`` x the group's real length."""
-    groups: list[list[int]] = []
-    real = 0  # the last group's real length
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= slack * (real + lengths[i]):
-            groups[-1].append(i)
-            real += lengths[i]
-        else:
-            groups.append([i])
-            real = lengths[i]
-    return groups
 
 
 def sdpa_decode_paged(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
                       window_size=None, return_softmax_lse=False, **_unused):
     """flash-attn's ``flash_attn_with_kvcache`` with a ``block_table`` (decode: one query per
     request), batched over requests of similar length (:func:`decode_groups`):
-    ``q [b, 1, heads, d]`` -> ``[b, 1, heads, d]``.
-
-    Each request's pages are copied whole (``index_select`` of pages: about 3x faster on the CPU
-    than gathering token slots), padded to its group's longest page count.  The slots past a
-    request's length may hold anything -- uninitialised memory, NaN included, which would survive
-    the mask as 0 * NaN -- so those rows of the copy are zeroed before SDPA masks them."""
+    ``q [b, 1, heads, d]`` -> ``[b, 1, heads, d]``; padding requests (no keys) get zeros."""
     _full_attention_only(window_size, return_softmax_lse)
     if q.size(1) != 1:  # several queries per request: speculative decoding, which is off
         raise NotImplementedError(f"the CPU paged decode takes one query per request, got {q.size(1)}")
     scale = softmax_scale if softmax_scale is not None else q.size(-1) ** -0.5
     out = torch.zeros_like(q)
-    live = (cache_seqlens > 0).nonzero().squeeze(1)  # padding requests have no keys: zeros
+    live = (cache_seqlens > 0).nonzero().squeeze(1)
     if live.numel() == 0:
         return out
-    block = k_cache.size(1)
     all_lengths = cache_seqlens[live].long()
     for group in decode_groups(all_lengths.tolist()):
         members = torch.tensor(group, dtype=torch.long, device=live.device)
-        rows, lengths = live[members], all_lengths[members]
-        pages = (int(lengths[0]) + block - 1) // block
-        table = block_table[rows, :pages].long().clamp_min(0).flatten()
-        valid = torch.arange(pages * block, device=q.device)[None, :] < lengths[:, None]  # [rows, slots]
-        shape = (rows.numel(), pages * block) + tuple(k_cache.shape[2:])
-        keys = k_cache.index_select(0, table).view(shape)
-        values = v_cache.index_select(0, table).view(shape)
-        hidden = (~valid).flatten().nonzero().squeeze(1)
-        if hidden.numel():
-            for copy in (keys, values):
-                copy.view(-1, copy.size(2) * copy.size(3)).index_fill_(0, hidden, 0.0)
-        attn = F.scaled_dot_product_attention(
-            q[rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=q.size(2) != k_cache.size(2),
-        )
-        out[rows] = attn.transpose(1, 2)
+        rows = live[members]
+        keys, values, valid = _gather_kv(k_cache, v_cache, block_table[rows], all_lengths[members])
+        out[rows] = _attend_padded(q[rows], keys, values, valid[:, None, :], scale)
     return out
 
 
@@ -191,6 +213,45 @@ def _patch_triton_kv_append() -> None:
     from megatron.core.inference.contexts import dynamic_context
 
     dynamic_context.triton_append_key_value_cache = None
+
+
+# ----------------------------------------------------------------------------- suspend without graphs
+def _delete_cuda_graphs_if_any(_delete):
+    """``delete_cuda_graphs`` that returns at once when no graph was ever recorded: the engine runs
+    eagerly, and the full ``gc.collect()`` it ends with costs 0.3-0.5 s in a trainer process on
+    every rollout's suspend (more than the rollout itself on a small model)."""
+
+    def delete_cuda_graphs():
+        from megatron.core.transformer.cuda_graphs import CudaGraphManager, _CudagraphGlobalRecord
+
+        record = _CudagraphGlobalRecord
+        if (record.cudagraph_created or record.cudagraph_record or record.cudagraph_inference_record
+                or CudaGraphManager.global_mempool is not None):
+            _delete()
+
+    delete_cuda_graphs.__wrapped__ = _delete
+    return delete_cuda_graphs
+
+
+def _patch_suspend_gc() -> None:
+    from megatron.core.inference.engines import dynamic_engine
+
+    if not hasattr(dynamic_engine.delete_cuda_graphs, "__wrapped__"):
+        dynamic_engine.delete_cuda_graphs = _delete_cuda_graphs_if_any(dynamic_engine.delete_cuda_graphs)
+
+
+register_patch(
+    Patch(
+        name="inference.suspend_without_graphs_skips_gc", megatron_versions=MEGATRON_TESTED,
+        torch_versions=TORCH_TESTED, apply=_patch_suspend_gc,
+        reason=(
+            "DynamicInferenceEngine.suspend() with a non-PERSIST KV cache calls cuda_graphs."
+            "delete_cuda_graphs(), which ends with gc.collect() even when no CUDA graph was captured "
+            "(the engine here runs eagerly): 0.3-0.5 s per rollout in a trainer process; it is skipped "
+            "when nothing was recorded"
+        ),
+    )
+)
 
 
 # What the engine adapter does on every device, because of how megatron-core 0.19.2's dynamic engine
@@ -233,6 +294,20 @@ register_workaround(
             "block table, shared pages included"
         ),
         used_in="rollout/megatron_engine.py:PrefixCachingEvictionPolicy.REF_ZERO",
+    )
+)
+register_workaround(
+    Workaround(
+        name="inference.global_memory_buffer_outside_inference_mode",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "parallel_state's GlobalMemoryBuffer (the sequence-parallel all-gather buffer among others) "
+            "is process-wide and grown on demand; grown while the engine steps under torch.inference_mode "
+            "it is an inference tensor, and the next training forward's all_gather into it raises "
+            "'Inplace update to inference tensor outside InferenceMode'; such buffers are dropped after "
+            "each rollout"
+        ),
+        used_in="rollout/megatron_engine.py:_drop_inference_buffers",
     )
 )
 register_workaround(

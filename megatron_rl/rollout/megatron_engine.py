@@ -144,6 +144,20 @@ def _without_context_parallel(model: torch.nn.Module, cp_group):
             setattr(holder, attr, cp_group)
 
 
+def _drop_inference_buffers() -> None:
+    """Forget megatron's process-wide scratch buffers (``GlobalMemoryBuffer``: the sequence-parallel
+    all-gather's among them) that were grown while generating: made under ``torch.inference_mode``,
+    they are inference tensors, and the training forward writing into them raises.  Training grows
+    its own again on first use."""
+    from megatron.core import parallel_state as ps
+
+    buffers = getattr(ps, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffers is None:
+        return
+    for key in [k for k, t in buffers.buffer.items() if t is not None and t.is_inference()]:
+        del buffers.buffer[key]
+
+
 def _clear_rope_cache() -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
@@ -266,6 +280,12 @@ def _make_controller_class():
                 stops.append(stopped(self.responses[rid], self.params))
             self._stops = torch.tensor(stops, dtype=torch.bool)
 
+        @staticmethod
+        def detokenize(tokenizer, tokens, remove_EOD: bool = True, skip_special_tokens: bool = True) -> str:
+            # Results leave as ids: the engine detokenizes every finished request's prompt and
+            # response, and megatron's version inspects the tokenizer's signature each time.
+            return ""
+
         def _dynamic_step_context_bookkeeping(self):
             # megatron ends a request whose token equals its step's termination id (the host copy
             # of the active slots' metadata): point it at the token just drawn for the requests
@@ -278,6 +298,24 @@ def _make_controller_class():
             return super()._dynamic_step_context_bookkeeping()
 
     return SamplingController
+
+
+@functools.lru_cache(maxsize=None)
+def _request_params_class():
+    """megatron's ``SamplingParams`` whose per-request copy is shallow: every request deep-copies its
+    parameters (``DynamicInferenceRequest.__post_init__``), about 0.1 ms each on the CPU, and the
+    engine only ever reassigns their top-level fields."""
+    import copy
+    import dataclasses
+
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+    @dataclasses.dataclass
+    class RequestParams(MegatronSampling):
+        def __deepcopy__(self, memo):
+            return copy.copy(self)
+
+    return RequestParams
 
 
 def _make_context_class(token_rounder: int):
@@ -533,7 +571,6 @@ class MegatronRolloutEngine:
         """``params.n`` samples per prompt; every TP/PP rank of the replica must call it with the
         same arguments (they run one engine together)."""
         from megatron.core.inference.inference_request import Status
-        from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
         from megatron.core.inference.utils import InferenceMode
 
         from megatron_rl.models.moe import moe_rollout
@@ -576,7 +613,7 @@ class MegatronRolloutEngine:
         samples = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
         keys = {rid: sample_key(derive_seed(seed, i, j)) for rid, (i, j) in enumerate(samples)}
         controller.begin(params, getattr(self._model, "true_vocab_size", None) or vocab, keys)
-        request = MegatronSampling(num_tokens_to_generate=params.max_new_tokens, termination_id=-1,
+        request = _request_params_class()(num_tokens_to_generate=params.max_new_tokens, termination_id=-1,
                                    return_log_probs=False)
         model, was_training = self._model, self._model.training
         model.eval()
@@ -596,6 +633,7 @@ class MegatronRolloutEngine:
         finally:
             model.train(was_training)
             _clear_rope_cache()  # its tables were made in inference mode: training must not reuse them
+            _drop_inference_buffers()  # the same for megatron's scratch buffers
         if self.megatron_routing:
             self.megatron_routing_indices = {r.request_id: r.merge().routing_indices for r in done}
         failed = [r for r in done if r.requests[-1].status == Status.FAILED]
