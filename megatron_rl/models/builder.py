@@ -153,6 +153,33 @@ def allow_tf32() -> None:
     torch.set_float32_matmul_precision("high")
 
 
+def gpt_model(model: ModelConfig, config: TransformerConfig, impl: str, vocab: int, *, pre_process: bool,
+              post_process: bool, model_cls=RLGPTModel, vp_stage: int | None = None, pp_rank: int | None = None,
+              **model_kwargs):
+    """One ``model_cls`` for ``config``: the training chunks
+    and the inference model of ``rollout.layout`` (its own process groups and ``pp_rank`` in
+    ``model_kwargs``) are built by this one call, so their modules and RoPE settings agree."""
+    rs = model.rope_scaling
+    chunk = model_cls(
+        config=config,
+        transformer_layer_spec=block_spec(config, impl, vp_stage, router_class(model), pp_rank=pp_rank),
+        vocab_size=vocab,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model.tie_word_embeddings,
+        position_embedding_type="yarn" if rs.type == "yarn" else "rope",
+        rotary_base=int(model.rotary_base),
+        rope_scaling=rs.type == "llama3",
+        rope_scaling_factor=rs.factor if rs.type == "llama3" else MEGATRON_ROPE_SCALING_FACTOR,
+        vp_stage=vp_stage,
+        **model_kwargs,
+    )
+    chunk.true_vocab_size = model.vocab_size
+    return chunk
+
+
 def build_gpt_chunks(
     model: ModelConfig, layout: ParallelLayout, device: torch.device, model_cls=RLGPTModel, *,
     initialize: bool = True, **model_kwargs
@@ -170,24 +197,10 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None
-        chunk = model_cls(
-            config=config,
-            transformer_layer_spec=block_spec(config, impl, stage, router_class(model)),
-            vocab_size=vocab,
-            max_sequence_length=model.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            parallel_output=True,
-            share_embeddings_and_output_weights=model.tie_word_embeddings,
-            position_embedding_type="yarn" if model.rope_scaling.type == "yarn" else "rope",
-            rotary_base=int(model.rotary_base),
-            rope_scaling=model.rope_scaling.type == "llama3",
-            rope_scaling_factor=(model.rope_scaling.factor if model.rope_scaling.type == "llama3"
-                                 else MEGATRON_ROPE_SCALING_FACTOR),
-            vp_stage=stage,
-            **model_kwargs,
-        )
-        chunk.true_vocab_size = model.vocab_size
+        chunk = gpt_model(model, config, impl, vocab, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
+                                                                                           vp_stage=stage),
+                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                          model_cls=model_cls, vp_stage=stage, **model_kwargs)
         chunks.append(chunk.to(device))
     attach_moe_state(chunks)
     return chunks

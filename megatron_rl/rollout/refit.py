@@ -79,10 +79,8 @@ def build_inference_model(model_cfg: ModelConfig, infer: InferenceLayout, train:
     first :func:`refit` fills them)."""
     from megatron_rl.capabilities import resolve_transformer_impl
     from megatron_rl.models.arch import resolve_dtype
-    from megatron_rl.models.builder import MEGATRON_ROPE_SCALING_FACTOR, transformer_config
-    from megatron_rl.models.gpt import RLGPTModel
-    from megatron_rl.models.moe import attach_moe_state, router_class
-    from megatron_rl.models.specs import block_spec
+    from megatron_rl.models.builder import gpt_model, transformer_config
+    from megatron_rl.models.moe import attach_moe_state
 
     world = dist.get_world_size()
     groups = inference_groups(infer, world)
@@ -96,23 +94,8 @@ def build_inference_model(model_cfg: ModelConfig, infer: InferenceLayout, train:
                                 recompute_modules=None)
     vocab = refit_vocab_rows(model_cfg, train.tp, infer.tp)
     pp_rank, pp_size = groups.pp.rank(), groups.pp.size()
-    rs = model_cfg.rope_scaling
-    model = RLGPTModel(
-        config=config,
-        transformer_layer_spec=block_spec(config, impl, None, router_class(model_cfg), pp_rank=pp_rank),
-        vocab_size=vocab,
-        max_sequence_length=model_cfg.max_position_embeddings,
-        pre_process=pp_rank == 0,
-        post_process=pp_rank == pp_size - 1,
-        parallel_output=True,
-        share_embeddings_and_output_weights=model_cfg.tie_word_embeddings,
-        position_embedding_type="yarn" if rs.type == "yarn" else "rope",
-        rotary_base=int(model_cfg.rotary_base),
-        rope_scaling=rs.type == "llama3",
-        rope_scaling_factor=rs.factor if rs.type == "llama3" else MEGATRON_ROPE_SCALING_FACTOR,
-        pg_collection=groups,
-    )
-    model.true_vocab_size = model_cfg.vocab_size
+    model = gpt_model(model_cfg, config, impl, vocab, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1,
+                      pp_rank=pp_rank, pg_collection=groups)
     model = model.to(device).eval().requires_grad_(False)
     attach_moe_state([model])
     return model
