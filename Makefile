@@ -4,7 +4,7 @@
 test:
 	./scripts/bootstrap.sh
 	.venv/bin/python -m ruff check .
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q --durations=40 tests
 
 test-fast:
 	./scripts/bootstrap.sh

@@ -123,6 +123,7 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     elsewhere (the CPU) each unset size is the training layout's, so nothing is copied."""
     from megatron_rl.compat.devices import cuda_memory_bytes
     from megatron_rl.config.schema import RolloutLayoutConfig
+    from megatron_rl.planner.memory import RolloutLayout, shares_training_weights
     from megatron_rl.rollout.choice import MEGATRON
 
     asked, train = cfg.rollout.layout, cfg.parallel
@@ -137,11 +138,9 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
         chosen = mem.layout
         return (RolloutLayoutConfig(tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, etp=chosen.etp), DERIVED,
                 f"{memory / 2**30:.0f} GiB GPUs: {why}")
-    layout = RolloutLayoutConfig(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
-                                 etp=asked.etp or train.etp)
-    shares = ((layout.tp, layout.pp, layout.ep, layout.etp or layout.tp) == (train.tp, train.pp, train.ep,
-                                                                             train.etp or train.tp)
-              and not (train.vpp and train.vpp > 1))
+    filled = RolloutLayout.filled(asked, train)
+    layout = RolloutLayoutConfig(tp=filled.tp, pp=filled.pp, ep=filled.ep, etp=filled.etp)
+    shares = shares_training_weights(filled, train)
     why = ("generates with the actor's own shards, nothing copied" if shares
            else "a model of its own, refit from the training shards before every rollout")
     if None not in (asked.tp, asked.pp, asked.ep):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _heads_kv, need
-from megatron_rl.models.arch import is_moe
-from megatron_rl.planner.memory import padded_vocab_rows
+from megatron_rl.models.arch import is_moe, padded_vocab_size
+from megatron_rl.planner.memory import RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 AREA = "rollout"
@@ -18,14 +18,13 @@ def _infer_etp(c) -> int:
     return _infer(c).etp or _infer(c).tp
 
 
-def _shares(c) -> bool:
-    """rollout.layout generates on the actor's own shards (megatron_rl/rollout/refit.py's rule)."""
-    from megatron_rl.distributed.runtime import ParallelLayout
-    from megatron_rl.rollout.refit import InferenceLayout, shares_training_weights
+def _training_vocab_rows(c) -> int:
+    return padded_vocab_size(c.model.vocab_size, c.model.make_vocab_size_divisible_by, c.parallel.tp)
 
-    lay = _infer(c)
-    return shares_training_weights(InferenceLayout(tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp),
-                                   ParallelLayout.from_config(c.parallel, c.parallel.tp * c.parallel.pp))
+
+def _shares(c) -> bool:
+    """rollout.layout generates on the actor's own shards."""
+    return shares_training_weights(RolloutLayout.filled(_infer(c), c.parallel), c.parallel)
 
 
 def _differs(c) -> bool:
@@ -56,7 +55,7 @@ ROLLOUT_LAYOUT_CONSTRAINTS = (
          "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by rollout.layout.tp",
          "use a rollout.layout.tp that divides the number of KV heads", "num_query_groups % rollout tp == 0",
          generation=True),
-    need("rollout.layout.tp", lambda c, w: padded_vocab_rows(c.model, c.parallel.tp) % _infer(c).tp == 0,
+    need("rollout.layout.tp", lambda c, w: _training_vocab_rows(c) % _infer(c).tp == 0,
          "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp={c.parallel.tp})",
          "use a rollout.layout.tp that divides parallel.tp x model.make_vocab_size_divisible_by",
          "padded vocabulary rows % rollout tp == 0", generation=True),

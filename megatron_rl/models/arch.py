@@ -229,3 +229,10 @@ def global_expert_name(name: str, local_expert_indices) -> str:
     if m:
         return f"{m.group(1)}local_experts.{local_expert_indices[int(m.group(4))]}.{m.group(2)}.{m.group(3)}"
     return name
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Rows megatron gives the vocabulary: a multiple of ``divisible_by * tp``, so every TP rank
+    holds the same number."""
+    multiple = max(1, divisible_by) * tp
+    return -(-vocab_size // multiple) * multiple

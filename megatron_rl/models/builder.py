@@ -23,12 +23,12 @@ from megatron_rl.distributed.runtime import ParallelLayout
 from megatron_rl.models.arch import (
     ACTIVATIONS,
     MEGATRON_ROPE_SCALING_FACTOR,
+    padded_vocab_size,
     resolve_dtype,
     rope_mscale,
     yarn_megatron_mscales,
     yarn_original_positions,
 )
-from megatron_rl.models.canonical import padded_vocab_size
 from megatron_rl.models.gpt import RLGPTModel
 from megatron_rl.models.moe import attach_moe_state, moe_transformer_kwargs, router_class
 from megatron_rl.models.specs import block_spec

@@ -14,7 +14,7 @@ HF bridge's slice-wise import and export, the TP-sharded rollout engine):
   ``[gate_r; up_r]`` on rank r, so it is re-interleaved on gather and scatter;
 * the fused QKV projection is grouped per KV group (:func:`fuse_qkv`), so a contiguous block of
   its rows is a block of whole KV groups;
-* vocabulary-parallel tensors (embedding, output layer) are padded to :func:`padded_vocab_size`
+* vocabulary-parallel tensors (embedding, output layer) are padded to :func:`megatron_rl.models.arch.padded_vocab_size`
   rows, the padding on the last TP rank;
 * with tied embeddings and PP>1 the last stage's ``output_layer.weight`` is a copy of the
   embedding and is left out of the canonical dict;
@@ -76,13 +76,6 @@ def _gated_fc1(name: str) -> bool:
 
 
 # -- the tensor-parallel split rule -------------------------------------------------------------
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Rows megatron gives the vocabulary: a multiple of ``divisible_by * tp``, so every TP rank
-    holds the same number."""
-    multiple = max(1, divisible_by) * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def tp_block(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     """``[start, end)`` of TP rank ``tp_rank``'s contiguous block of ``total`` rows or columns."""
     per = total // tp_size

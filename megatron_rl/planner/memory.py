@@ -29,7 +29,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import attention_dims, is_moe
+from megatron_rl.models.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.planner import moe
 
 GiB = 2**30
@@ -470,16 +470,32 @@ ROLLOUT_CONCURRENCY = 16
 @dataclasses.dataclass(frozen=True)
 class RolloutLayout:
     """``rollout.layout``: the inference model's TP / PP / EP / expert-TP (``etp`` None = ``tp``);
-    CP is 1 and the rest of the world are data-parallel replicas."""
+    CP is 1 and the rest of the world are data-parallel replicas.  The one layout type of the
+    planner, resolution, validation and the refit (megatron-free, so the planner can import it)."""
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     etp: Optional[int] = None
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
     @classmethod
-    def of_training(cls, train: PlanOption) -> "RolloutLayout":
+    def of_training(cls, train) -> "RolloutLayout":
+        """The training layout's sizes (a :class:`PlanOption`, ``ParallelLayout`` or
+        ``parallel`` config): with one chunk per rank, the layout that shares its weights."""
         return cls(tp=train.tp, pp=train.pp, ep=train.ep, etp=train.etp)
+
+    @classmethod
+    def filled(cls, asked, train) -> "RolloutLayout":
+        """``asked`` (``rollout.layout``, sizes may be None; or None) with each unset size the
+        training layout's."""
+        if asked is None:
+            return cls.of_training(train)
+        return cls(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
+                   etp=asked.etp or train.etp)
 
     def replicas(self, world: int) -> int:
         return world // (self.tp * self.pp)
@@ -491,9 +507,13 @@ class RolloutLayout:
 
     def name(self) -> str:
         out = f"tp{self.tp} pp{self.pp}"
-        if self.ep > 1 or (self.etp or self.tp) != self.tp:
-            out += f" ep{self.ep}" + (f" etp{self.etp}" if (self.etp or self.tp) != self.tp else "")
+        if self.ep > 1 or self.expert_tp != self.tp:
+            out += f" ep{self.ep}" + (f" etp{self.etp}" if self.expert_tp != self.tp else "")
         return out
+
+    def describe(self) -> str:
+        etp = f" x ETP{self.etp}" if self.expert_tp != self.tp else ""
+        return f"TP{self.tp} x PP{self.pp}" + (f" x EP{self.ep}" if self.ep > 1 else "") + etp
 
     def settings(self) -> dict:
         """As ``rollout.layout`` config values (``etp`` null when it equals ``tp``)."""
@@ -501,18 +521,13 @@ class RolloutLayout:
         return {"rollout.layout": {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": etp}}
 
 
-def shares_training_weights(infer: RolloutLayout, train: PlanOption) -> bool:
-    """The planner's side of :func:`megatron_rl.rollout.refit.shares_training_weights` (the planner
-    plans no VPP): the same TP / PP / EP / expert-TP, so the engine generates on the actor's shards."""
-    return (infer.tp, infer.pp, infer.ep, infer.etp or infer.tp) == (train.tp, train.pp, train.ep,
-                                                                     train.etp or train.tp)
-
-
-def padded_vocab_rows(cfg: ModelConfig, tp: int) -> int:
-    """Vocabulary rows of a model at ``tp``: a multiple of ``make_vocab_size_divisible_by x tp``
-    (megatron_rl.models.canonical.padded_vocab_size, without importing megatron-core)."""
-    multiple = max(1, cfg.make_vocab_size_divisible_by) * tp
-    return -(-cfg.vocab_size // multiple) * multiple
+def shares_training_weights(infer: RolloutLayout, train) -> bool:
+    """Whether the engine can generate with the actor's own chunk (no second model, no copy): the
+    same TP / PP / EP / expert-TP and one chunk per rank (``train``: a :class:`PlanOption`,
+    ``ParallelLayout`` or ``parallel`` config).  CP needs no copy: each CP rank generates whole
+    sequences with its (replicated) TP / PP shard."""
+    same = (infer.tp, infer.pp, infer.ep, infer.expert_tp) == (train.tp, train.pp, train.ep, train.etp or train.tp)
+    return same and not (getattr(train, "vpp", None) or 1) > 1
 
 
 def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train_tp: int, world: int) -> list[str]:
@@ -531,7 +546,7 @@ def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train_tp: in
         out.append("tp does not divide ffn_hidden_size")
     if cfg.num_layers % infer.pp:
         out.append("pp does not divide the layers")
-    if padded_vocab_rows(cfg, train_tp) % infer.tp:
+    if padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, train_tp) % infer.tp:
         out.append("tp does not divide the training model's vocabulary rows")
     if is_moe(cfg):
         if cfg.moe.num_experts % infer.ep:

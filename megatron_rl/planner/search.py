@@ -143,9 +143,8 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple 
                     for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
                         infer = None
                         if megatron and rollout_layout:
-                            infer = RolloutLayout(tp=rollout_layout.get("tp") or tp, pp=rollout_layout.get("pp") or pp,
-                                                  ep=rollout_layout.get("ep") or ep,
-                                                  etp=rollout_layout.get("etp") or etp)
+                            infer = RolloutLayout.filled(RolloutLayout(**rollout_layout),
+                                                         RolloutLayout(tp=tp, pp=pp, ep=ep, etp=etp))
                         yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
                                          distributed_optimizer=dist_opt, sharded_rollout=sharded,
                                          megatron_rollout=megatron, cp_comm_type=comm, hierarchical_cp=levels,

@@ -368,26 +368,23 @@ class MegatronRolloutEngine:
 
     # -- weights -------------------------------------------------------------------------------
     def inference_layout(self):
-        """The :class:`~megatron_rl.rollout.refit.InferenceLayout` this engine generates on (the
+        """The :class:`~megatron_rl.planner.memory.RolloutLayout` this engine generates on (the
         training layout's sizes where ``rollout.layout`` leaves them unset)."""
         from megatron_rl.distributed.runtime import active_layout
-        from megatron_rl.rollout.refit import InferenceLayout
+        from megatron_rl.planner.memory import RolloutLayout
 
         train = active_layout()
-        asked = self.layout
         if train is None:
             raise RuntimeError("rollout.engine=megatron needs megatron's parallel groups (init_model_parallel)")
-        if asked is None:
-            return InferenceLayout.of_training(train)
-        return InferenceLayout(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
-                               etp=asked.etp or train.etp)
+        return RolloutLayout.filled(self.layout, train)
 
     def load_from_chunks(self, chunks: list) -> None:
         """Generate with the actor's chunk itself where the inference layout is the training
         layout; else refit the actor's weights into the engine's own model on ``rollout.layout``."""
         from megatron_rl.distributed.runtime import active_layout
         from megatron_rl.models.canonical import unwrap
-        from megatron_rl.rollout.refit import build_inference_model, refit, shares_training_weights
+        from megatron_rl.planner.memory import shares_training_weights
+        from megatron_rl.rollout.refit import build_inference_model, refit
 
         infer = self.inference_layout()
         if not shares_training_weights(infer, active_layout()):

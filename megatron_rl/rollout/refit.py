@@ -12,7 +12,7 @@ each rank receiving exactly the slices of its inference shard (gloo on the CPU, 
 
 When the inference layout equals the training layout (same TP / PP / EP / expert-TP, one chunk
 per rank) there is nothing to move: the engine generates with the actor's chunk in place
-(:func:`shares_training_weights`), as it always did.
+(:func:`megatron_rl.planner.memory.shares_training_weights`), as it always did.
 """
 
 from __future__ import annotations
@@ -20,51 +20,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout
-
-
-@dataclasses.dataclass(frozen=True)
-class InferenceLayout:
-    """The inference model's TP / PP / EP / expert-TP; CP is always 1, DP is the rest of the world."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None  # None = tp
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    def dp(self, world: int) -> int:
-        return world // (self.tp * self.pp)
-
-    def describe(self) -> str:
-        etp = f" x ETP{self.etp}" if self.etp and self.etp != self.tp else ""
-        return f"TP{self.tp} x PP{self.pp}" + (f" x EP{self.ep}" if self.ep > 1 else "") + etp
-
-    @classmethod
-    def of_training(cls, layout: ParallelLayout) -> "InferenceLayout":
-        """The training layout without CP and VPP: the inference layout that shares its weights."""
-        return cls(tp=layout.tp, pp=layout.pp, ep=layout.ep, etp=layout.etp)
-
-
-def shares_training_weights(infer: InferenceLayout, train: ParallelLayout) -> bool:
-    """Whether the engine can generate with the actor's own chunk (no second model, no copy):
-    the same TP / PP / EP / expert-TP and one chunk per rank.  CP needs no copy: each CP rank
-    generates whole sequences with its (replicated) TP / PP shard."""
-    return (infer.tp, infer.pp, infer.ep, infer.expert_tp) == (train.tp, train.pp, train.ep, train.expert_tp) \
-        and not train.vpp
+from megatron_rl.planner.memory import RolloutLayout
 
 
 @functools.lru_cache(maxsize=None)
-def inference_groups(infer: InferenceLayout, world: int):
+def inference_groups(infer: RolloutLayout, world: int):
     """megatron's process groups of the inference layout over the whole world (collective: every
     rank creates them, once per process and layout)."""
     from megatron.core.inference.shards import build_inference_pg_collection
@@ -73,7 +39,7 @@ def inference_groups(infer: InferenceLayout, world: int):
                                          ep_size=infer.ep, expt_tp_size=infer.expert_tp)
 
 
-def build_inference_model(model_cfg: ModelConfig, infer: InferenceLayout, train: ParallelLayout,
+def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: ParallelLayout,
                           device: torch.device):
     """This rank's shard of the inference model, weights allocated but not initialised (the
     first :func:`refit` fills them)."""
@@ -84,7 +50,7 @@ def build_inference_model(model_cfg: ModelConfig, infer: InferenceLayout, train:
 
     world = dist.get_world_size()
     groups = inference_groups(infer, world)
-    layout = ParallelLayout(tp=infer.tp, pp=infer.pp, cp=1, dp=infer.dp(world), sequence_parallel=False,
+    layout = ParallelLayout(tp=infer.tp, pp=infer.pp, cp=1, dp=infer.replicas(world), sequence_parallel=False,
                             ep=infer.ep, etp=infer.etp if infer.etp and infer.etp != infer.tp else None)
     impl = resolve_transformer_impl(model_cfg.transformer_impl)
     dtype = resolve_dtype(model_cfg.params_dtype, device)
@@ -104,7 +70,7 @@ def build_inference_model(model_cfg: ModelConfig, infer: InferenceLayout, train:
 def refit_vocab_rows(model_cfg: ModelConfig, train_tp: int, infer_tp: int) -> int:
     """The inference model's vocabulary rows: the training model's padded count, so the
     embedding and output layer map row for row (a TP1 model alone would pad less than a TP2 one)."""
-    from megatron_rl.models.canonical import padded_vocab_size
+    from megatron_rl.models.arch import padded_vocab_size
 
     rows = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, train_tp)
     if rows % infer_tp:

@@ -20,8 +20,8 @@ from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed import collectives
-from megatron_rl.models.arch import ACTIVATIONS, local_norm_name
-from megatron_rl.models.canonical import global_named_parameters, padded_vocab_size, tp_shard
+from megatron_rl.models.arch import ACTIVATIONS, local_norm_name, padded_vocab_size
+from megatron_rl.models.canonical import global_named_parameters, tp_shard
 from megatron_rl.rollout.decoder import TensorParallel
 from megatron_rl.rollout.engine import TorchRolloutEngine
 
