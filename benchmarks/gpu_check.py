@@ -585,7 +585,7 @@ def section_generation(check: Check):
     from megatron_rl.rollout.choice import AUTO, engine_facts, pick_engine
 
     # The PPO runs leave rollout.engine at its default, auto.
-    engine = pick_engine(AUTO, **engine_facts(_model_config(check), None, check.device.type == "cuda"))
+    engine = pick_engine(AUTO, **engine_facts(_model_config(check), check.device.type == "cuda"))
     yield (f"(f) generation, {engine} engine (auto), {samples} samples x <= {check.run['new_tokens']} tokens",
            f"{generated / seconds:.0f} tokens/s ({generated:.0f} tokens in {seconds:.2f} s, prefill included)")
 

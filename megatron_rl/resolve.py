@@ -112,7 +112,7 @@ def _rollout_engine(cfg: Config, world: Optional[int], job: Job):
 
     if cfg.rollout.engine != AUTO:
         return cfg.rollout.engine, SET, ""
-    facts = engine_facts(cfg.model, cfg.parallel.vpp, cfg.distributed.device == "cuda")
+    facts = engine_facts(cfg.model, cfg.distributed.device == "cuda")
     engine = pick_engine(AUTO, **facts)
     return engine, AUTO_ORIGIN, auto_reason(engine, **facts)
 

@@ -7,6 +7,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 from megatron_rl.config.loader import load_config
 from megatron_rl.rollout.choice import (
@@ -24,24 +25,22 @@ from megatron_rl.validation import validate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "configs", "grpo_cpu.yaml")
 
-# (moe, vpp, cuda, paged_flash) -> what auto runs
+# (moe, cuda, paged_flash) -> what auto runs, whatever the layout (VPP: a model of its own)
 AUTO_CASES = [
-    ((False, None, True, True), MEGATRON),   # a GPU with flash-attn's paged kernels
-    ((False, 1, True, True), MEGATRON),
-    ((False, 2, True, True), TORCH),         # megatron's engine has no virtual pipeline stages
-    ((False, None, True, False), TORCH),     # a GPU without flash-attn >= 2.7.3
-    ((False, None, False, False), TORCH),    # the CPU: the decoder is faster (docs/rollout.md)
-    ((True, None, False, False), MEGATRON),  # MoE: the only engine with expert layers
-    ((True, None, True, True), MEGATRON),
+    ((False, True, True), MEGATRON),   # a GPU with flash-attn's paged kernels
+    ((False, True, False), TORCH),     # a GPU without flash-attn >= 2.7.3
+    ((False, False, False), TORCH),    # the CPU: the decoder is faster (docs/rollout.md)
+    ((True, False, False), MEGATRON),  # MoE: the only engine with expert layers
+    ((True, True, True), MEGATRON),
 ]
 
 
 @pytest.mark.parametrize("machine,want", AUTO_CASES)
 def test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere(machine, want):
-    moe, vpp, cuda, paged_flash = machine
-    assert pick_engine(AUTO, moe=moe, vpp=vpp, cuda=cuda, paged_flash=paged_flash) == want
+    moe, cuda, paged_flash = machine
+    assert pick_engine(AUTO, moe=moe, cuda=cuda, paged_flash=paged_flash) == want
     for name in ENGINES:  # a name set explicitly is kept
-        assert pick_engine(name, moe=moe, vpp=vpp, cuda=cuda, paged_flash=paged_flash) == name
+        assert pick_engine(name, moe=moe, cuda=cuda, paged_flash=paged_flash) == name
 
 
 def test_auto_is_the_default_and_every_other_choice_is_a_registered_engine():
@@ -59,7 +58,7 @@ def test_config_and_engine_builder_agree_on_this_machine():
     assert rollout_engine(dense) == TORCH
     assert "auto: on the CPU" in describe_rollout_engine(dense)
     rollout = dataclasses.replace(dense.rollout, max_batch_size=4)  # the trainer derives it when null
-    built = make_rollout_engine(rollout, dense.model, "cpu", vpp=dense.parallel.vpp)
+    built = make_rollout_engine(rollout, dense.model, "cpu")
     assert type(built) is engine_class(TORCH)
     moe = load_config(GRPO, ["distributed.device=cpu", "model.moe.num_experts=4"])
     assert rollout_engine(moe) == MEGATRON
@@ -72,3 +71,17 @@ def test_vpp_runs_the_decoder_under_auto_and_megatron_on_a_model_of_its_own():
     validate(load_config(GRPO, layout), 2)
     resolution = validate(load_config(GRPO, layout + ["rollout.engine=megatron"]), 2)
     assert "refit from the training shards" in resolution.get("rollout.layout").why
+
+
+def test_auto_generates_a_vpp_layout_with_megatrons_engine_where_it_runs(monkeypatch):
+    """The choice rule alone (no GPU is used): on CUDA with flash-attn's paged kernels a VPP layout
+    no longer sends ``auto`` to the decoder, a full weight copy per rank -- megatron's engine
+    generates on a model of its own, refit from the interleaved chunks."""
+    from megatron_rl.distributed import runtime
+    from megatron_rl.rollout import choice
+
+    monkeypatch.setattr(choice, "paged_flash_attention_installed", lambda: True)
+    monkeypatch.setattr(runtime, "resolve_device", lambda _distributed: torch.device("cuda"))
+    cfg = load_config(GRPO, ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"])
+    assert rollout_engine(cfg) == MEGATRON
+    assert describe_rollout_engine(cfg) == "megatron engine (auto: CUDA with flash-attn's paged kernels)"

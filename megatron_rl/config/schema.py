@@ -265,13 +265,14 @@ class RolloutLayoutConfig:
 @dataclass
 class RolloutConfig:
     engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: auto (megatron for MoE models and on CUDA "
-                                                       "with flash-attn >= 2.7.3 without VPP, else torch), torch "
+                                                       "with flash-attn >= 2.7.3, else torch), torch "
                                                        "(KV-cache decoder on a full copy of the actor's weights on "
                                                        "every rank), tp_sharded (the same decoder on each rank's "
                                                        "tensor-parallel shard: weights and KV cache / TP) or megatron "
                                                        "(megatron-core's dynamic inference engine on the actor's own "
                                                        "TP/PP shards: paged KV cache, continuous batching, chunked "
-                                                       "prefill; no VPP; docs/rollout.md).")
+                                                       "prefill; VPP on a model of its own, rollout.layout; "
+                                                       "docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
     temperature: float = _f(

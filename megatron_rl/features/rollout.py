@@ -157,13 +157,15 @@ FEATURES = [
     Feature(
         "Rollout engine chosen by the layout (auto)", "rollout", TESTED_CPU,
         "rollout.engine=auto (the default): megatron's dynamic engine for MoE models, and for dense models on CUDA "
-        "with flash-attn >= 2.7.3 (or FA3) and no VPP; the torch decoder for VPP layouts, on CUDA without flash-attn "
-        "and on the CPU (faster there: docs/rollout.md). One rule (rollout/choice.py) read by validation before launch "
-        "and by the trainer and `megatron-rl generate` when they build the engine; the first log lines name the engine "
-        "and the reason. The CUDA branch has not run on a GPU.",
+        "with flash-attn >= 2.7.3 (or FA3), VPP layouts included (on a model of its own, refit from the interleaved "
+        "chunks); the torch decoder on CUDA without flash-attn and on the CPU (faster there: docs/rollout.md). "
+        "One rule (rollout/choice.py) read by validation before launch and by the trainer and `megatron-rl generate` "
+        "when they build the engine; the first log lines name the engine and the reason. The CUDA branch has not run "
+        "on a GPU.",
         ("tests/test_rollout_choice.py::test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere",
          "tests/test_rollout_choice.py::test_config_and_engine_builder_agree_on_this_machine",
          "tests/test_rollout_choice.py::test_vpp_runs_the_decoder_under_auto_and_megatron_on_a_model_of_its_own",
+         "tests/test_rollout_choice.py::test_auto_generates_a_vpp_layout_with_megatrons_engine_where_it_runs",
          "tests/test_moe.py::test_train_refuses_an_moe_model_with_a_decoder_without_experts"),
         config="rollout.engine=auto",
     ),

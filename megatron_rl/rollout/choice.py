@@ -1,10 +1,11 @@
 """Which rollout engine ``rollout.engine=auto`` (the default) runs.
 
 megatron-core's dynamic inference engine (``megatron``) wherever it can run well: on CUDA with
-flash-attn's paged kernels, on any layout but virtual pipeline stages; it is also the only engine
-with MoE layers.  Elsewhere the project's KV-cache decoder (``torch``): on the CPU it is faster
-than megatron's engine over the SDPA stand-in for those kernels (``docs/rollout.md``,
-``benchmarks/rollout_throughput.py``), and it is the only engine for VPP layouts.
+flash-attn's paged kernels, on any layout (with virtual pipeline stages on a model of its own,
+refit from the interleaved chunks: ``rollout.layout``); it is also the only engine with MoE layers.
+Elsewhere the project's KV-cache decoder (``torch``): on the CPU it is faster than megatron's
+engine over the SDPA stand-in for those kernels (``docs/rollout.md``,
+``benchmarks/rollout_throughput.py``).
 
 One rule, read by config validation (before any process starts) and by the trainer and
 ``megatron-rl generate`` when they build the engine, so both see the same engine.
@@ -20,23 +21,19 @@ from megatron_rl.models.arch import is_moe
 AUTO, TORCH, TP_SHARDED, MEGATRON = ENGINE_CHOICES = ROLLOUT_ENGINES
 
 
-def pick_engine(requested: str, *, moe: bool, vpp: int | None, cuda: bool, paged_flash: bool) -> str:
+def pick_engine(requested: str, *, moe: bool, cuda: bool, paged_flash: bool) -> str:
     """``requested`` with ``auto`` resolved (any other name is returned as it is)."""
     if requested != AUTO:
         return requested
     if moe:
         return MEGATRON
-    if vpp is not None and vpp > 1:
-        return TORCH
     return MEGATRON if cuda and paged_flash else TORCH
 
 
-def auto_reason(engine: str, *, moe: bool, vpp: int | None, cuda: bool, paged_flash: bool) -> str:
+def auto_reason(engine: str, *, moe: bool, cuda: bool, paged_flash: bool) -> str:
     """Why ``auto`` picked ``engine``, for the trainer's log."""
     if moe:
         return "the only engine with MoE layers"
-    if vpp is not None and vpp > 1:
-        return "megatron's engine has no virtual pipeline stages"
     if engine == MEGATRON:
         return "CUDA with flash-attn's paged kernels"
     if cuda:
@@ -44,16 +41,16 @@ def auto_reason(engine: str, *, moe: bool, vpp: int | None, cuda: bool, paged_fl
     return "on the CPU the KV-cache decoder is faster than megatron's engine"
 
 
-def engine_facts(model_cfg, vpp: int | None, cuda: bool) -> dict:
-    """What :func:`pick_engine` reads for this model, layout and device, flash-attn's paged
-    kernels looked up where there is CUDA."""
-    return dict(moe=is_moe(model_cfg), vpp=vpp, cuda=cuda, paged_flash=cuda and paged_flash_attention_installed())
+def engine_facts(model_cfg, cuda: bool) -> dict:
+    """What :func:`pick_engine` reads for this model and device, flash-attn's paged kernels
+    looked up where there is CUDA."""
+    return dict(moe=is_moe(model_cfg), cuda=cuda, paged_flash=cuda and paged_flash_attention_installed())
 
 
 def _config_facts(cfg) -> dict:
     from megatron_rl.distributed.runtime import resolve_device  # the device the run will use
 
-    return engine_facts(cfg.model, cfg.parallel.vpp, resolve_device(cfg.distributed).type == "cuda")
+    return engine_facts(cfg.model, resolve_device(cfg.distributed).type == "cuda")
 
 
 def rollout_engine(cfg) -> str:

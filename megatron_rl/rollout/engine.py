@@ -226,16 +226,15 @@ def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
     return engine_class(name)(*args, **kwargs)
 
 
-def make_rollout_engine(rollout, model_cfg: ModelConfig, device, vpp: Optional[int] = None,
-                        record_routing: bool = False) -> RolloutEngine:
+def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing: bool = False) -> RolloutEngine:
     """The engine ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`) names -- ``auto``
-    resolved for this model, ``vpp`` and ``device`` (:mod:`megatron_rl.rollout.choice`) -- with the
+    resolved for this model and ``device`` (:mod:`megatron_rl.rollout.choice`) -- with the
     options that engine takes.  ``record_routing`` (MoE routing replay): the engine returns the
     experts it routed every token to, where it can (megatron's engine; validation sends routing
     replay with another engine through the old-log-prob pass, which records them instead)."""
     from megatron_rl.rollout.choice import MEGATRON, engine_facts, pick_engine
 
-    name = pick_engine(rollout.engine, **engine_facts(model_cfg, vpp, torch.device(device).type == "cuda"))
+    name = pick_engine(rollout.engine, **engine_facts(model_cfg, torch.device(device).type == "cuda"))
     options = {}
     if name == MEGATRON:
         options = dict(kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,

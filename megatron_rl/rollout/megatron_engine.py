@@ -34,8 +34,9 @@ What this module adds around megatron's engine, so its samples mean what the tra
 
 Layouts: TP, PP, SP, EP (with PP too) and CP -- each context-parallel rank generates on its own
 as a replica of the TP/PP shards (megatron's inference has no context parallelism, so the model's
-CP group is swapped for a one-rank group while it generates).  Not VPP: megatron's inference refuses
-interleaved chunks; validation points such layouts to the ``torch`` or ``tp_sharded`` engine.
+CP group is swapped for a one-rank group while it generates).  With VPP the engine generates on a
+model of its own (:mod:`megatron_rl.rollout.refit`, refit from the interleaved chunks before every
+rollout): megatron's inference refuses interleaved chunks.
 
 On a CPU the engine runs through the shims of :mod:`megatron_rl.compat.inference_cpu`; on a GPU
 it needs flash-attn >= 2.7.3 (or FA3 / FA4) for the paged kernels.  CUDA graphs are a

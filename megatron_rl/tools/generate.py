@@ -135,7 +135,7 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
 
         load_hf_weights(chunks, hf_dir)
     rollout = resolution.config.rollout
-    engine = make_rollout_engine(rollout, model_cfg, device, vpp=cfg.parallel.vpp)
+    engine = make_rollout_engine(rollout, model_cfg, device)
     engine.load_from_chunks(chunks)
     params = SamplingParams(
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,

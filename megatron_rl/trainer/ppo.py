@@ -169,7 +169,7 @@ class PPOTrainer:
                                                  ("critic", self.use_critic)) if on)
         self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
                  f"hidden {cfg.model.hidden_size}); built {built}")
-        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device, vpp=cfg.parallel.vpp,
+        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device,
                                           record_routing=cfg.algorithm.routing_replay)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
                                    lambda: (self._phase("actor"), self.engine.load_from_chunks(self.actor.chunks)),
