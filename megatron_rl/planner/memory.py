@@ -511,10 +511,6 @@ class RolloutLayout:
             out += f" ep{self.ep}" + (f" etp{self.etp}" if self.expert_tp != self.tp else "")
         return out
 
-    def describe(self) -> str:
-        etp = f" x ETP{self.etp}" if self.expert_tp != self.tp else ""
-        return f"TP{self.tp} x PP{self.pp}" + (f" x EP{self.ep}" if self.ep > 1 else "") + etp
-
     def settings(self) -> dict:
         """As ``rollout.layout`` config values (``etp`` null when it equals ``tp``)."""
         etp = None if self.etp in (None, self.tp) else self.etp

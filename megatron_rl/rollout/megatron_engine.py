@@ -483,7 +483,8 @@ class MegatronRolloutEngine:
                 "paged attention (pip install flash-attn), or use rollout.engine=tp_sharded"
             )
         if config.virtual_pipeline_model_parallel_size is not None:
-            raise ValueError("rollout.engine=megatron does not support virtual pipeline stages; use tp_sharded")
+            raise ValueError("megatron's inference refuses virtual pipeline stages: a VPP actor generates on a model "
+                             "of its own (rollout.layout), never on its interleaved chunks")
         # With EP > 1 the context allocates the buffers of the inference-optimized MoE layers'
         # dispatcher; the default, 'nvls', needs NVLink symmetric memory (none on the CPU or a PCIe
         # GPU), and this model's layers (local / TE specs) never use either dispatcher.
