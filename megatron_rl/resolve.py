@@ -192,8 +192,8 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
 def _token_budget(cfg: Config, world: Optional[int], job: Job):
     """Tokens per micro-batch per rank when the config sets neither a budget nor a micro-batch size."""
     from megatron_rl.distributed.runtime import ParallelLayout
-    from megatron_rl.engine.forward import derived_token_budget
     from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.planner.memory import derived_token_budget
 
     if cfg.batch.max_tokens_per_rank or cfg.batch.micro_batch_size:
         return None, SET, "batch.max_tokens_per_rank / batch.micro_batch_size"

@@ -194,3 +194,41 @@ def test_cpu_placement_rewrites_cuda_requests_and_leaves_other_calls_alone():
     assert x.cuda() is x
     assert x.type() == "torch.cuda.FloatTensor" and x.type(torch.float64).dtype == torch.float64
     assert torch.add(x, x).device.type == "cpu"
+
+
+def save_twice_and_list_new_children(root: str):
+    """Save a checkpoint twice in a worker; return the child processes the saves left running and
+    whether a reload gives back the saved weights."""
+    import psutil
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig, OptimConfig
+    from megatron_rl.engine import checkpoint
+    from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.testing.layouts import use_layout
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    layout = use_layout()
+    trainable = make_trainable(build_gpt_chunks(ModelConfig(), layout, torch.device("cpu")), OptimConfig(), 1)
+    parts = {"actor": checkpoint.ModelPart(trainable.chunks, trainable.optimizer, trainable.scheduler)}
+    for step in (1, 2):
+        path = checkpoint.save_checkpoint(root, step, parts)
+    saved = [p.detach().clone() for c in trainable.chunks for p in c.parameters()]
+    with torch.no_grad():
+        for c in trainable.chunks:
+            for p in c.parameters():
+                p.zero_()
+    checkpoint.load_checkpoint(path, {"actor": checkpoint.ModelPart(trainable.chunks)}, with_optimizer=False)
+    same = all(torch.equal(a, p) for a, p in zip(saved, (p for c in trainable.chunks for p in c.parameters())))
+    new = [" ".join(p.cmdline())[:120] for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    return new, same
+
+
+def test_a_checkpoint_save_starts_no_helper_process(tmp_path):
+    """megatron-core hands each save's write results through a multiprocessing Manager queue whose
+    server is a spawned Python process; it imports torch on the first save (seconds per rank) and
+    outlives the save.  Our saves are synchronous, so the results stay in the process."""
+    new, same = run_distributed(1, save_twice_and_list_new_children, str(tmp_path))[0]
+    assert same
+    assert new == [], f"the saves left helper processes running: {new}"

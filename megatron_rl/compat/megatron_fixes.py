@@ -410,3 +410,29 @@ register_patch(
         apply=_patch_shape_exchange_order,
     )
 )
+
+
+def _keep_write_results_in_process() -> None:
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+register_patch(
+    Patch(
+        name="dist_checkpointing.in_process_write_results",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "FileSystemWriterAsync hands every save's write results through a multiprocessing Manager "
+            "queue created with 'spawn' even when the save is synchronous; its server process imports "
+            "torch when the first results arrive (4-5 s per rank, 10 s for the first save of four ranks "
+            "on two cores) and stays alive beside the rank; our saves are synchronous "
+            "(dist_checkpointing.save), so an in-process queue carries the same results; an "
+            "asynchronous save would need the Manager queue back"
+        ),
+        apply=_keep_write_results_in_process,
+    )
+)

@@ -35,7 +35,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.compat import safe_unpickling
 from megatron_rl.compat.megatron_fixes import (
@@ -423,6 +422,7 @@ def load_checkpoint(
     Every file is checked against its checksum first; ``model_config`` (the run's
     ``model_config_to_dict``) is compared with the architecture each part was saved with."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # 2 s to import: not at launch
 
     safe_unpickling.install()
     meta = check_checkpoint(path)

@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_rl.distributed import collectives
 from megatron_rl.errors import StorageError
@@ -46,6 +45,8 @@ def out_of_space(err: BaseException) -> bool:
     """Whether ``err`` (or anything it wraps) is a write that found the disk full.  megatron-core's
     writer processes send their ``OSError`` back as the cause of a ``RuntimeError("Worker failure")``;
     torch's distributed checkpoint gathers each rank's failure into a ``CheckpointException``."""
+    from torch.distributed.checkpoint.api import CheckpointException  # 2 s to import: not at launch
+
     stack: list[Optional[BaseException]] = [err]
     seen: set[int] = set()
     while stack:

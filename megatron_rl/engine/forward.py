@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_rl.compat.megatron_fixes import pre_normalised_count
-from megatron_rl.data.batching import default_token_budget, plan_microbatches, split_data_parallel
+from megatron_rl.data.batching import plan_microbatches, split_data_parallel
 from megatron_rl.data.microbatch import Microbatch, alignment, build_microbatch
 from megatron_rl.distributed import collectives
 from megatron_rl.engine.pipeline import run_microbatches
@@ -59,30 +59,6 @@ class BatchPlan:
             return f"{self.micro_batch_size or 1} sequence(s) per micro-batch (batch.micro_batch_size)"
         origin = "derived" if self.derived else "batch.max_tokens_per_rank"
         return f"up to {self.max_tokens_per_rank} tokens per micro-batch per rank ({origin})"
-
-
-def activation_bytes_per_token(model, layout, dtype_bytes: int) -> float:
-    """Bytes a rank keeps for backward per local token of a micro-batch: the decoder layers of its
-    pipeline stage (pp micro-batches in flight) and the log-prob path, as the planner counts them."""
-    from megatron_rl.planner.memory import PlanOption, activation_bytes, head_bytes
-
-    option = PlanOption(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
-                        sequence_parallel=layout.sequence_parallel, recompute=model.recompute.granularity,
-                        cp_comm_type=layout.cp_comm_type)
-    return activation_bytes(model, option, 1, dtype_bytes) + head_bytes(model, option, 1, dtype_bytes)["saved"]
-
-
-def derived_token_budget(batch, model, layout, max_seq_len: int, dtype_bytes: int) -> Optional[int]:
-    """The micro-batch token budget per rank when the config sets neither ``max_tokens_per_rank``
-    nor ``micro_batch_size`` (else None): derived from ``max_seq_len`` (the longest sequence the job
-    makes) and the model's activation memory per token on ``layout``
-    (:func:`megatron_rl.data.batching.default_token_budget`).  Resolved before launch
-    (``batch.token_budget`` in :mod:`megatron_rl.resolve`)."""
-    if batch.max_tokens_per_rank or batch.micro_batch_size:
-        return None
-    align = alignment(layout.cp, layout.tp, layout.sequence_parallel)
-    return default_token_budget(max_seq_len, activation_bytes_per_token(model, layout, dtype_bytes),
-                                cp=layout.cp, align=align)
 
 
 def batch_plan(batch, layout, derived_budget: Optional[int], pad_id: int = 0) -> BatchPlan:

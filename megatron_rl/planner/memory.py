@@ -648,3 +648,28 @@ def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, 
     if mem.sequences > max_sequences:
         mem = dataclasses.replace(mem, sequences=max_sequences, kv=mem.reserved + max_sequences * mem.kv_per_sequence)
     return mem, why
+
+
+def activation_bytes_per_token(model, layout, dtype_bytes: int) -> float:
+    """Bytes a rank keeps for backward per local token of a micro-batch: the decoder layers of its
+    pipeline stage (pp micro-batches in flight) and the log-prob path, as the planner counts them."""
+    option = PlanOption(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
+                        sequence_parallel=layout.sequence_parallel, recompute=model.recompute.granularity,
+                        cp_comm_type=layout.cp_comm_type)
+    return activation_bytes(model, option, 1, dtype_bytes) + head_bytes(model, option, 1, dtype_bytes)["saved"]
+
+
+def derived_token_budget(batch, model, layout, max_seq_len: int, dtype_bytes: int) -> Optional[int]:
+    """The micro-batch token budget per rank when the config sets neither ``max_tokens_per_rank``
+    nor ``micro_batch_size`` (else None): derived from ``max_seq_len`` (the longest sequence the job
+    makes) and the model's activation memory per token on ``layout``
+    (:func:`megatron_rl.data.batching.default_token_budget`).  Resolved before launch, without megatron-core
+    (``batch.token_budget`` in :mod:`megatron_rl.resolve`)."""
+    from megatron_rl.data.batching import default_token_budget
+    from megatron_rl.data.microbatch import alignment
+
+    if batch.max_tokens_per_rank or batch.micro_batch_size:
+        return None
+    align = alignment(layout.cp, layout.tp, layout.sequence_parallel)
+    return default_token_budget(max_seq_len, activation_bytes_per_token(model, layout, dtype_bytes),
+                                cp=layout.cp, align=align)
