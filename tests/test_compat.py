@@ -232,3 +232,38 @@ def test_a_checkpoint_save_starts_no_helper_process(tmp_path):
     new, same = run_distributed(1, save_twice_and_list_new_children, str(tmp_path))[0]
     assert same
     assert new == [], f"the saves left helper processes running: {new}"
+
+
+_IMPORT_PROBE = """
+import json, sys, time
+import megatron_rl, torch
+start = time.perf_counter()
+import megatron.core, megatron.core.models.gpt, megatron.core.pipeline_parallel, megatron.core.optimizer
+seconds = time.perf_counter() - start
+loaded = "torch._dynamo" in sys.modules
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+x, b = torch.randn(4, 8), torch.randn(8)
+want = x + b
+want = want * 0.5 * (1.0 + torch.tanh(0.79788456 * want * (1 + 0.044715 * want * want)))
+got = bias_gelu(b, x)
+print(json.dumps({"compiler_loaded_by_import": loaded, "seconds": seconds,
+                  "real_compile_restored": not hasattr(torch.compile, "_megatron_rl_deferred"),
+                  "compiled_on_first_call": "torch._dynamo" in sys.modules,
+                  "max_diff": float((got - want).abs().max())}))
+"""
+
+
+def test_megatron_import_does_not_load_the_compiler_and_kernels_compile_when_called():
+    """megatron-core wraps its fused kernels in torch.compile at import; the wrappers are made at
+    the first call instead, and that call gives the kernel's numbers.  TORCHDYNAMO_DISABLE: the
+    first call goes through torch.compile (loading torch._dynamo) and runs the kernel eagerly,
+    instead of 40 s of inductor's C++ build."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"import megatron.core and its model / pipeline / optimizer packages: {got['seconds']:.2f} s")
+    assert got["compiler_loaded_by_import"] is False
+    assert got["real_compile_restored"] and got["compiled_on_first_call"]
+    assert got["max_diff"] < 1e-5

@@ -9,7 +9,13 @@ lists them all.
 
 from __future__ import annotations
 
-from megatron_rl.compat.devices import cuda_available  # noqa: F401 - the package's question, asked here
+
+def cuda_available() -> bool:
+    """The package's question, asked here (torch is imported on the first call, not with the package:
+    ``megatron_rl/__init__.py`` imports :mod:`megatron_rl.compat.deferred_compile`)."""
+    from megatron_rl.compat.devices import cuda_available as available
+
+    return available()
 
 
 def quiet_known_warnings() -> None:

@@ -356,6 +356,21 @@ register_workaround(
 )
 
 
+register_workaround(
+    Workaround(
+        name="import.deferred_torch_compile",
+        megatron_versions=MEGATRON_TESTED,
+        reason=(
+            "megatron.core.jit.jit_fuser is torch.compile and wraps the fused kernels while megatron-core "
+            "is imported, which loads torch._dynamo and torch._inductor: 2.5-3 s of every process's start "
+            "for kernels the CPU path never calls; while megatron.core modules execute, torch.compile "
+            "makes wrappers that compile at their first call"
+        ),
+        used_in="compat/deferred_compile.py:_deferred; __init__.py:install",
+    )
+)
+
+
 def _shapes_in_pairing_order(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
     """megatron's ``P2PCommunicator._communicate_shapes`` with the ops posted forward direction
     first (send next, receive previous), then backward (send previous, receive next).
