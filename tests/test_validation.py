@@ -259,6 +259,7 @@ def test_virtual_pipeline_with_too_few_sequences_per_pass_is_refused(capsys, tmp
 
 
 MEGATRON = "rollout.engine=megatron"
+MOE = ["model.moe.num_experts=4", "model.moe.router_topk=2"]
 # rollout.layout on demo_cpu.yaml (TP2 x PP2, 4 heads, 2 KV heads, 4 layers, 64 -> 256 vocabulary rows).
 ROLLOUT_LAYOUT_REFUSALS = [
     (4, ["rollout.layout.tp=2", "rollout.layout.pp=4", MEGATRON], "rollout.layout.tp=2",
@@ -279,6 +280,15 @@ ROLLOUT_LAYOUT_REFUSALS = [
      "rollout.layout.ep must divide the experts of an MoE model"),
     (4, ["rollout.layout.tp=1"], "rollout.engine=torch",
      "rollout.layout differs from the training layout, which only megatron's engine generates on"),
+    # The planner's rules that validation also needs: 258 hidden units split over TP2, not TP4.
+    (4, ["model.num_query_groups=4", "model.ffn_hidden_size=258", "rollout.layout.tp=4", "rollout.layout.pp=1",
+         MEGATRON], "rollout.layout.tp=4", "model.ffn_hidden_size=258 is not divisible by rollout.layout.tp"),
+    (4, [*MOE, "model.moe.ffn_hidden_size=66", "rollout.layout.tp=1", "rollout.layout.pp=1",
+         "rollout.layout.etp=4", MEGATRON], "rollout.layout.etp=4",
+     "an expert's hidden units (model.moe.ffn_hidden_size=66) are not divisible by rollout.layout.etp"),
+    (4, [*MOE, "rollout.layout.tp=1", "rollout.layout.pp=2", "rollout.layout.ep=2", "rollout.layout.etp=1",
+         MEGATRON], "rollout.layout.ep=2", "megatron's engine generates with rollout.layout.ep > 1 only when "
+     "rollout.layout.pp is 1"),
 ]
 
 

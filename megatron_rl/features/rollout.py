@@ -2,35 +2,34 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _heads_kv, need
-from megatron_rl.models.arch import is_moe, padded_vocab_size
-from megatron_rl.planner.memory import RolloutLayout, shares_training_weights
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
+from megatron_rl.models.arch import is_moe
+from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 AREA = "rollout"
 
 
-def _infer(c):
-    return c.rollout.layout
-
-
-def _infer_etp(c) -> int:
-    return _infer(c).etp or _infer(c).tp
-
-
-def _training_vocab_rows(c) -> int:
-    return padded_vocab_size(c.model.vocab_size, c.model.make_vocab_size_divisible_by, c.parallel.tp)
+def _filled(c) -> RolloutLayout:
+    """rollout.layout with each unset size the training layout's."""
+    return RolloutLayout.filled(c.rollout.layout, c.parallel)
 
 
 def _shares(c) -> bool:
     """rollout.layout generates on the actor's own shards."""
-    return shares_training_weights(RolloutLayout.filled(_infer(c), c.parallel), c.parallel)
+    return shares_training_weights(_filled(c), c.parallel)
 
 
 def _differs(c) -> bool:
     """rollout.layout is not the training layout's sizes (a second model, refit before each rollout)."""
-    lay, p = _infer(c), c.parallel
-    return (lay.tp, lay.pp, lay.ep, lay.etp or lay.tp) != (p.tp, p.pp, p.ep, p.etp or p.tp)
+    lay, p = _filled(c), c.parallel
+    return (lay.tp, lay.pp, lay.ep, lay.expert_tp) != (p.tp, p.pp, p.ep, p.etp or p.tp)
+
+
+def _rule(rule):
+    """One of the planner's :data:`ROLLOUT_LAYOUT_RULES` as a check before launch."""
+    return need(rule.key, lambda c, w: rule.holds(c.model, _filled(c), c.parallel.tp, w), rule.problem, rule.fix,
+                rule.text, when=(lambda c: is_moe(c.model)) if rule.moe_only else (lambda c: True), generation=True)
 
 
 ROLLOUT_LAYOUT_CONSTRAINTS = (
@@ -39,33 +38,7 @@ ROLLOUT_LAYOUT_CONSTRAINTS = (
          "set rollout.engine=megatron, or leave rollout.layout unset",
          "a layout of its own needs rollout.engine=megatron",
          when=_differs, generation=True),
-    need("rollout.layout.tp", lambda c, w: w is None or w % (_infer(c).tp * _infer(c).pp) == 0,
-         "rollout.layout tp*pp={c.rollout.layout.tp}x{c.rollout.layout.pp} does not divide the world size {w}",
-         "choose rollout.layout.tp and .pp whose product divides {w}", "world size divisible by rollout tp*pp",
-         generation=True),
-    need("rollout.layout.ep", lambda c, w: w is None or w % (_infer_etp(c) * _infer(c).ep * _infer(c).pp) == 0,
-         "rollout.layout etp*ep*pp does not divide the world size {w} (null etp = rollout.layout.tp)",
-         "choose rollout.layout.etp, .ep and .pp whose product divides {w}",
-         "world size divisible by rollout etp*ep*pp", generation=True),
-    need("rollout.layout.tp", lambda c, w: c.model.num_attention_heads % _infer(c).tp == 0,
-         "model.num_attention_heads={c.model.num_attention_heads} is not divisible by rollout.layout.tp",
-         "use a rollout.layout.tp that divides the number of attention heads", "num_attention_heads % rollout tp == 0",
-         generation=True),
-    need("rollout.layout.tp", lambda c, w: _heads_kv(c) % _infer(c).tp == 0,
-         "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by rollout.layout.tp",
-         "use a rollout.layout.tp that divides the number of KV heads", "num_query_groups % rollout tp == 0",
-         generation=True),
-    need("rollout.layout.tp", lambda c, w: _training_vocab_rows(c) % _infer(c).tp == 0,
-         "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp={c.parallel.tp})",
-         "use a rollout.layout.tp that divides parallel.tp x model.make_vocab_size_divisible_by",
-         "padded vocabulary rows % rollout tp == 0", generation=True),
-    need("rollout.layout.pp", lambda c, w: c.model.num_layers % _infer(c).pp == 0,
-         "model.num_layers={c.model.num_layers} is not divisible by rollout.layout.pp",
-         "use a rollout.layout.pp that divides the number of layers", "num_layers % rollout pp == 0", generation=True),
-    need("rollout.layout.ep", lambda c, w: is_moe(c.model) and c.model.moe.num_experts % _infer(c).ep == 0,
-         "rollout.layout.ep must divide the experts of an MoE model", "use a rollout.layout.ep that divides "
-         "model.moe.num_experts (1 for a dense model)", "num_experts % rollout ep == 0",
-         when=lambda c: _infer(c).ep > 1 or is_moe(c.model), generation=True),
+    *(_rule(rule) for rule in ROLLOUT_LAYOUT_RULES),
     need("algorithm.routing_replay", lambda c, w: _shares(c),
          "routing replay records the experts on the actor's own shards; rollout.layout generates on a second model",
          "set algorithm.routing_replay=false, or leave rollout.layout unset (the training layout, one chunk per rank)",

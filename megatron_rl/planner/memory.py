@@ -26,7 +26,7 @@ one phase: an MLP, an attention (forward; with training, its backward) or the lo
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.arch import attention_dims, is_moe, padded_vocab_size
@@ -526,36 +526,85 @@ def shares_training_weights(infer: RolloutLayout, train) -> bool:
     return same and not (getattr(train, "vpp", None) or 1) > 1
 
 
-def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train_tp: int, world: int) -> list[str]:
-    """Why ``infer`` cannot generate for this model and world (empty: it can).  The rules
-    validation refuses before launch (megatron_rl/features/rollout.py) in one list."""
+@dataclasses.dataclass(frozen=True)
+class RolloutLayoutRule:
+    """One thing ``rollout.layout`` must satisfy for megatron's engine to generate on it.
+    ``holds(model, layout, training_tp, world)``: ``layout`` with every size filled, ``world`` None
+    when unknown (the rules on the world size then hold).  ``problem`` and ``fix`` are templates
+    over the config ``c`` and world ``w``, for the one-line refusal before launch; ``text`` is the
+    rule as the feature matrix lists it.  The planner tries only layouts every rule allows."""
+
+    key: str
+    holds: Callable[[ModelConfig, RolloutLayout, int, Optional[int]], bool]
+    problem: str
+    fix: str
+    text: str
+    moe_only: bool = False
+
+
+def _expert_ffn(cfg: ModelConfig) -> int:
     from megatron_rl.models.arch import expert_ffn_size
 
-    nq, nkv, _ = attention_dims(cfg)
-    etp = infer.etp or infer.tp
-    out = []
-    if world % (infer.tp * infer.pp):
-        out.append("tp*pp does not divide the world size")
-    if nq % infer.tp or nkv % infer.tp:
-        out.append("tp does not divide the attention heads and KV heads")
-    if cfg.ffn_hidden_size % infer.tp:
-        out.append("tp does not divide ffn_hidden_size")
-    if cfg.num_layers % infer.pp:
-        out.append("pp does not divide the layers")
-    if padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, train_tp) % infer.tp:
-        out.append("tp does not divide the training model's vocabulary rows")
-    if is_moe(cfg):
-        if cfg.moe.num_experts % infer.ep:
-            out.append("ep does not divide the experts")
-        if world % (etp * infer.ep * infer.pp):
-            out.append("etp*ep*pp does not divide the world size")
-        if expert_ffn_size(cfg) % etp:
-            out.append("etp does not divide an expert's hidden units")
-        if infer.ep > 1 and infer.pp > 1:
-            out.append("megatron's engine runs ep > 1 only with pp = 1")
-    elif infer.ep > 1:
-        out.append("ep > 1 needs an MoE model")
-    return out
+    return expert_ffn_size(cfg)
+
+
+ROLLOUT_LAYOUT_RULES = (
+    RolloutLayoutRule(
+        "rollout.layout.tp", lambda m, lay, ttp, w: w is None or w % (lay.tp * lay.pp) == 0,
+        "rollout.layout tp*pp={c.rollout.layout.tp}x{c.rollout.layout.pp} does not divide the world size {w}",
+        "choose rollout.layout.tp and .pp whose product divides {w}", "world size divisible by rollout tp*pp"),
+    RolloutLayoutRule(
+        "rollout.layout.ep", lambda m, lay, ttp, w: w is None or w % (lay.expert_tp * lay.ep * lay.pp) == 0,
+        "rollout.layout etp*ep*pp does not divide the world size {w} (null etp = rollout.layout.tp)",
+        "choose rollout.layout.etp, .ep and .pp whose product divides {w}",
+        "world size divisible by rollout etp*ep*pp"),
+    RolloutLayoutRule(
+        "rollout.layout.tp", lambda m, lay, ttp, w: attention_dims(m)[0] % lay.tp == 0,
+        "model.num_attention_heads={c.model.num_attention_heads} is not divisible by rollout.layout.tp",
+        "use a rollout.layout.tp that divides the number of attention heads", "num_attention_heads % rollout tp == 0"),
+    RolloutLayoutRule(
+        "rollout.layout.tp", lambda m, lay, ttp, w: attention_dims(m)[1] % lay.tp == 0,
+        "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by rollout.layout.tp",
+        "use a rollout.layout.tp that divides the number of KV heads", "num_query_groups % rollout tp == 0"),
+    RolloutLayoutRule(
+        "rollout.layout.tp", lambda m, lay, ttp, w: m.ffn_hidden_size % lay.tp == 0,
+        "model.ffn_hidden_size={c.model.ffn_hidden_size} is not divisible by rollout.layout.tp",
+        "use a rollout.layout.tp that divides model.ffn_hidden_size", "ffn_hidden_size % rollout tp == 0"),
+    RolloutLayoutRule(
+        "rollout.layout.tp",
+        lambda m, lay, ttp, w: padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, ttp) % lay.tp == 0,
+        "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp={c.parallel.tp})",
+        "use a rollout.layout.tp that divides parallel.tp x model.make_vocab_size_divisible_by",
+        "padded vocabulary rows % rollout tp == 0"),
+    RolloutLayoutRule(
+        "rollout.layout.pp", lambda m, lay, ttp, w: m.num_layers % lay.pp == 0,
+        "model.num_layers={c.model.num_layers} is not divisible by rollout.layout.pp",
+        "use a rollout.layout.pp that divides the number of layers", "num_layers % rollout pp == 0"),
+    RolloutLayoutRule(
+        "rollout.layout.ep", lambda m, lay, ttp, w: (m.moe.num_experts % lay.ep == 0) if is_moe(m) else lay.ep == 1,
+        "rollout.layout.ep must divide the experts of an MoE model",
+        "use a rollout.layout.ep that divides model.moe.num_experts (1 for a dense model)",
+        "num_experts % rollout ep == 0"),
+    RolloutLayoutRule(
+        "rollout.layout.etp", lambda m, lay, ttp, w: _expert_ffn(m) % lay.expert_tp == 0,
+        "an expert's hidden units (model.moe.ffn_hidden_size={c.model.moe.ffn_hidden_size}) are not divisible by "
+        "rollout.layout.etp (null = rollout.layout.tp)",
+        "choose a rollout.layout.etp that divides model.moe.ffn_hidden_size", "moe.ffn_hidden_size % rollout etp == 0",
+        moe_only=True),
+    RolloutLayoutRule(
+        "rollout.layout.ep", lambda m, lay, ttp, w: lay.ep == 1 or lay.pp == 1,
+        "megatron's engine generates with rollout.layout.ep > 1 only when rollout.layout.pp is 1",
+        "set rollout.layout.pp=1 (more replicas), or rollout.layout.ep=1", "rollout ep > 1 only with rollout pp = 1",
+        moe_only=True),
+)
+
+
+def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train_tp: int,
+                            world: Optional[int]) -> list[RolloutLayoutRule]:
+    """The rules ``infer`` breaks for this model and world (empty: it can generate)."""
+    moe = is_moe(cfg)
+    return [rule for rule in ROLLOUT_LAYOUT_RULES
+            if (moe or not rule.moe_only) and not rule.holds(cfg, infer, train_tp, world)]
 
 
 @dataclasses.dataclass(frozen=True)
