@@ -326,6 +326,10 @@ def test_rollout_correction_tis_and_mis_token_and_sequence():
     w, m = rollout_correction.correction_weights(old, rollout, mask, "mis", "token", threshold=1.5)
     assert_close(w, t([[0.0, em5, 1.0], [0.0, 1.0, 0.0]]), **TOL)
     assert m["rollout_correction/masked_frac"] == pytest.approx(2 / 5)
+    w, m = rollout_correction.correction_weights(old, rollout, mask, "is", "token", threshold=1.5)
+    assert_close(w, t([[e5, em5, 1.0], [e, 1.0, 0.0]]), **TOL)
+    assert m["rollout_correction/above_threshold_frac"] == pytest.approx(2 / 5)
+    assert m["rollout_correction/applied_mean"] == pytest.approx((e5 + em5 + 1 + e + 1) / 5)
     # sequence level: row 0 sums to 0 (w = 1), row 1 to 1 (w = e)
     w, m = rollout_correction.correction_weights(old, rollout, mask, "tis", "sequence", threshold=2.0)
     assert_close(w, t([[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]), **TOL)
@@ -338,7 +342,7 @@ def test_rollout_correction_tis_and_mis_token_and_sequence():
     g, mask, _, _ = random_batch(1, dtype=torch.float32)
     old = -torch.rand(mask.shape, generator=g) * 3
     rollout = old + 0.4 * torch.randn(mask.shape, generator=g)
-    for mode in ("tis", "mis"):
+    for mode in ("is", "tis", "mis"):
         for level in ("token", "sequence"):
             w, _ = rollout_correction.correction_weights(old, rollout, mask, mode, level, threshold=1.3)
             for i in range(mask.shape[0]):
@@ -346,7 +350,8 @@ def test_rollout_correction_tis_and_mis_token_and_sequence():
                 seq = math.exp(sum(float(old[i, j] - rollout[i, j]) for j in pos))
                 for j in range(mask.shape[1]):
                     raw = seq if level == "sequence" else math.exp(float(old[i, j] - rollout[i, j]))
-                    want = (min(raw, 1.3) if mode == "tis" else (raw if raw <= 1.3 else 0.0)) if j in pos else 0.0
+                    cut = {"is": raw, "tis": min(raw, 1.3), "mis": raw if raw <= 1.3 else 0.0}[mode]
+                    want = cut if j in pos else 0.0
                     assert float(w[i, j]) == pytest.approx(want, rel=1e-5, abs=1e-7)
     logp = (old + 0.1).requires_grad_(True)
     adv = torch.randn(mask.shape, generator=g) * mask
@@ -356,6 +361,29 @@ def test_rollout_correction_tis_and_mis_token_and_sequence():
     per_tok = -adv * math.exp(0.1)  # every ratio is e^0.1, inside the clip
     assert_close(weighted, (per_tok * w * mask).sum(), **TOL)
     assert_close(plain, (per_tok * mask).sum(), **TOL)
+
+
+def test_decoupled_ppo_is_ppo_against_the_proximal_policy_times_the_behaviour_weight():
+    """``rollout_correction.mode=is`` with the recomputed ``old`` log-probs: the ratio is clipped
+    against the proximal policy and the loss weighted by pi_prox / pi_behaviour, by hand."""
+    behaviour = t([[-1.0, -0.5]])
+    proximal = t([[-0.8, -0.8]])
+    logp = t([[-0.5, -1.1]]).requires_grad_(True)
+    adv, mask = t([[1.0, -1.0]]), t([[1, 1]])
+    w, _ = rollout_correction.correction_weights(proximal, behaviour, mask, "is", "token", threshold=2.0)
+    loss, _, _ = losses.policy_loss_terms("ppo", logp, proximal, adv, mask, opts(), weights=w)
+    # token 0: r = e^0.3 > 1.2 with A > 0 -> clipped at 1.2, weight e^0.2;
+    # token 1: r = e^-0.3 < 0.8 with A < 0 -> clipped at 0.8 (the larger loss), weight e^-0.3.
+    want = -1.2 * math.exp(0.2) + 0.8 * math.exp(-0.3)
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros_like(logp))  # both clipped: no gradient
+    # Inside the clip the gradient is the weighted policy gradient: d/dlogp (-w r A) = -w r A.
+    logp = t([[-0.75, -0.8]]).requires_grad_(True)
+    loss, _, _ = losses.policy_loss_terms("ppo", logp, proximal, adv, mask, opts(), weights=w)
+    loss.backward()
+    want_grad = t([[-math.exp(0.2) * math.exp(0.05), math.exp(-0.3)]])
+    assert_close(logp.grad, want_grad, **TOL)
 
 
 def test_overlong_penalty_hand_values():

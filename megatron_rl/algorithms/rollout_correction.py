@@ -8,6 +8,10 @@ or the sequence weight ``w = exp(sum_t (logp_old - logp_rollout))`` broadcast ov
 (``level=sequence``) restores it; its log is clamped to [-20, 20] against overflow.  With a
 threshold ``C``:
 
+* ``is`` (plain importance sampling): by ``w``, whatever its size (``C`` unused).  With
+  ``algorithm.old_logprobs=recompute`` this is the decoupled PPO objective (Hilton et al. 2021,
+  AReaL): the ratio is clipped against the proximal policy ``pi_old`` (the trainer's recompute)
+  and ``w = pi_old / pi_rollout`` corrects for the behaviour policy that sampled;
 * ``tis`` (truncated importance sampling): the loss of each token is multiplied by ``min(w, C)``;
 * ``mis`` (masked importance sampling): by ``w`` where ``w <= C`` and by 0 where ``w > C`` (the
   token or the whole sequence drops out of the gradient but still counts in the denominator).
@@ -39,6 +43,12 @@ def register_correction(name: str, affected_metric: str):
         return fn
 
     return decorate
+
+
+@register_correction("is", "above_threshold_frac")
+def _is(w, threshold: float):
+    """Plain IS: w (the share above C is logged, nothing is cut)."""
+    return w, w > threshold
 
 
 @register_correction("tis", "truncated_frac")

@@ -333,12 +333,13 @@ class EvalConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, tis (truncated IS), "
-                          "mis (masked IS).",
+    mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, is (plain IS: with "
+                          "old_logprobs=recompute the decoupled PPO objective), tis (truncated IS), mis (masked IS).",
                    choices="megatron_rl.algorithms.rollout_correction:MODES")
     level: Literal[ROLLOUT_CORRECTION_LEVELS] = _f(
         "token", "Importance weight per token, or per sequence (product over its tokens).")
-    threshold: float = _f(2.0, "Weights above this are truncated to it (tis) or masked to 0 (mis).", ge=1)
+    threshold: float = _f(2.0, "Weights above this are truncated to it (tis) or masked to 0 (mis); is: only "
+                                 "counted (rollout_correction/above_threshold_frac).", ge=1)
 
 
 @dataclass
