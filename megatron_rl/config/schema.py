@@ -40,6 +40,7 @@ from megatron_rl.config.choices import (
     ROLLOUT_ENGINES,
     ROPE_SCALING_TYPES,
     SFT_TARGETS,
+    TRAINER_MODES,
     TRANSFORMER_IMPL_CHOICES,
 )
 
@@ -418,6 +419,10 @@ class TrainerConfig:
     sft_answers: Literal[SFT_TARGETS] = _f(
         "true", "Warm-up targets: true (the answers), shuffled (other prompts' answers: format only)."
     )
+    mode: Literal[TRAINER_MODES] = _f(
+        "sync", "sync: each step trains on what it generated; one_step_off: each step trains on the batch "
+        "generated one update earlier (with the weights before the previous update) and generates the next one "
+        "(docs/algorithms.md, One step off).")
     save_every: int = _f(0, "Checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1).", ge=0)
     keep_last: int = _f(2, "Checkpoints kept.", ge=1)
     resume: str = _f("auto", "auto (latest checkpoint in the run dir), never, or a checkpoint path.")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
+from megatron_rl.config.choices import ONE_STEP_OFF
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _old_logprob_source, need
 from megatron_rl.models.arch import is_moe
 from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
@@ -177,9 +178,35 @@ FEATURES = [
                            "EP2 (docs/rollout.md, Refit cost)", "python benchmarks/rollout_refit.py"),),
     ),
     Feature(
-        "Asynchronous RL (one-step-off and fully async)", "rollout", PLANNED,
-        "Generators and trainers on separate ranks, generation of step k+1 overlapping the update of step k, with "
-        "staleness bounds and importance correction; today every step generates, then trains.",
+        "One-step-off training (staleness 1, same ranks)", "rollout", TESTED_CPU,
+        "trainer.mode=one_step_off: step k trains on the batch generated at step k-1 with the weights of k-2 updates "
+        "and generates the batch of step k+1 (same prompts and seeds as a synchronous run); old log-probs recomputed "
+        "(the proximal policy), algorithm.rollout_correction for the behaviour policy (mode=is: decoupled PPO); the "
+        "waiting batch is in every checkpoint, so a preempted run resumes exactly; rollout/staleness_max and "
+        "rollout/policy_version logged. Generation and update still run one after the other on the same ranks: the "
+        "staleness without the overlap (separate generator ranks: planned below).",
+        ("tests/test_one_step_off.py::test_with_frozen_weights_one_step_off_trains_on_the_sync_batches",
+         "tests/test_one_step_off.py::test_one_step_off_samples_are_one_update_stale",
+         "tests/test_one_step_off.py::test_one_step_off_resumes_exactly_with_the_waiting_batch_from_the_checkpoint",
+         "tests/test_one_step_off.py::test_grpo_learns_the_demo_task_one_step_off_as_sync_does"),
+        constraints=(
+            need("algorithm.dynamic_sampling", lambda c, w: not c.algorithm.dynamic_sampling,
+                 "dynamic sampling draws more prompts within a step; trainer.mode=one_step_off generates each batch "
+                 "a step ahead", "set algorithm.dynamic_sampling=false, or trainer.mode=sync",
+                 "one_step_off without dynamic sampling", when=lambda c: c.trainer.mode == ONE_STEP_OFF),
+            need("algorithm.old_logprobs", lambda c, w: _old_logprob_source(c) != "rollout",
+                 "with trainer.mode=one_step_off the rollout's log-probs are the previous policy's, not the one the "
+                 "update starts from", "use algorithm.old_logprobs=auto or recompute (with "
+                 "algorithm.rollout_correction for the behaviour policy)",
+                 "one_step_off recomputes the old log-probs", when=lambda c: c.trainer.mode == ONE_STEP_OFF),
+        ),
+        config="trainer.mode=one_step_off",
+    ),
+    Feature(
+        "Asynchronous RL (separate generator ranks, fully async)", "rollout", PLANNED,
+        "Generators and trainers on separate ranks, generation of step k+1 overlapping the update of step k "
+        "(one_step_off with the overlap), a fully asynchronous mode with partial rollouts and bounded staleness; "
+        "today one_step_off runs generation and update one after the other on the same ranks.",
     ),
     Feature(
         "Multi-turn rollouts with tools and environments", "rollout", PLANNED,

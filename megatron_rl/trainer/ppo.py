@@ -37,6 +37,7 @@ from megatron_rl.algorithms.kl import apply_kl_penalty, make_kl_controller
 from megatron_rl.algorithms.old_logprobs import old_logprob_source
 from megatron_rl.algorithms.rollout_correction import correction_weights
 from megatron_rl.algorithms.shaping import overlong_penalty
+from megatron_rl.config.choices import ONE_STEP_OFF
 from megatron_rl.config.model_io import model_config_to_dict
 from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, PromptSet
@@ -77,6 +78,7 @@ from megatron_rl.trainer.metrics import (
     throughput_metrics,
 )
 from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
+from megatron_rl.trainer.one_step_off import GeneratedBatch, staleness_metrics
 from megatron_rl.trainer.reward_signal import RewardSignal
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
@@ -119,6 +121,7 @@ class PPOTrainer:
         # Installed first, so a preemption signal that arrives while models load is honoured
         # at the first step boundary.
         self.stop = StopRequest()
+        self.pending: Optional[GeneratedBatch] = None  # one_step_off: the batch for the next step
         # Every auto and derived value, resolved once: everything after reads them from self.cfg.
         self.resolution = resolve(cfg, dist.get_world_size())
         self.cfg = cfg = self.resolution.config
@@ -261,6 +264,7 @@ class PPOTrainer:
             self.sampler.load_state_dict(state["sampler"])
         if "kl" in state:
             self.kl_ctl.load_state_dict(state["kl"])
+        self.pending = GeneratedBatch.from_state_dict(state.get("pending"))
         step = int(meta["step"])
         self.metrics.truncate_after(step)
         self.log(f"resumed after step {step} from {path}")
@@ -278,6 +282,8 @@ class PPOTrainer:
         meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()},
                 **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer)}
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
+        if self.pending is not None:  # one_step_off: the batch generated for the next step
+            state["pending"] = self.pending.state_dict()
         return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
                                           keep_last=self.cfg.trainer.keep_last)
 
@@ -375,11 +381,26 @@ class PPOTrainer:
             return samples, raw + self._overlong_penalty(samples), raw  # dynamic sampling decides on raw
 
         metrics: dict = {}
-        if alg.dynamic_sampling:
+        version = step - 1  # RL updates the weights generating now have seen
+        if self.cfg.trainer.mode == ONE_STEP_OFF:
+            with timed("rollout", timings):
+                current = self.pending or self._generate(step, version)
+                last = step == self.cfg.trainer.steps
+                self.pending = None if last else self._generate(step + 1, version)
+            with timed("reward", timings):
+                graded = self._score(current.samples)
+            samples, raw = current.samples, graded.scores.float()
+            timed_out[0] += graded.timed_out
+            raw_drawn.append(raw)
+            scores = raw + self._overlong_penalty(samples)
+            metrics.update(staleness_metrics(version, current.version))
+        elif alg.dynamic_sampling:
             filled = fill_batch(draw, self.cfg.trainer.prompts_per_step, alg.dynamic_sampling_max_rounds)
             samples, scores, metrics = filled.samples, filled.scores, dict(filled.metrics)
         else:
             samples, scores, _ = draw(0)
+        if self.cfg.trainer.mode != ONE_STEP_OFF:
+            metrics.update(staleness_metrics(version, version))
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
         metrics["reward/timeouts"] = timed_out[0]
@@ -395,6 +416,10 @@ class PPOTrainer:
         alg = self.cfg.algorithm
         return overlong_penalty([len(r) for r in samples.response_ids], self.cfg.rollout.max_new_tokens,
                                 alg.overlong_buffer, alg.overlong_penalty)
+
+    def _generate(self, step: int, version: int) -> GeneratedBatch:
+        """The batch of ``step`` (the ``step``-th drawn, sampled with that step's seed)."""
+        return GeneratedBatch(self._rollout(self.sampler.next_batch(), step), version)
 
     def _rollout(self, batch: list[int], step: int, round_: int = 0) -> Samples:
         tags = ("rollout", step) if round_ == 0 else ("rollout", step, "round", round_)
