@@ -515,7 +515,7 @@ def test_sigterm_checkpoints_then_resume_continues(tmp_path):
 def test_run_ppo_sh_demo_learns(tmp_path):
     """The README's first command: the CPU demo's reward must rise by >= 0.3.
 
-    The time is reported, not asserted: about 5 minutes on an idle 2-core machine, 5-13 minutes
+    The time is reported, not asserted: about 5 minutes on an idle 2-core machine, 5-9 minutes
     on a loaded CI machine.  The subprocess timeout only catches a hang."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.testing.harness import close_all_pools
