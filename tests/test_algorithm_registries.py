@@ -131,7 +131,7 @@ def test_new_policy_loss_is_a_one_file_change():
     (["algorithm.dynamic_sampling=true", "rollout.n=1"], "rollout.n", "dynamic sampling"),
     (["algorithm.overlong_buffer=100", "rollout.max_new_tokens=64"], "algorithm.overlong_buffer", "longer than"),
     (["algorithm.policy_loss=ppo2"], "algorithm.policy_loss", "ppo, gspo, cispo"),
-    (["algorithm.rollout_correction.mode=is"], "algorithm.rollout_correction.mode", "off, tis, mis"),
+    (["algorithm.rollout_correction.mode=ips"], "algorithm.rollout_correction.mode", "off, is, tis, mis"),
     (["algorithm.rollout_correction.level=batch"], "algorithm.rollout_correction.level", "token, sequence"),
     (["algorithm.rollout_correction.threshold=0.5"], "algorithm.rollout_correction.threshold", ">= 1"),
 ])
