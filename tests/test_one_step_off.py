@@ -71,6 +71,20 @@ def test_one_step_off_resumes_exactly_with_the_waiting_batch_from_the_checkpoint
     assert [r["rollout/staleness_max"] for r in resumed] == [0, 1, 1, 1]
 
 
+def test_a_sync_run_resumed_from_one_step_off_trains_the_waiting_batch_first(tmp_path):
+    """Switching to sync at a resume loses no prompts: the batch generated ahead is trained first
+    (staleness 1 once), then each step generates what it trains; the prompts are the straight
+    run's, which draws the same batches in the same order."""
+    common = ["actor.optim.lr=0.01", "trainer.steps=4", f"run.dir={tmp_path}"]
+    run_distributed(1, preempted_ppo_body, common + [OFF, "run.name=switched"], "sigterm@rank=0:step=2")
+    run_distributed(1, ppo_body, common + ["run.name=switched"])
+    run_distributed(1, ppo_body, common + [OFF, "run.name=straight"])
+    switched, straight = read_metrics(tmp_path / "switched"), read_metrics(tmp_path / "straight")
+    assert [r["rollout/staleness_max"] for r in switched] == [0, 1, 1, 0]
+    assert [r["rollout/policy_version"] for r in switched] == [0, 0, 1, 3]
+    assert _stable(switched[:3]) == _stable(straight[:3])  # up to the switch: the one_step_off run
+
+
 @pytest.mark.slow
 def test_grpo_learns_the_demo_task_one_step_off_as_sync_does(tmp_path):
     """configs/grpo_cpu.yaml (add_small) in both modes, same steps and samples: the reward rises

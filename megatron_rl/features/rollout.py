@@ -188,6 +188,7 @@ FEATURES = [
         ("tests/test_one_step_off.py::test_with_frozen_weights_one_step_off_trains_on_the_sync_batches",
          "tests/test_one_step_off.py::test_one_step_off_samples_are_one_update_stale",
          "tests/test_one_step_off.py::test_one_step_off_resumes_exactly_with_the_waiting_batch_from_the_checkpoint",
+         "tests/test_one_step_off.py::test_a_sync_run_resumed_from_one_step_off_trains_the_waiting_batch_first",
          "tests/test_one_step_off.py::test_grpo_learns_the_demo_task_one_step_off_as_sync_does"),
         constraints=(
             need("algorithm.dynamic_sampling", lambda c, w: not c.algorithm.dynamic_sampling,

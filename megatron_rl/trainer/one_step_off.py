@@ -11,8 +11,9 @@ run's: batch ``k`` is drawn ``k``-th and sampled with the seed of step ``k``, so
 weights the two modes train on the same samples.
 
 The batch waiting for the next step is part of every checkpoint (``trainer_state.pt``, plain
-lists), so a resumed run trains on exactly what the uninterrupted one would have.  The last step
-of a run generates nothing ahead; a run extended after it starts its next step from a fresh batch.
+lists), so a resumed run trains on exactly what the uninterrupted one would have; a run resumed in
+``sync`` mode trains on it first, so no drawn prompt is skipped.  The last step of a run generates
+nothing ahead; a run extended after it starts its next step from a fresh batch.
 """
 
 from __future__ import annotations

@@ -382,11 +382,12 @@ class PPOTrainer:
 
         metrics: dict = {}
         version = step - 1  # RL updates the weights generating now have seen
-        if self.cfg.trainer.mode == ONE_STEP_OFF:
+        one_step_off = self.cfg.trainer.mode == ONE_STEP_OFF
+        if one_step_off or self.pending is not None:  # (a sync run resumed from one_step_off: its batch first)
             with timed("rollout", timings):
                 current = self.pending or self._generate(step, version)
                 last = step == self.cfg.trainer.steps
-                self.pending = None if last else self._generate(step + 1, version)
+                self.pending = self._generate(step + 1, version) if one_step_off and not last else None
             with timed("reward", timings):
                 graded = self._score(current.samples)
             samples, raw = current.samples, graded.scores.float()
@@ -399,7 +400,7 @@ class PPOTrainer:
             samples, scores, metrics = filled.samples, filled.scores, dict(filled.metrics)
         else:
             samples, scores, _ = draw(0)
-        if self.cfg.trainer.mode != ONE_STEP_OFF:
+        if "rollout/staleness_max" not in metrics:
             metrics.update(staleness_metrics(version, version))
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
