@@ -287,8 +287,8 @@ ROLLOUT_LAYOUT_REFUSALS = [
          "rollout.layout.etp=4", MEGATRON], "rollout.layout.etp=4",
      "an expert's hidden units (model.moe.ffn_hidden_size=66) are not divisible by rollout.layout.etp"),
     (4, [*MOE, "rollout.layout.tp=1", "rollout.layout.pp=2", "rollout.layout.ep=2", "rollout.layout.etp=1",
-         MEGATRON], "rollout.layout.ep=2", "megatron's engine generates with rollout.layout.ep > 1 only when "
-     "rollout.layout.pp is 1"),
+         MEGATRON], "rollout.layout.ep=2", "megatron's engine generates on a model of its own with "
+     "rollout.layout.ep > 1 only when rollout.layout.pp is 1"),
 ]
 
 

@@ -29,7 +29,7 @@ def _differs(c) -> bool:
 
 def _rule(rule):
     """One of the planner's :data:`ROLLOUT_LAYOUT_RULES` as a check before launch."""
-    return need(rule.key, lambda c, w: rule.holds(c.model, _filled(c), c.parallel.tp, w), rule.problem, rule.fix,
+    return need(rule.key, lambda c, w: rule.holds(c.model, _filled(c), c.parallel, w), rule.problem, rule.fix,
                 rule.text, when=(lambda c: is_moe(c.model)) if rule.moe_only else (lambda c: True), generation=True)
 
 

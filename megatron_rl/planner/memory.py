@@ -529,13 +529,14 @@ def shares_training_weights(infer: RolloutLayout, train) -> bool:
 @dataclasses.dataclass(frozen=True)
 class RolloutLayoutRule:
     """One thing ``rollout.layout`` must satisfy for megatron's engine to generate on it.
-    ``holds(model, layout, training_tp, world)``: ``layout`` with every size filled, ``world`` None
+    ``holds(model, layout, train, world)``: ``layout`` with every size filled, ``train`` the training
+    layout (a :class:`PlanOption` or the ``parallel`` config), ``world`` None
     when unknown (the rules on the world size then hold).  ``problem`` and ``fix`` are templates
     over the config ``c`` and world ``w``, for the one-line refusal before launch; ``text`` is the
     rule as the feature matrix lists it.  The planner tries only layouts every rule allows."""
 
     key: str
-    holds: Callable[[ModelConfig, RolloutLayout, int, Optional[int]], bool]
+    holds: Callable[[ModelConfig, RolloutLayout, object, Optional[int]], bool]
     problem: str
     fix: str
     text: str
@@ -550,61 +551,65 @@ def _expert_ffn(cfg: ModelConfig) -> int:
 
 ROLLOUT_LAYOUT_RULES = (
     RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, ttp, w: w is None or w % (lay.tp * lay.pp) == 0,
+        "rollout.layout.tp", lambda m, lay, train, w: w is None or w % (lay.tp * lay.pp) == 0,
         "rollout.layout tp*pp={c.rollout.layout.tp}x{c.rollout.layout.pp} does not divide the world size {w}",
         "choose rollout.layout.tp and .pp whose product divides {w}", "world size divisible by rollout tp*pp"),
     RolloutLayoutRule(
-        "rollout.layout.ep", lambda m, lay, ttp, w: w is None or w % (lay.expert_tp * lay.ep * lay.pp) == 0,
+        "rollout.layout.ep", lambda m, lay, train, w: w is None or w % (lay.expert_tp * lay.ep * lay.pp) == 0,
         "rollout.layout etp*ep*pp does not divide the world size {w} (null etp = rollout.layout.tp)",
         "choose rollout.layout.etp, .ep and .pp whose product divides {w}",
         "world size divisible by rollout etp*ep*pp"),
     RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, ttp, w: attention_dims(m)[0] % lay.tp == 0,
+        "rollout.layout.tp", lambda m, lay, train, w: attention_dims(m)[0] % lay.tp == 0,
         "model.num_attention_heads={c.model.num_attention_heads} is not divisible by rollout.layout.tp",
         "use a rollout.layout.tp that divides the number of attention heads", "num_attention_heads % rollout tp == 0"),
     RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, ttp, w: attention_dims(m)[1] % lay.tp == 0,
+        "rollout.layout.tp", lambda m, lay, train, w: attention_dims(m)[1] % lay.tp == 0,
         "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by rollout.layout.tp",
         "use a rollout.layout.tp that divides the number of KV heads", "num_query_groups % rollout tp == 0"),
     RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, ttp, w: m.ffn_hidden_size % lay.tp == 0,
+        "rollout.layout.tp", lambda m, lay, train, w: m.ffn_hidden_size % lay.tp == 0,
         "model.ffn_hidden_size={c.model.ffn_hidden_size} is not divisible by rollout.layout.tp",
         "use a rollout.layout.tp that divides model.ffn_hidden_size", "ffn_hidden_size % rollout tp == 0"),
     RolloutLayoutRule(
         "rollout.layout.tp",
-        lambda m, lay, ttp, w: padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, ttp) % lay.tp == 0,
+        lambda m, lay, train, w: padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, train.tp)
+        % lay.tp == 0,
         "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp={c.parallel.tp})",
         "use a rollout.layout.tp that divides parallel.tp x model.make_vocab_size_divisible_by",
         "padded vocabulary rows % rollout tp == 0"),
     RolloutLayoutRule(
-        "rollout.layout.pp", lambda m, lay, ttp, w: m.num_layers % lay.pp == 0,
+        "rollout.layout.pp", lambda m, lay, train, w: m.num_layers % lay.pp == 0,
         "model.num_layers={c.model.num_layers} is not divisible by rollout.layout.pp",
         "use a rollout.layout.pp that divides the number of layers", "num_layers % rollout pp == 0"),
     RolloutLayoutRule(
-        "rollout.layout.ep", lambda m, lay, ttp, w: (m.moe.num_experts % lay.ep == 0) if is_moe(m) else lay.ep == 1,
+        "rollout.layout.ep", lambda m, lay, train, w: (m.moe.num_experts % lay.ep == 0) if is_moe(m) else lay.ep == 1,
         "rollout.layout.ep must divide the experts of an MoE model",
         "use a rollout.layout.ep that divides model.moe.num_experts (1 for a dense model)",
         "num_experts % rollout ep == 0"),
     RolloutLayoutRule(
-        "rollout.layout.etp", lambda m, lay, ttp, w: _expert_ffn(m) % lay.expert_tp == 0,
+        "rollout.layout.etp", lambda m, lay, train, w: _expert_ffn(m) % lay.expert_tp == 0,
         "an expert's hidden units (model.moe.ffn_hidden_size={c.model.moe.ffn_hidden_size}) are not divisible by "
         "rollout.layout.etp (null = rollout.layout.tp)",
         "choose a rollout.layout.etp that divides model.moe.ffn_hidden_size", "moe.ffn_hidden_size % rollout etp == 0",
         moe_only=True),
     RolloutLayoutRule(
-        "rollout.layout.ep", lambda m, lay, ttp, w: lay.ep == 1 or lay.pp == 1,
-        "megatron's engine generates with rollout.layout.ep > 1 only when rollout.layout.pp is 1",
-        "set rollout.layout.pp=1 (more replicas), or rollout.layout.ep=1", "rollout ep > 1 only with rollout pp = 1",
+        "rollout.layout.ep",
+        lambda m, lay, train, w: lay.ep == 1 or lay.pp == 1 or shares_training_weights(lay, train),
+        "megatron's engine generates on a model of its own with rollout.layout.ep > 1 only when "
+        "rollout.layout.pp is 1 (the training layout's own PP x EP shards generate in place)",
+        "set rollout.layout.pp=1 (more replicas), rollout.layout.ep=1, or leave rollout.layout unset",
+        "a model of its own: rollout ep > 1 only with rollout pp = 1",
         moe_only=True),
 )
 
 
-def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train_tp: int,
+def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train,
                             world: Optional[int]) -> list[RolloutLayoutRule]:
     """The rules ``infer`` breaks for this model and world (empty: it can generate)."""
     moe = is_moe(cfg)
     return [rule for rule in ROLLOUT_LAYOUT_RULES
-            if (moe or not rule.moe_only) and not rule.holds(cfg, infer, train_tp, world)]
+            if (moe or not rule.moe_only) and not rule.holds(cfg, infer, train, world)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,7 +667,7 @@ def rollout_layout_options(cfg: ModelConfig, train: PlanOption) -> list[RolloutL
             infer = RolloutLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
             if infer.etp == infer.tp:
                 infer = dataclasses.replace(infer, etp=None)
-            if not rollout_layout_problems(cfg, infer, train.tp, train.world):
+            if not rollout_layout_problems(cfg, infer, train, train.world):
                 out.append(infer)
     return out
 
