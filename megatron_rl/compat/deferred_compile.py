@@ -32,7 +32,7 @@ def _deferred(real):
     def compile_later(model=None, **options):
         if model is None:  # @torch.compile(...) with options
             return lambda fn: compile_later(fn, **options)
-        if not callable(model) or isinstance(model, type) or not hasattr(model, "__code__"):
+        if not hasattr(model, "__code__"):
             return real(model, **options)  # modules and anything unusual: as torch does it
         compiled = None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from megatron_rl.config.choices import ONE_STEP_OFF
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _old_logprob_source, need
-from megatron_rl.models.arch import is_moe
 from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
@@ -29,8 +28,8 @@ def _differs(c) -> bool:
 
 def _rule(rule):
     """One of the planner's :data:`ROLLOUT_LAYOUT_RULES` as a check before launch."""
-    return need(rule.key, lambda c, w: rule.holds(c.model, _filled(c), c.parallel, w), rule.problem, rule.fix,
-                rule.text, when=(lambda c: is_moe(c.model)) if rule.moe_only else (lambda c: True), generation=True)
+    return need(rule.key, lambda c, w: not rule.broken_by(c.model, _filled(c), c.parallel, w), rule.problem,
+                rule.fix, rule.text, generation=True)
 
 
 ROLLOUT_LAYOUT_CONSTRAINTS = (

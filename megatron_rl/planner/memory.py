@@ -29,7 +29,7 @@ import dataclasses
 from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import attention_dims, is_moe, padded_vocab_size
+from megatron_rl.models.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
 from megatron_rl.planner import moe
 
 GiB = 2**30
@@ -542,11 +542,8 @@ class RolloutLayoutRule:
     text: str
     moe_only: bool = False
 
-
-def _expert_ffn(cfg: ModelConfig) -> int:
-    from megatron_rl.models.arch import expert_ffn_size
-
-    return expert_ffn_size(cfg)
+    def broken_by(self, cfg: ModelConfig, layout: RolloutLayout, train, world: Optional[int]) -> bool:
+        return (is_moe(cfg) or not self.moe_only) and not self.holds(cfg, layout, train, world)
 
 
 ROLLOUT_LAYOUT_RULES = (
@@ -588,7 +585,7 @@ ROLLOUT_LAYOUT_RULES = (
         "use a rollout.layout.ep that divides model.moe.num_experts (1 for a dense model)",
         "num_experts % rollout ep == 0"),
     RolloutLayoutRule(
-        "rollout.layout.etp", lambda m, lay, train, w: _expert_ffn(m) % lay.expert_tp == 0,
+        "rollout.layout.etp", lambda m, lay, train, w: expert_ffn_size(m) % lay.expert_tp == 0,
         "an expert's hidden units (model.moe.ffn_hidden_size={c.model.moe.ffn_hidden_size}) are not divisible by "
         "rollout.layout.etp (null = rollout.layout.tp)",
         "choose a rollout.layout.etp that divides model.moe.ffn_hidden_size", "moe.ffn_hidden_size % rollout etp == 0",
@@ -607,9 +604,7 @@ ROLLOUT_LAYOUT_RULES = (
 def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train,
                             world: Optional[int]) -> list[RolloutLayoutRule]:
     """The rules ``infer`` breaks for this model and world (empty: it can generate)."""
-    moe = is_moe(cfg)
-    return [rule for rule in ROLLOUT_LAYOUT_RULES
-            if (moe or not rule.moe_only) and not rule.holds(cfg, infer, train, world)]
+    return [rule for rule in ROLLOUT_LAYOUT_RULES if rule.broken_by(cfg, infer, train, world)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -368,40 +368,36 @@ class PPOTrainer:
         raw_drawn: list[torch.Tensor] = []
         timed_out = [0]
 
+        def grade(samples: Samples) -> tuple[Samples, torch.Tensor, torch.Tensor]:
+            with timed("reward", timings):
+                graded = self._score(samples)
+            timed_out[0] += graded.timed_out
+            raw = graded.scores.float()
+            raw_drawn.append(raw)
+            return samples, raw + self._overlong_penalty(samples), raw  # dynamic sampling decides on raw
+
         def draw(round_: int) -> tuple[Samples, torch.Tensor, torch.Tensor]:
             batch = self.sampler.next_batch()
             with timed("rollout", timings):
                 samples = self._rollout(batch, step, round_)
-            with timed("reward", timings):
-                graded = self._score(samples)
-            scores = graded.scores
-            timed_out[0] += graded.timed_out
-            raw = scores.float()
-            raw_drawn.append(raw)
-            return samples, raw + self._overlong_penalty(samples), raw  # dynamic sampling decides on raw
+            return grade(samples)
 
         metrics: dict = {}
-        version = step - 1  # RL updates the weights generating now have seen
+        version = generated_by = step - 1  # RL updates the weights generating now have seen
         one_step_off = self.cfg.trainer.mode == ONE_STEP_OFF
         if one_step_off or self.pending is not None:  # (a sync run resumed from one_step_off: its batch first)
             with timed("rollout", timings):
                 current = self.pending or self._generate(step, version)
                 last = step == self.cfg.trainer.steps
                 self.pending = self._generate(step + 1, version) if one_step_off and not last else None
-            with timed("reward", timings):
-                graded = self._score(current.samples)
-            samples, raw = current.samples, graded.scores.float()
-            timed_out[0] += graded.timed_out
-            raw_drawn.append(raw)
-            scores = raw + self._overlong_penalty(samples)
-            metrics.update(staleness_metrics(version, current.version))
+            samples, scores, _ = grade(current.samples)
+            generated_by = current.version
         elif alg.dynamic_sampling:
             filled = fill_batch(draw, self.cfg.trainer.prompts_per_step, alg.dynamic_sampling_max_rounds)
             samples, scores, metrics = filled.samples, filled.scores, dict(filled.metrics)
         else:
             samples, scores, _ = draw(0)
-        if "rollout/staleness_max" not in metrics:
-            metrics.update(staleness_metrics(version, version))
+        metrics.update(staleness_metrics(version, generated_by))
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
         metrics["reward/timeouts"] = timed_out[0]
