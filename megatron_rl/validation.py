@@ -13,6 +13,7 @@ from typing import Optional
 
 from megatron_rl.config.rules import check_field_rules
 from megatron_rl.config.schema import Config
+from megatron_rl.distributed.placement import training_world
 from megatron_rl.errors import ConfigError
 from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
 from megatron_rl.resolve import Resolution, resolve
@@ -22,6 +23,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, generates: bool = Tr
     """Raises on the first problem; returns the resolution the checks ran on.  ``generates=False``
     (``score``, ``convert``) leaves out the limits of generating."""
     check_field_rules(cfg)
+    world_size = _training_world(cfg, world_size)
     # Every rule reads the values the run will use: ``auto`` and derived values resolved for this
     # machine and world size (TransformerEngine, the device, the rollout engine, ...).
     resolution = resolve(cfg, world_size)
@@ -38,3 +40,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, generates: bool = Tr
                 key, value, text, fix = problem
                 raise ConfigError(key, value, text, fix, row=feat.name)
     return resolution
+
+
+def _training_world(cfg: Config, world_size: Optional[int]) -> Optional[int]:
+    """The ranks that train: all but ``rollout.ranks`` (every rule about the training layout reads
+    this; the generator ranks' own rules read ``rollout.ranks``)."""
+    generators = cfg.rollout.ranks
+    if generators and world_size is not None and generators >= world_size:
+        raise ConfigError("rollout.ranks", generators, f"leaves no training rank in a world of {world_size}",
+                          f"use fewer generator ranks than the {world_size} the job has, or start more ranks")
+    return training_world(world_size, generators)

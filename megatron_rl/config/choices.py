@@ -43,9 +43,10 @@ LR_SCHEDULE_NAMES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
 OLD_LOGPROB_SOURCES = (AUTO, "recompute", "training_forward", "rollout")
 SFT_TARGETS = ("true", "shuffled")
-# sync: generate, then train on it; one_step_off: train on the batch generated one update earlier.
-SYNC, ONE_STEP_OFF = "sync", "one_step_off"
-TRAINER_MODES = (SYNC, ONE_STEP_OFF)
+# sync: generate, then train on it; one_step_off: train on the batch generated one update earlier;
+# async: generator ranks of their own keep up to trainer.max_staleness batches ahead.
+SYNC, ONE_STEP_OFF, ASYNC = "sync", "one_step_off", "async"
+TRAINER_MODES = (SYNC, ONE_STEP_OFF, ASYNC)
 
 # --- rollout
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")

@@ -298,6 +298,10 @@ class RolloutConfig:
                                     "computes only the tokens after its last whole page); samples are the same on "
                                     "or off.  Off while MoE routing is recorded (algorithm.routing_replay).")
     layout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
+    ranks: int = _f(0, "Ranks of the job that only generate (the last ones), with rollout.layout as their layout; "
+                       "the others train, and trainer.mode says how far generation runs ahead of the updates; "
+                       "0 = every rank trains and generates, one after the other (docs/rollout.md, Generator ranks).",
+                    ge=0)
 
 
 @dataclass
@@ -421,8 +425,14 @@ class TrainerConfig:
     )
     mode: Literal[TRAINER_MODES] = _f(
         "sync", "sync: each step trains on what it generated; one_step_off: each step trains on the batch "
-        "generated one update earlier (with the weights before the previous update) and generates the next one "
-        "(docs/algorithms.md, One step off).")
+        "generated one update earlier (with the weights before the previous update) and generates the next one; "
+        "async (rollout.ranks > 0): the generator ranks keep up to trainer.max_staleness batches ahead of the "
+        "updates (docs/algorithms.md, One step off and asynchronous).")
+    max_staleness: int = _f(2, "trainer.mode=async: most policy versions between the weights a batch was generated "
+                               "with and the weights it trains from; the generators wait rather than exceed it.",
+                            ge=0)
+    push_weights_every: int = _f(1, "trainer.mode=async: send the actor's weights to the generator ranks after "
+                                    "every N updates.", ge=1)
     save_every: int = _f(0, "Checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1).", ge=0)
     keep_last: int = _f(2, "Checkpoints kept.", ge=1)
     resume: str = _f("auto", "auto (latest checkpoint in the run dir), never, or a checkpoint path.")

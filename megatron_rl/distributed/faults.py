@@ -1,4 +1,6 @@
-"""Fault injection for testing failure handling: ``MEGATRON_RL_FAULT=<kind>@rank=<r>:step=<s>``.
+"""Fault injection for testing failure handling: ``MEGATRON_RL_FAULT=<kind>@rank=<r>:step=<s>``
+(``role=generator`` in the fields: generator rank ``r`` of ``rollout.ranks``, when it starts the
+batch of step ``s``; else training rank ``r``).
 
 Kinds injected at the start of step s (the trainer and the smoke job call :func:`maybe_inject`
 there): ``raise`` (a Python exception), ``hang`` (sleep forever; peers hit the collective
@@ -21,22 +23,22 @@ STEP_KINDS = ("raise", "hang", "kill", "sigterm")
 SAVE_KINDS = ("fill_disk",)
 
 
-def _parse(spec: str) -> tuple[str, int, int]:
+def _parse(spec: str) -> tuple[str, int, int, str]:
     kind, _, where = spec.partition("@")
     fields = dict(part.split("=", 1) for part in where.split(":") if "=" in part)
-    return kind, int(fields.get("rank", 0)), int(fields.get("step", 1))
+    return kind, int(fields.get("rank", 0)), int(fields.get("step", 1)), fields.get("role", "trainer")
 
 
-def _due(step: int, kinds: tuple[str, ...]) -> tuple[str, str] | None:
+def _due(step: int, kinds: tuple[str, ...], role: str = "trainer") -> tuple[str, str] | None:
     """``(kind, spec)`` when a fault of one of ``kinds`` is due on this rank at ``step``."""
     spec = os.environ.get(ENV)
     if not spec:
         return None
-    kind, rank, at_step = _parse(spec)
+    kind, rank, at_step, at_role = _parse(spec)
     if kind not in STEP_KINDS + SAVE_KINDS:
         raise ValueError(f"{ENV}: unknown fault kind {kind!r} ({', '.join(STEP_KINDS + SAVE_KINDS)})")
     my_rank = dist.get_rank() if dist.is_initialized() else 0
-    if kind not in kinds or my_rank != rank or step != at_step:
+    if kind not in kinds or my_rank != rank or step != at_step or role != at_role:
         return None
     return kind, spec
 
@@ -55,8 +57,8 @@ def maybe_fill_disk(step: int, root: str) -> None:
                 pass
 
 
-def maybe_inject(step: int) -> None:
-    due = _due(step, STEP_KINDS)
+def maybe_inject(step: int, role: str = "trainer") -> None:
+    due = _due(step, STEP_KINDS, role)
     if due is None:
         return
     kind, spec = due

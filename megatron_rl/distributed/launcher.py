@@ -90,9 +90,16 @@ def _first_failure(err_base: str) -> dict | None:
     return min(records, key=lambda r: (r["exit_code"] != EXIT_BAD_INPUT, r["time"])) if records else None
 
 
-def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S) -> int:
+def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S,
+                 rank_names: dict[int, str] | None = None) -> int:
     """Run ``python -m megatron_rl.tools.cli <argv>`` on ``nproc`` ranks; return the job's exit code.
-    ``grace_s``: how long the ranks get to checkpoint and exit after a stop signal."""
+    ``grace_s``: how long the ranks get to checkpoint and exit after a stop signal; ``rank_names``:
+    how failure messages name ranks that are not plain training ranks (generator ranks)."""
+    names = rank_names or {}
+
+    def named(rank: int) -> str:
+        return f"rank {rank} ({names[rank]})" if rank in names else f"rank {rank}"
+
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="megatron_rl_launch_")
     err_base = os.path.join(tmp, "error")
@@ -150,13 +157,13 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
             rank = killed[0] if killed else next(r for r, c in enumerate(codes) if c not in (None, 0))
             code = procs[rank].returncode
             reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-            print(f"megatron-rl: rank {rank} died ({reason}) without a Python traceback; "
+            print(f"megatron-rl: {named(rank)} died ({reason}) without a Python traceback; "
                   f"stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
             if record is not None:
                 last = record["message"].strip().splitlines()[-1]
-                print(f"  then rank {record['rank']} failed: {last}", file=sys.stderr, flush=True)
+                print(f"  then {named(record['rank'])} failed: {last}", file=sys.stderr, flush=True)
             return code if code > 0 else 1
-        print(f"megatron-rl: rank {record['rank']} failed (exit code {record['exit_code']}); "
+        print(f"megatron-rl: {named(record['rank'])} failed (exit code {record['exit_code']}); "
               f"stopped the other {nproc - 1} rank(s)\n{record['message']}", file=sys.stderr, flush=True)
         return int(record["exit_code"]) or 1
     finally:

@@ -21,6 +21,7 @@ from megatron_rl.compat.megatron_fixes import default_batch_p2p_comm
 from megatron_rl.compat.parallel_state import destroy_model_parallel_groups
 from megatron_rl.config.schema import DistributedConfig, ParallelConfig
 from megatron_rl.distributed.env import SINGLE, LaunchEnv, detect_launch_env
+from megatron_rl.distributed.placement import Placement, place
 from megatron_rl.errors import ConfigError
 
 
@@ -117,10 +118,16 @@ def resolve_backend(dist_cfg: DistributedConfig, device: torch.device) -> str:
     return NCCL if device.type == CUDA else GLOO
 
 
-def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = None) -> LaunchEnv:
-    """Start torch.distributed for this process (idempotent)."""
+def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = None, generators: int = 0) -> Placement:
+    """Start torch.distributed for this process (idempotent) and say where it sits.
+
+    ``generators > 0`` (``rollout.ranks``): the last ``generators`` ranks form a world of their
+    own, the others the training world, both on the job's one TCP store under prefixes of their
+    own (:mod:`megatron_rl.distributed.placement`); :func:`job_store` is that store."""
+    global _JOB_STORE
     enable_compat()
     launch = launch or detect_launch_env()
+    where = place(launch.rank, launch.world_size, generators)
     device = resolve_device(dist_cfg)
     if device.type == CUDA:
         torch.cuda.set_device(device)
@@ -128,17 +135,27 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
         # Several ranks share the CPU cores; more threads per rank only contend.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, launch.world_size)))
     if dist.is_initialized():
-        return launch
-    where = ({"store": dist.HashStore()} if launch.launcher == SINGLE
-             else {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"})
-    dist.init_process_group(
-        backend=resolve_backend(dist_cfg, device),
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(seconds=dist_cfg.timeout_s),
-        **where,
-    )
-    return launch
+        return where
+    timeout = datetime.timedelta(seconds=dist_cfg.timeout_s)
+    if launch.launcher == SINGLE:
+        init = {"store": dist.HashStore()}
+    elif where.separate:
+        _JOB_STORE = dist.TCPStore(launch.master_addr, launch.master_port, is_master=launch.rank == 0,
+                                   timeout=timeout, wait_for_workers=False)
+        init = {"store": dist.PrefixStore(where.role, _JOB_STORE)}
+    else:
+        init = {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}
+    dist.init_process_group(backend=resolve_backend(dist_cfg, device), rank=where.rank, world_size=where.size,
+                            timeout=timeout, **init)
+    return where
+
+
+_JOB_STORE = None
+
+
+def job_store():
+    """The TCP store every rank of a job with generator ranks of their own shares (None otherwise)."""
+    return _JOB_STORE
 
 
 _CURRENT: ParallelLayout | None = None

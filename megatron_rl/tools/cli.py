@@ -96,6 +96,8 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
     from megatron_rl.validation import validate
 
     cfg = load_config(config, overrides)
+    if command not in ("train", "validate", None):
+        cfg.rollout.ranks = 0  # only training has generator ranks of their own; tools generate on every rank
     if hf_model:
         cfg.model.hf_path = hf_model
     if cfg.model.hf_path:
@@ -152,13 +154,16 @@ def _check_tool_paths(args, argv: list[str]) -> list[str]:
 def _rank_main(args) -> int:
     from megatron_rl.distributed.env import detect_launch_env
     from megatron_rl.distributed.guard import run_guarded
+    from megatron_rl.distributed.placement import GENERATOR
     from megatron_rl.distributed.runtime import init_distributed
 
     launch = detect_launch_env()
 
     def work() -> int:
         cfg, _ = _load(args.config, args.overrides, launch.world_size, getattr(args, "hf_model", None), args.command)
-        init_distributed(cfg.distributed, launch)
+        where = init_distributed(cfg.distributed, launch, generators=cfg.rollout.ranks)
+        if where.role == GENERATOR:
+            return _serve_generation(cfg, where)
         return _COMMANDS[args.command](cfg, args)
 
     if launch.world_size > 1 or os.environ.get("MEGATRON_RL_LAUNCHER"):
@@ -168,6 +173,14 @@ def _rank_main(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C before training started, or twice during it
         print("aborted (Ctrl-C); no checkpoint of the current step", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+
+
+def _serve_generation(cfg, where) -> int:
+    from megatron_rl.resolve import resolve
+    from megatron_rl.rollout.generator_service import serve_generation
+
+    serve_generation(resolve(cfg, where.trainers).config, log=lambda line: print(line, flush=True))
+    return 0
 
 
 def _smoke(cfg, args) -> int:
@@ -299,7 +312,10 @@ def main(argv: list[str] | None = None) -> int:
             if "--nproc" in argv:
                 i = argv.index("--nproc")
                 rank_argv = argv[:i] + argv[i + 2 :]
-            return launch_local(rank_argv, nproc, grace_s=max(60.0, float(cfg.distributed.timeout_s)))
+            from megatron_rl.distributed.placement import rank_names
+
+            return launch_local(rank_argv, nproc, grace_s=max(60.0, float(cfg.distributed.timeout_s)),
+                                rank_names=rank_names(nproc, cfg.rollout.ranks))
         return _rank_main(args)
     except UserInputError as err:
         print(str(err), file=sys.stderr)

@@ -41,6 +41,15 @@ class GeneratedBatch:
         return cls(Samples(**state["samples"]), int(state["version"]))
 
 
+def buffered_batches(state: dict, step: int) -> dict[int, GeneratedBatch]:
+    """The batches a checkpoint after ``step`` holds for the coming steps, by the step that trains
+    them (checkpoints before ``rollout_buffer`` held at most the next step's, as ``pending``)."""
+    if state.get("rollout_buffer"):
+        return {int(b["step"]): GeneratedBatch.from_state_dict(b) for b in state["rollout_buffer"]}
+    pending = GeneratedBatch.from_state_dict(state.get("pending"))
+    return {step + 1: pending} if pending is not None else {}
+
+
 def staleness_metrics(trained_version: int, batch_version: int) -> dict:
     """How many updates the weights a batch trains from are ahead of the ones that generated it."""
     return {"rollout/staleness_max": trained_version - batch_version, "rollout/policy_version": batch_version}

@@ -39,7 +39,7 @@ from megatron_rl.algorithms.rollout_correction import correction_weights
 from megatron_rl.algorithms.shaping import overlong_penalty
 from megatron_rl.config.choices import ONE_STEP_OFF
 from megatron_rl.config.model_io import model_config_to_dict
-from megatron_rl.config.schema import Config
+from megatron_rl.config.schema import Config, RolloutLayoutConfig
 from megatron_rl.data.prompts import PromptSampler, PromptSet
 from megatron_rl.data.sources import load_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
@@ -78,7 +78,8 @@ from megatron_rl.trainer.metrics import (
     throughput_metrics,
 )
 from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
-from megatron_rl.trainer.one_step_off import GeneratedBatch, staleness_metrics
+from megatron_rl.trainer.one_step_off import GeneratedBatch, buffered_batches, staleness_metrics
+from megatron_rl.trainer.remote_rollout import RemoteRollout
 from megatron_rl.trainer.reward_signal import RewardSignal
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
@@ -121,7 +122,9 @@ class PPOTrainer:
         # Installed first, so a preemption signal that arrives while models load is honoured
         # at the first step boundary.
         self.stop = StopRequest()
-        self.pending: Optional[GeneratedBatch] = None  # one_step_off: the batch for the next step
+        # Batches generated ahead of the step that trains them (one_step_off, generator ranks), by step.
+        self.buffer: dict[int, GeneratedBatch] = {}
+        self.remote: Optional[RemoteRollout] = None  # rollout.ranks > 0: generation on ranks of its own
         # Every auto and derived value, resolved once: everything after reads them from self.cfg.
         self.resolution = resolve(cfg, dist.get_world_size())
         self.cfg = cfg = self.resolution.config
@@ -172,14 +175,18 @@ class PPOTrainer:
                                                  ("critic", self.use_critic)) if on)
         self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
                  f"hidden {cfg.model.hidden_size}); built {built}")
-        self.engine = make_rollout_engine(cfg.rollout, cfg.model, self.device,
-                                          record_routing=cfg.algorithm.routing_replay)
+        # With generator ranks of their own, rollout.layout is theirs; the trainers' engine (evaluation)
+        # generates on the training layout.
+        own = cfg.rollout if not cfg.rollout.ranks else dataclasses.replace(cfg.rollout, layout=RolloutLayoutConfig())
+        self.engine = make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
                                    lambda: (self._phase("actor"), self.engine.load_from_chunks(self.actor.chunks)),
                                    self.log)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
+        if cfg.rollout.ranks:
+            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling, self.log)
         # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
         self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 
@@ -264,8 +271,8 @@ class PPOTrainer:
             self.sampler.load_state_dict(state["sampler"])
         if "kl" in state:
             self.kl_ctl.load_state_dict(state["kl"])
-        self.pending = GeneratedBatch.from_state_dict(state.get("pending"))
         step = int(meta["step"])
+        self.buffer = buffered_batches(state, step)
         self.metrics.truncate_after(step)
         self.log(f"resumed after step {step} from {path}")
         return step
@@ -281,9 +288,11 @@ class PPOTrainer:
     def save(self, step: int) -> str:
         meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()},
                 **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer)}
+        if self.remote is not None:  # nothing in flight: every requested batch is in the checkpoint
+            self.buffer.update(self.remote.drain())
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
-        if self.pending is not None:  # one_step_off: the batch generated for the next step
-            state["pending"] = self.pending.state_dict()
+        if self.buffer:  # batches generated for the coming steps
+            state["rollout_buffer"] = [{"step": j, **batch.state_dict()} for j, batch in sorted(self.buffer.items())]
         return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
                                           keep_last=self.cfg.trainer.keep_last)
 
@@ -309,6 +318,8 @@ class PPOTrainer:
                 return last
             if step == 0 and self.evaluator.due(0):  # the starting weights (a resumed start was evaluated)
                 self.metrics.log(0, self.evaluator.run(0))
+            if self.remote is not None:
+                self.remote.start(step, list(self.buffer), self.actor.chunks)
             while step < cfg.trainer.steps:
                 step += 1
                 faults.maybe_inject(step)
@@ -338,9 +349,10 @@ class PPOTrainer:
     def train_step(self, step: int) -> dict:
         timings: dict = {}
         with timed("step", timings):
-            with timed("weight_sync", timings):
-                self._phase("actor")
-                self.engine.load_from_chunks(self.actor.chunks)
+            if self.remote is None:
+                with timed("weight_sync", timings):
+                    self._phase("actor")
+                    self.engine.load_from_chunks(self.actor.chunks)
             samples, scores, sampling_metrics = self._sample(step, timings)
             with timed("experience", timings):
                 exp = self._experience(samples, scores, timings)
@@ -349,6 +361,9 @@ class PPOTrainer:
             metrics.update(experience_metrics(exp, policy))
             metrics.update(sampling_metrics)
             metrics.update(exp.metrics)
+            if self.remote is not None:
+                with timed("weight_push", timings):
+                    self.remote.after_update(step, self.actor.chunks)
         metrics.update(timings)
         metrics.update(memory_metrics())
         metrics["rollout/weights_gb"] = self.engine.weight_bytes() / 2**30
@@ -385,11 +400,19 @@ class PPOTrainer:
         metrics: dict = {}
         version = generated_by = step - 1  # RL updates the weights generating now have seen
         one_step_off = self.cfg.trainer.mode == ONE_STEP_OFF
-        if one_step_off or self.pending is not None:  # (a sync run resumed from one_step_off: its batch first)
+        if self.remote is not None:
+            with timed("rollout_wait", timings):
+                current = self.buffer.pop(step, None)
+                if current is None:
+                    current, remote_metrics = self.remote.take(step)
+                    metrics.update(remote_metrics)
+            samples, scores, _ = grade(current.samples)
+            generated_by = current.version
+        elif one_step_off or self.buffer:  # (a sync run resumed with batches generated ahead: those first)
             with timed("rollout", timings):
-                current = self.pending or self._generate(step, version)
-                last = step == self.cfg.trainer.steps
-                self.pending = self._generate(step + 1, version) if one_step_off and not last else None
+                current = self.buffer.pop(step, None) or self._generate(step, version)
+                if one_step_off and step < self.cfg.trainer.steps and step + 1 not in self.buffer:
+                    self.buffer[step + 1] = self._generate(step + 1, version)
             samples, scores, _ = grade(current.samples)
             generated_by = current.version
         elif alg.dynamic_sampling:
@@ -597,7 +620,10 @@ def run_ppo(cfg: Config, log=print) -> dict:
             log(finished_message(cfg, done))
         return {}
     trainer = PPOTrainer(cfg, log=log)
-    return trainer.train()
+    last = trainer.train()
+    if trainer.remote is not None:
+        trainer.remote.close()  # the generators stop once every push is delivered
+    return last
 
 
 class _Decoded:

@@ -1,0 +1,113 @@
+"""What a generator rank does (``rollout.ranks``): load the weights the trainers push, generate the
+batches they request, in the order they were posted, until told to stop.
+
+The generator ranks are a world of their own with megatron's groups for ``rollout.layout`` (CP 1,
+the remaining ranks data-parallel replicas); their engine generates on that layout's own shards.
+Generator rank 0 reads the trainer's messages (:mod:`megatron_rl.distributed.bridge`) and passes
+each to the others; every generator rank loads a pushed copy into its shards; generator rank 0
+returns each batch with the policy version that generated it and the time it took, and how long
+the generators sat idle before the request came.  Signals are the trainers' to act on: a
+generator serves until the trainers have checkpointed and said stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import Config, RolloutLayoutConfig
+from megatron_rl.distributed import collectives, faults
+from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge, unflatten_weights
+from megatron_rl.distributed.placement import GENERATOR
+from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, job_store, resolve_device
+from megatron_rl.models.builder import build_gpt_chunks
+from megatron_rl.models.canonical import load_canonical
+from megatron_rl.rollout.dp import generate_data_parallel
+from megatron_rl.rollout.engine import RolloutBatch, make_rollout_engine
+from megatron_rl.rollout.sampling import SamplingParams
+
+
+def generator_layout(cfg: Config, generators: int) -> ParallelLayout:
+    """The generators' layout: ``rollout.layout`` (resolved: unset sizes are the training
+    layout's), CP 1, no virtual stages, the remaining ranks data-parallel."""
+    own = cfg.rollout.layout
+    parallel = dataclasses.replace(cfg.parallel, tp=own.tp, pp=own.pp, ep=own.ep, etp=own.etp, cp=1, vpp=None,
+                                   cp_comm_type="p2p", hierarchical_context_parallel_sizes=None)
+    return ParallelLayout.from_config(parallel, generators)
+
+
+def rollout_to_json(rollout: RolloutBatch) -> dict:
+    return {"prompt_index": rollout.prompt_index, "response_ids": rollout.response_ids,
+            "response_logprobs": rollout.response_logprobs, "finish_reason": rollout.finish_reason}
+
+
+def rollout_from_json(data: dict, prompt_ids: list[list[int]]) -> RolloutBatch:
+    """The batch a generator returned; ``prompt_ids``: the request's prompts (not sent back)."""
+    return RolloutBatch(prompt_index=list(data["prompt_index"]),
+                        prompt_ids=[list(prompt_ids[i]) for i in data["prompt_index"]],
+                        response_ids=data["response_ids"], response_logprobs=data["response_logprobs"],
+                        finish_reason=data["finish_reason"])
+
+
+def serve_generation(cfg: Config, log=print) -> None:
+    """The generator ranks' main loop; ``cfg`` is resolved for the training world like the trainers'."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainers checkpoint, then stop us
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank0 = dist.get_rank() == 0
+    layout = generator_layout(cfg, dist.get_world_size())
+    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
+    device = resolve_device(cfg.distributed)
+    chunks = build_gpt_chunks(cfg.model, layout, device)
+    rollout_cfg = dataclasses.replace(cfg.rollout, layout=RolloutLayoutConfig())  # its own layout: in place
+    engine = make_rollout_engine(rollout_cfg, cfg.model, device)
+    bridge = Bridge(job_store(), "generator", cfg.distributed.timeout_s) if rank0 else None
+    if rank0:
+        log(f"generators: {dist.get_world_size()} rank(s), layout tp={layout.tp} pp={layout.pp} ep={layout.ep} "
+            f"dp={layout.dp}, {type(engine).__name__}")
+    sampling, version = None, None
+    idle_since = time.perf_counter()
+    while True:
+        message = collectives.broadcast_object(bridge.next_message() if rank0 else None, src=0)
+        kind = message["kind"]
+        if kind == STOP:
+            break
+        if kind == SETTINGS:
+            sampling = SamplingParams(**message["sampling"])
+        elif kind == WEIGHTS:
+            flat = bridge.receive_weights(message) if rank0 else None
+            load_canonical(chunks, _weights_on_every_generator(flat, message))
+            engine.load_from_chunks(chunks)
+            version = int(message["version"])
+        elif kind == REQUEST:
+            faults.maybe_inject(int(message["step"]), role=GENERATOR)
+            start = time.perf_counter()
+            rollout = generate_data_parallel(engine, message["prompt_ids"], sampling, seed=int(message["seed"]))
+            done = time.perf_counter()
+            if rank0:
+                bridge.put_result(int(message["step"]), {
+                    "rollout": rollout_to_json(rollout), "version": version,
+                    "generate_s": done - start, "idle_s": start - idle_since,
+                })
+            idle_since = done
+        else:
+            raise ValueError(f"generator: unknown message kind {kind!r}")
+    collectives.barrier()
+    if rank0:
+        bridge.stopped()
+
+
+def _weights_on_every_generator(flat: Optional[torch.Tensor], message: dict) -> dict[str, torch.Tensor]:
+    """Generator rank 0's received bytes, on every generator rank, as canonical tensors."""
+    if dist.get_world_size() > 1:
+        device = collectives.group_device()
+        buffer = flat.to(device) if flat is not None else torch.empty(int(message["bytes"]), dtype=torch.uint8,
+                                                                      device=device)
+        dist.broadcast(buffer, 0)
+        flat = buffer.cpu()
+    return unflatten_weights(message["manifest"], flat)

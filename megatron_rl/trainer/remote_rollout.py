@@ -1,0 +1,118 @@
+"""The trainers' side of generation on ranks of their own (``rollout.ranks``).
+
+Trainer rank 0 posts, in one ordered stream, the weights after an update and the requests for
+batches (prompts and seed of a step); the generators act on them in that order, so batch ``j`` is
+generated with the last weights posted before its request, and staleness is fixed by the order:
+
+- weights are pushed after every ``push_every``-th update (version = updates seen);
+- after a push of version ``p`` the trainer requests every batch ``j <= p + bound + 1`` not yet
+  requested, so batch ``j`` (trained after ``j - 1`` updates) is at most ``bound`` versions stale.
+
+``trainer.mode`` picks the two numbers: ``sync`` (bound 0: generate, then train, no overlap),
+``one_step_off`` (bound 1, every update pushed: batch ``j`` generated with the weights of ``j - 2``
+updates, exactly the batches and seeds of the colocated mode), ``async`` (``trainer.max_staleness``
+and ``trainer.push_weights_every``: generators keep up to that many batches ahead).  While the
+trainers update, the generators generate what was requested: that overlap is the mode's gain.
+
+Prompts are drawn by the trainers (the sampler is theirs and in every checkpoint); a checkpoint
+first takes every requested batch from the generators, so it holds each batch generated and not yet
+trained and nothing is in flight: a resumed job trains exactly those batches, then requests the
+next ones, none twice and none lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
+from megatron_rl.config.schema import Config
+from megatron_rl.distributed import collectives
+from megatron_rl.distributed.bridge import REQUEST, SETTINGS, Bridge
+from megatron_rl.distributed.runtime import job_store
+from megatron_rl.models.canonical import gather_canonical
+from megatron_rl.rollout.generator_service import rollout_from_json
+from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.trainer.experience import Samples
+from megatron_rl.trainer.one_step_off import GeneratedBatch
+from megatron_rl.utils.seeds import derive_seed
+
+
+def staleness_plan(cfg: Config) -> tuple[int, int]:
+    """``(bound, push_every)`` of ``trainer.mode`` on generator ranks of their own."""
+    if cfg.trainer.mode == ASYNC:
+        return cfg.trainer.max_staleness, cfg.trainer.push_weights_every
+    return (1 if cfg.trainer.mode == ONE_STEP_OFF else 0), 1
+
+
+class RemoteRollout:
+    def __init__(self, cfg: Config, sampler, prompt_ids: list[list[int]], sampling: SamplingParams, log=print):
+        self.cfg, self.sampler, self.prompt_ids, self.sampling, self.log = cfg, sampler, prompt_ids, sampling, log
+        self.bound, self.push_every = staleness_plan(cfg)
+        self.rank0 = dist.get_rank() == 0
+        self.bridge = Bridge(job_store(), "trainer", cfg.distributed.timeout_s) if self.rank0 else None
+        self.requested: dict[int, list[int]] = {}  # step -> dataset indices, requested and not yet taken
+        self.next_request = 1
+        self.pushed: Optional[int] = None
+        self.push_bytes = 0
+        self.closed = False
+
+    def start(self, step: int, buffered: list[int], chunks: list) -> None:
+        """At the start (or resume) after ``step`` updates, with batches ``buffered`` already at hand."""
+        if self.rank0:
+            self.bridge.post({"kind": SETTINGS, "sampling": dataclasses.asdict(self.sampling)})
+        self.next_request = max([step, *buffered]) + 1
+        self.push(step, chunks)
+
+    def push(self, version: int, chunks: list) -> None:
+        """Send the actor's weights after ``version`` updates, then request what the bound allows."""
+        canonical = gather_canonical(chunks)  # a collective of the training world
+        if self.rank0:
+            self.push_bytes = self.bridge.push_weights(version, canonical)
+        self.pushed = version
+        self._request()
+
+    def _request(self) -> None:
+        while self.next_request <= self.cfg.trainer.steps and self.next_request <= self.pushed + self.bound + 1:
+            step = self.next_request
+            batch = self.sampler.next_batch()
+            if self.rank0:
+                self.bridge.post({"kind": REQUEST, "step": step, "prompt_ids": [self.prompt_ids[i] for i in batch],
+                                  "seed": derive_seed(self.cfg.run.seed, "rollout", step)})
+            self.requested[step] = batch
+            self.next_request += 1
+
+    def after_update(self, step: int, chunks: list) -> None:
+        """The actor has ``step`` updates: push them when due (and while batches remain to request)."""
+        if step % self.push_every == 0 and self.next_request <= self.cfg.trainer.steps:
+            self.push(step, chunks)
+
+    def take(self, step: int) -> tuple[GeneratedBatch, dict]:
+        """Batch ``step`` from the generators (waiting for it) on every trainer rank, and what its
+        generation cost on their side."""
+        batch = self.requested.pop(step)
+        start = time.perf_counter()
+        result = self.bridge.take_result(step) if self.rank0 else None
+        waited = time.perf_counter() - start
+        result = collectives.broadcast_object(result, src=0)
+        rollout = rollout_from_json(result["rollout"], [self.prompt_ids[i] for i in batch])
+        samples = Samples.from_rollout(rollout, batch)
+        tokens = sum(len(r) for r in samples.response_ids)
+        metrics = {"rollout/generate_s": result["generate_s"], "rollout/generator_idle_s": result["idle_s"],
+                   "rollout/generator_tokens_per_s": tokens / max(result["generate_s"], 1e-9),
+                   "rollout/trainer_wait_s": collectives.broadcast_object(waited, src=0),
+                   "rollout/weight_push_bytes": self.push_bytes}
+        return GeneratedBatch(samples, int(result["version"])), metrics
+
+    def drain(self) -> dict[int, GeneratedBatch]:
+        """Every requested batch, waited for: what a checkpoint keeps so nothing is in flight."""
+        return {step: self.take(step)[0] for step in sorted(self.requested)}
+
+    def close(self) -> None:
+        """Stop the generators (after every push was delivered)."""
+        if self.rank0 and not self.closed:
+            self.bridge.close()
+        self.closed = True
