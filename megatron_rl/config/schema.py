@@ -427,7 +427,7 @@ class TrainerConfig:
         "sync", "sync: each step trains on what it generated; one_step_off: each step trains on the batch "
         "generated one update earlier (with the weights before the previous update) and generates the next one; "
         "async (rollout.ranks > 0): the generator ranks keep up to trainer.max_staleness batches ahead of the "
-        "updates (docs/algorithms.md, One step off and asynchronous).")
+        "updates (docs/algorithms.md, One step off; Generator ranks and asynchronous training).")
     max_staleness: int = _f(2, "trainer.mode=async: most policy versions between the weights a batch was generated "
                                "with and the weights it trains from; the generators wait rather than exceed it.",
                             ge=0)

@@ -56,10 +56,14 @@ class Feature:
 
 
 def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callable = lambda c: True,
-         generation: bool = False) -> Constraint:
+         generation: bool = False, ranks: Optional[Callable] = None) -> Constraint:
+    """``ranks(cfg, world)``: the ranks the rule is about when not the training world (``ok``,
+    ``problem`` and ``fix`` see them as ``w``)."""
     def check(cfg, world):
         if not when(cfg):
             return None
+        if ranks is not None:
+            world = ranks(cfg, world)
         if ok(cfg, world):
             return None
         return key, config_value(cfg, key), problem.format(c=cfg, w=world), fix.format(c=cfg, w=world)

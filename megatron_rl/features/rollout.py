@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.config.choices import ONE_STEP_OFF
+from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _old_logprob_source, need
 from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
@@ -27,9 +27,15 @@ def _differs(c) -> bool:
 
 
 def _rule(rule):
-    """One of the planner's :data:`ROLLOUT_LAYOUT_RULES` as a check before launch."""
+    """One of the planner's :data:`ROLLOUT_LAYOUT_RULES` as a check before launch, over the ranks
+    that generate (the generator ranks when the job has its own, else the training world)."""
     return need(rule.key, lambda c, w: not rule.broken_by(c.model, _filled(c), c.parallel, w), rule.problem,
-                rule.fix, rule.text, generation=True)
+                rule.fix, rule.text, generation=True, ranks=lambda c, w: c.rollout.ranks or w)
+
+
+def _ahead(c) -> bool:
+    """Batches are generated before the update they train after (one_step_off, async)."""
+    return c.trainer.mode in (ONE_STEP_OFF, ASYNC)
 
 
 ROLLOUT_LAYOUT_CONSTRAINTS = (
@@ -37,13 +43,13 @@ ROLLOUT_LAYOUT_CONSTRAINTS = (
          "rollout.layout differs from the training layout, which only megatron's engine generates on",
          "set rollout.engine=megatron, or leave rollout.layout unset",
          "a layout of its own needs rollout.engine=megatron",
-         when=_differs, generation=True),
+         when=lambda c: _differs(c) and not c.rollout.ranks, generation=True),
     *(_rule(rule) for rule in ROLLOUT_LAYOUT_RULES),
     need("algorithm.routing_replay", lambda c, w: _shares(c),
          "routing replay records the experts on the actor's own shards; rollout.layout generates on a second model",
          "set algorithm.routing_replay=false, or leave rollout.layout unset (the training layout, one chunk per rank)",
          "routing replay needs rollout.layout to share the training weights",
-         when=lambda c: c.algorithm.routing_replay, generation=True),
+         when=lambda c: c.algorithm.routing_replay and not c.rollout.ranks, generation=True),
 )
 FEATURES = [
     Feature(
@@ -182,8 +188,8 @@ FEATURES = [
         "and generates the batch of step k+1 (same prompts and seeds as a synchronous run); old log-probs recomputed "
         "(the proximal policy), algorithm.rollout_correction for the behaviour policy (mode=is: decoupled PPO); the "
         "waiting batch is in every checkpoint, so a preempted run resumes exactly; rollout/staleness_max and "
-        "rollout/policy_version logged. Generation and update still run one after the other on the same ranks: the "
-        "staleness without the overlap (separate generator ranks: planned below).",
+        "rollout/policy_version logged. Without rollout.ranks generation and update run one after the other on the "
+        "same ranks: the staleness without the overlap (with generator ranks: the row below).",
         ("tests/test_one_step_off.py::test_with_frozen_weights_one_step_off_trains_on_the_sync_batches",
          "tests/test_one_step_off.py::test_one_step_off_samples_are_one_update_stale",
          "tests/test_one_step_off.py::test_one_step_off_resumes_exactly_with_the_waiting_batch_from_the_checkpoint",
@@ -191,22 +197,55 @@ FEATURES = [
          "tests/test_one_step_off.py::test_grpo_learns_the_demo_task_one_step_off_as_sync_does"),
         constraints=(
             need("algorithm.dynamic_sampling", lambda c, w: not c.algorithm.dynamic_sampling,
-                 "dynamic sampling draws more prompts within a step; trainer.mode=one_step_off generates each batch "
-                 "a step ahead", "set algorithm.dynamic_sampling=false, or trainer.mode=sync",
-                 "one_step_off without dynamic sampling", when=lambda c: c.trainer.mode == ONE_STEP_OFF),
+                 "dynamic sampling draws more prompts within a step; trainer.mode={c.trainer.mode} generates each "
+                 "batch before the update it trains after",
+                 "set algorithm.dynamic_sampling=false, or trainer.mode=sync",
+                 "one_step_off / async without dynamic sampling", when=_ahead),
             need("algorithm.old_logprobs", lambda c, w: _old_logprob_source(c) != "rollout",
-                 "with trainer.mode=one_step_off the rollout's log-probs are the previous policy's, not the one the "
+                 "with trainer.mode={c.trainer.mode} the rollout's log-probs are an earlier policy's, not the one the "
                  "update starts from", "use algorithm.old_logprobs=auto or recompute (with "
                  "algorithm.rollout_correction for the behaviour policy)",
-                 "one_step_off recomputes the old log-probs", when=lambda c: c.trainer.mode == ONE_STEP_OFF),
+                 "one_step_off / async recompute the old log-probs", when=_ahead),
         ),
         config="trainer.mode=one_step_off",
     ),
     Feature(
-        "Asynchronous RL (separate generator ranks, fully async)", "rollout", PLANNED,
-        "Generators and trainers on separate ranks, generation of step k+1 overlapping the update of step k "
-        "(one_step_off with the overlap), a fully asynchronous mode with partial rollouts and bounded staleness; "
-        "today one_step_off runs generation and update one after the other on the same ranks.",
+        "Generator ranks of their own (rollout.ranks; sync, one_step_off, async)", "rollout", TESTED_CPU,
+        "rollout.ranks=G: the last G ranks generate on rollout.layout (CP 1, the rest data-parallel replicas), the "
+        "others train; two torch.distributed worlds joined by the job's store (requests, samples) and a gloo group "
+        "(weights: a full canonical copy after an update, loaded into the generators' shards; the trainer's sender "
+        "thread overlaps the copy with training). The order of weight pushes and requests fixes each batch's "
+        "policy version: sync (no overlap), one_step_off (the colocated mode's batches, exactly, with generation of "
+        "step k+1 overlapping the update of step k), async (generators up to trainer.max_staleness versions ahead, "
+        "weights every trainer.push_weights_every updates; they wait rather than exceed the bound). A checkpoint "
+        "takes every requested batch first (rollout_buffer: generated, not yet trained), so a SIGKILLed job resumes "
+        "exactly; a dead generator rank ends the job with its name. Logged: staleness, policy version, generate "
+        "and idle seconds of the generators, the trainer's wait, push bytes. Evaluation runs on the training ranks.",
+        ("tests/test_generator_ranks.py::test_one_step_off_on_generator_ranks_trains_what_the_colocated_mode_trains",
+         "tests/test_generator_ranks.py::test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly",
+         "tests/test_generator_ranks.py::test_a_dead_generator_rank_ends_the_job_with_its_name",
+         "tests/test_generator_ranks.py::test_generator_ranks_refuse_what_they_cannot_run_before_launch",
+         "tests/test_generator_ranks.py::test_grpo_learns_the_demo_task_in_async_mode"),
+        constraints=(
+            need("trainer.mode", lambda c, w: c.rollout.ranks > 0,
+                 "trainer.mode=async needs generator ranks of their own", "set rollout.ranks (e.g. 1), or use "
+                 "trainer.mode=one_step_off", "async needs rollout.ranks > 0", when=lambda c: c.trainer.mode == ASYNC),
+            need("algorithm.dynamic_sampling", lambda c, w: not c.algorithm.dynamic_sampling,
+                 "dynamic sampling draws more prompts within a step; generator ranks generate the batches the "
+                 "trainers requested ahead", "set algorithm.dynamic_sampling=false, or rollout.ranks=0",
+                 "generator ranks without dynamic sampling", when=lambda c: c.rollout.ranks > 0),
+            need("algorithm.routing_replay", lambda c, w: not c.algorithm.routing_replay,
+                 "the generator ranks do not return the experts they routed to",
+                 "set algorithm.routing_replay=false, or rollout.ranks=0",
+                 "generator ranks without routing replay", when=lambda c: c.rollout.ranks > 0),
+        ),
+        config="rollout.ranks=1 trainer.mode=async",
+    ),
+    Feature(
+        "Partial rollouts (weights pushed into requests in flight)", "rollout", PLANNED,
+        "At a weight push, requests in flight continue with the new weights instead of finishing on the old ones, "
+        "each token recording the policy version that produced it; today a request is generated whole with the "
+        "weights it started with.",
     ),
     Feature(
         "Multi-turn rollouts with tools and environments", "rollout", PLANNED,
