@@ -6,18 +6,19 @@ samples and steps.
     python benchmarks/async_throughput.py --regimes floor --steps 12
 
 The workload is ``configs/grpo_cpu.yaml`` (the add_small task after its supervised warm-up, GRPO,
-16 prompts x 8 samples a step) with ``rollout.max_new_tokens=32`` and a long tail: a
-benchmark-only ``sitecustomize`` makes every response whose first token id is 2 mod 5 (about a
-tenth: two of the ten digits the answers start with) ignore EOS and run to 32 tokens, while the
-rest stop after the answer (2-3 tokens); the mean length and the share that stopped are printed per mode.
+16 prompts x 8 samples a step) with ``rollout.max_new_tokens=32`` and a long tail
+(:mod:`megatron_rl.testing.workload`, applied in every process of the job): every response whose
+first token id is 2 mod 5 (about a tenth: two of the ten digits the answers start with) ignores
+EOS and runs to 32 tokens, while the rest stop after the answer (2-3 tokens); the mean length
+and the share that stopped are printed per mode.
 
 Two cost regimes, each mode a subprocess of its own:
 
 * ``cpu``   -- this CPU as it is: a decode step's cost grows with its rows, so rows that finished
   early cost nothing and the long tail wastes little;
-* ``floor`` -- an emulation of a memory-bound GPU decode: the same ``sitecustomize`` gives
-  every decode step of the KV-cache decoder a floor of ``--floor-ms`` whatever its rows (prefill
-  and training untouched), so a batch costs its longest response, as on a GPU.
+* ``floor`` -- an emulation of a memory-bound GPU decode: the same module gives every decode step
+  of the KV-cache decoder a floor of ``--floor-ms`` whatever its rows (prefill and training
+  untouched), so a batch costs its longest response, as on a GPU.
 
 Per mode: trained samples/s and generated tokens/s over the sum of the trainer's ``timing/step_s``
 (rollout or the wait for it, reward, experience, update and weight push; not start-up, warm-up or
@@ -39,6 +40,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from megatron_rl.testing.workload import job_env  # noqa: E402  (the repo, also when not installed)
 
 SAMPLES_PER_STEP = 16 * 8  # configs/grpo_cpu.yaml: trainer.prompts_per_step x rollout.n
 MODES = {
@@ -47,56 +51,11 @@ MODES = {
     "async": ["--nproc", "2", "rollout.ranks=1", "trainer.mode=async", "trainer.max_staleness=2"],
 }
 
-HOOK = '''
-"""Benchmark-only workload shaping, loaded by every process of the job (sitecustomize).
-
-Long tail: a response whose first token id is 2 mod 5 (two of the ten digits of the add_small
-answers) ignores EOS and runs to rollout.max_new_tokens.  Floor: with
-MEGATRON_RL_BENCH_DECODE_FLOOR_S set, every single-token decode step of the KV-cache decoder
-takes at least that long, whatever its rows (a memory-bound GPU decode)."""
-import os
-import time
-
-from megatron_rl.rollout import decoder as _decoder
-from megatron_rl.rollout import engine as _engine
-
-_stopped = _engine.stopped
-
-
-def _long_tail_stopped(response, params):
-    return _stopped(response, params) and response[0] % 5 != 2
-
-
-_engine.stopped = _long_tail_stopped
-
-_FLOOR = float(os.environ.get("MEGATRON_RL_BENCH_DECODE_FLOOR_S", "0"))
-if _FLOOR > 0:
-    _forward = _decoder.TorchDecoder.forward
-
-    def _floored(self, ids, *args, **kwargs):
-        start = time.perf_counter()
-        out = _forward(self, ids, *args, **kwargs)
-        if ids.shape[1] == 1:
-            left = _FLOOR - (time.perf_counter() - start)
-            if left > 0:
-                time.sleep(left)
-        return out
-
-    _decoder.TorchDecoder.forward = _floored
-'''
-
-
 def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work: str) -> dict:
     name = f"{mode}_{regime}_{seed}"
-    env = dict(os.environ)
+    env = job_env(long_tail=True, decode_floor_s=floor_s if regime == "floor" else 0.0)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], REPO])
     env.pop("MEGATRON_RL_FAULT", None)
-    hook_dir = os.path.join(work, "hook")
-    os.makedirs(hook_dir, exist_ok=True)
-    with open(os.path.join(hook_dir, "sitecustomize.py"), "w") as fh:
-        fh.write(HOOK)
-    env["PYTHONPATH"] = os.pathsep.join([hook_dir, REPO, env.get("PYTHONPATH", "")])
-    if regime == "floor":
-        env["MEGATRON_RL_BENCH_DECODE_FLOOR_S"] = str(floor_s)
     cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config",
            os.path.join(REPO, "configs", "grpo_cpu.yaml"), *MODES[mode], "rollout.max_new_tokens=32",
            f"trainer.steps={steps}", f"run.seed={seed}", f"run.dir={work}", f"run.name={name}", "trainer.plot=false"]

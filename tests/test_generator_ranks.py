@@ -76,6 +76,105 @@ def test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly(tmp_path
     assert [b["version"] for b in state["rollout_buffer"]] == [2, 4]
 
 
+def test_a_push_during_a_rollout_continues_it_with_the_new_weights():
+    """A push before token 3 (partial rollouts): tokens 0-2 are the old policy's (the same tokens
+    and log-probs as a rollout without the push), tokens 3-7 the new one's, and every token's
+    log-prob is what the version it records gives it after the whole sample so far (the running
+    samples' KV cache is recomputed with the new weights)."""
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.rollout.decoder import random_canonical
+    from megatron_rl.rollout.engine import TorchRolloutEngine
+    from megatron_rl.rollout.sampling import SamplingParams
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=50, params_dtype="float32", transformer_impl="local")
+    weights = {0: random_canonical(cfg, 0, std=0.2), 1: random_canonical(cfg, 1, std=0.2)}
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2)
+    prompts = [[5, 17, 3], [9, 2, 44, 30, 7]]
+
+    class PushBefore:
+        """Weights of version 1 arrive before token ``at`` is drawn."""
+
+        def __init__(self, engine, at: int):
+            self.engine, self.at, self.polls, self.version = engine, at, 0, 0
+
+        def poll(self) -> bool:
+            self.polls += 1
+            if self.polls != self.at + 1:
+                return False
+            self.engine.load_weights(weights[1])
+            self.version = 1
+            return True
+
+    engine = TorchRolloutEngine(cfg, "cpu", max_batch_size=8)
+    engine.load_weights(weights[0])
+    straight = engine.generate(prompts, params, seed=3)
+    engine.live_weights = PushBefore(engine, 3)
+    pushed = engine.generate(prompts, params, seed=3)
+    assert straight.token_versions is None
+    assert pushed.token_versions == [[0, 0, 0, 1, 1, 1, 1, 1]] * 4
+    for k in range(4):
+        assert pushed.response_ids[k][:3] == straight.response_ids[k][:3]
+        assert pushed.response_logprobs[k][:3] == straight.response_logprobs[k][:3]
+    scorers = {}
+    for version, state in weights.items():
+        scorers[version] = TorchRolloutEngine(cfg, "cpu")
+        scorers[version].load_weights(state)
+
+    def logprob(version: int, k: int, t: int) -> float:
+        prefix = pushed.prompt_ids[k] + pushed.response_ids[k][:t]
+        with torch.inference_mode():
+            logits = scorers[version]._prefill([prefix], 1)[0][0].float()
+        return float(torch.log_softmax(logits, -1)[pushed.response_ids[k][t]])
+
+    worst, moved = 0.0, 0.0
+    for k in range(4):
+        for t, version in enumerate(pushed.token_versions[k]):
+            worst = max(worst, abs(pushed.response_logprobs[k][t] - logprob(version, k, t)))
+            if version == 1:
+                moved = max(moved, abs(pushed.response_logprobs[k][t] - logprob(0, k, t)))
+    print(f"behaviour log-prob vs its version's: max {worst:.2g}; vs the old version after the push: {moved:.2g}")
+    assert worst < 1e-5
+    assert moved > 1e-2
+
+
+@pytest.mark.slow
+def test_partial_rollouts_mix_versions_within_the_bound_in_an_async_job(tmp_path):
+    """Decode slowed to 50 ms a token (the test's own workload shaping) so every push lands while
+    the generator is mid-batch: samples then hold tokens of two versions, each sample's staleness
+    (its oldest token's) stays within max_staleness, and its newer tokens make the token-mean
+    staleness lower than the sample maximum."""
+    from megatron_rl.testing.workload import job_env
+
+    proc = _train(tmp_path, "partial", 2, "trainer.mode=async", "trainer.max_staleness=1",
+                  "trainer.partial_rollouts=true", "rollout.ranks=1", "rollout.max_new_tokens=16", "trainer.steps=5",
+                  env=job_env(decode_floor_s=0.05))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "partial")
+    print("partial share per step:", [r["rollout/partial_frac"] for r in rows],
+          "token staleness:", [round(r["rollout/token_staleness_mean"], 3) for r in rows])
+    assert all(r["rollout/staleness_max"] <= 1 for r in rows)
+    mixed = [r for r in rows if r["rollout/partial_frac"] > 0]
+    assert len(mixed) >= 2, rows
+    assert all(r["rollout/token_staleness_mean"] < r["rollout/staleness_max"] for r in mixed)
+
+
+def test_two_training_ranks_and_a_tp2_generator_on_megatrons_engine(tmp_path):
+    """Both worlds with parallel groups of their own: data-parallel trainers, and generators that
+    split the model over TP2 with megatron's inference engine (each loading its TP shard from the
+    pushed copy).  The staleness follows the async schedule."""
+    proc = _train(tmp_path, "tp2", 4, "trainer.mode=async", "trainer.max_staleness=1", "trainer.steps=3",
+                  "rollout.ranks=2", "rollout.layout.tp=2", "rollout.engine=megatron")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layout: tp=1 pp=1 cp=1 dp=2" in proc.stdout
+    assert "generators: 2 rank(s), layout tp=2 pp=1 ep=1 dp=1, MegatronRolloutEngine" in proc.stdout
+    rows = read_metrics(tmp_path / "tp2")
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    assert all(0 < r["reward/mean"] <= 1 for r in rows)
+
+
 def test_a_dead_generator_rank_ends_the_job_with_its_name(tmp_path):
     proc = _train(tmp_path, "dies", 2, "trainer.mode=async", "trainer.steps=4", "rollout.ranks=1",
                   env={"MEGATRON_RL_FAULT": "kill@role=generator:rank=0:step=2"})

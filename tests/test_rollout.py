@@ -339,7 +339,8 @@ def test_engine_interface():
     with pytest.raises(ValueError):
         engine.generate([[]], SamplingParams(), seed=0)
     fields = {f.name for f in dataclasses.fields(RolloutBatch)}
-    assert fields == {"prompt_index", "prompt_ids", "response_ids", "response_logprobs", "finish_reason", "routing"}
+    assert fields == {"prompt_index", "prompt_ids", "response_ids", "response_logprobs", "finish_reason", "routing",
+                      "token_versions"}
 
 
 # -- TP-sharded engine -------------------------------------------------------------------------

@@ -433,6 +433,10 @@ class TrainerConfig:
                             ge=0)
     push_weights_every: int = _f(1, "trainer.mode=async: send the actor's weights to the generator ranks after "
                                     "every N updates.", ge=1)
+    partial_rollouts: bool = _f(False, "trainer.mode=async: a weight push reaches the requests in flight: their "
+                                       "samples go on with the new weights (KV cache recomputed), each token "
+                                       "recording the version that drew it; off = each request is generated whole "
+                                       "with the weights it started with.")
     save_every: int = _f(0, "Checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1).", ge=0)
     keep_last: int = _f(2, "Checkpoints kept.", ge=1)
     resume: str = _f("auto", "auto (latest checkpoint in the run dir), never, or a checkpoint path.")

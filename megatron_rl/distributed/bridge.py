@@ -81,6 +81,7 @@ class Bridge:
         self._sends: Optional[queue.Queue] = None
         self._sender: Optional[threading.Thread] = None
         self._send_error: list[BaseException] = []
+        self._peeked: Optional[tuple[int, dict]] = None  # generator: (index, message) looked at ahead
 
     # ---------------------------------------------------------------- trainer side
 
@@ -140,10 +141,21 @@ class Bridge:
 
     def next_message(self) -> dict:
         key = f"msg/{self.read}"
-        message = json.loads(wait_for_key(self.store, key))
+        peeked = self._peeked if self._peeked is not None and self._peeked[0] == self.read else None
+        message = peeked[1] if peeked is not None else json.loads(wait_for_key(self.store, key))
         self.store.delete_key(key)
         self.read += 1
         return message
+
+    def peek_message(self) -> Optional[dict]:
+        """The next message if the trainer has posted it, without taking it (read once, kept)."""
+        if self._peeked is not None and self._peeked[0] == self.read:
+            return self._peeked[1]
+        key = f"msg/{self.read}"
+        if not self.store.check([key]):
+            return None
+        self._peeked = (self.read, json.loads(self.store.get(key)))
+        return self._peeked[1]
 
     def receive_weights(self, message: dict) -> torch.Tensor:
         """The flat bytes of the push ``message`` announced (:func:`unflatten_weights` reads them)."""

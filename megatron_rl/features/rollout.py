@@ -223,6 +223,7 @@ FEATURES = [
         "and idle seconds of the generators, the trainer's wait, push bytes. Evaluation runs on the training ranks.",
         ("tests/test_generator_ranks.py::test_one_step_off_on_generator_ranks_trains_what_the_colocated_mode_trains",
          "tests/test_generator_ranks.py::test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly",
+         "tests/test_generator_ranks.py::test_two_training_ranks_and_a_tp2_generator_on_megatrons_engine",
          "tests/test_generator_ranks.py::test_a_dead_generator_rank_ends_the_job_with_its_name",
          "tests/test_generator_ranks.py::test_generator_ranks_refuse_what_they_cannot_run_before_launch",
          "tests/test_generator_ranks.py::test_grpo_learns_the_demo_task_in_async_mode"),
@@ -242,10 +243,31 @@ FEATURES = [
         config="rollout.ranks=1 trainer.mode=async",
     ),
     Feature(
-        "Partial rollouts (weights pushed into requests in flight)", "rollout", PLANNED,
-        "At a weight push, requests in flight continue with the new weights instead of finishing on the old ones, "
-        "each token recording the policy version that produced it; today a request is generated whole with the "
-        "weights it started with.",
+        "Partial rollouts (weights pushed into requests in flight)", "rollout", TESTED_CPU,
+        "trainer.partial_rollouts with trainer.mode=async: the generator looks for a weight push before every token; "
+        "when one has come, the samples in flight go on with the new weights (their KV cache recomputed, so every "
+        "later token is drawn from the new policy and its log-prob is that policy's) and each token records the "
+        "version that drew it; staleness per sample is its oldest token's, rollout/staleness_p50, "
+        "rollout/token_staleness_mean and rollout/partial_frac logged. On the KV-cache decoder (torch, tp_sharded) "
+        "with one generator replica.",
+        ("tests/test_generator_ranks.py::test_a_push_during_a_rollout_continues_it_with_the_new_weights",
+         "tests/test_generator_ranks.py::test_partial_rollouts_mix_versions_within_the_bound_in_an_async_job"),
+        constraints=(
+            need("trainer.partial_rollouts", lambda c, w: c.trainer.mode == ASYNC and c.rollout.ranks > 0,
+                 "partial rollouts change weights under requests in flight, which only trainer.mode=async with "
+                 "generator ranks has", "set trainer.mode=async and rollout.ranks, or trainer.partial_rollouts=false",
+                 "partial rollouts need async generator ranks", when=lambda c: c.trainer.partial_rollouts),
+            need("rollout.engine", lambda c, w: rollout_engine(c) != MEGATRON,
+                 "partial rollouts swap weights between two tokens of the KV-cache decoder; megatron's engine does "
+                 "not take new weights mid-request", "set rollout.engine=torch, or trainer.partial_rollouts=false",
+                 "partial rollouts on the KV-cache decoder", when=lambda c: c.trainer.partial_rollouts),
+            need("rollout.ranks", lambda c, w: c.rollout.ranks == _filled(c).tp * _filled(c).pp,
+                 "partial rollouts poll for weights before every token on every generator rank in step, which holds "
+                 "for one replica (rollout.ranks = rollout.layout tp x pp)",
+                 "set rollout.ranks to rollout.layout.tp x rollout.layout.pp, or trainer.partial_rollouts=false",
+                 "partial rollouts with one generator replica", when=lambda c: c.trainer.partial_rollouts),
+        ),
+        config="trainer.partial_rollouts=true",
     ),
     Feature(
         "Multi-turn rollouts with tools and environments", "rollout", PLANNED,

@@ -54,14 +54,17 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
     # The tag keeps the name it had when generators were the DP ranks: runs without CP sample
     # what they sampled before.
     local = engine.generate([prompt_ids[i] for i in share], params, seed=derive_seed(seed, "dp_rank", index))
+    versions = local.token_versions
     rows = [(share[local.prompt_index[k]], k, local.prompt_ids[k], local.response_ids[k],
-             local.response_logprobs[k], local.finish_reason[k]) for k in range(len(local))] if reports else []
+             local.response_logprobs[k], local.finish_reason[k], versions[k] if versions is not None else None)
+            for k in range(len(local))] if reports else []
     gathered = collectives.all_gather_object(rows)
     merged = sorted((row for rank_rows in gathered for row in rank_rows), key=lambda r: r[:2])
     return RolloutBatch(
         prompt_index=[r[0] for r in merged], prompt_ids=[list(r[2]) for r in merged],
         response_ids=[list(r[3]) for r in merged], response_logprobs=[list(r[4]) for r in merged],
         finish_reason=[r[5] for r in merged], routing=_gathered_routing(local, share, merged),
+        token_versions=[list(r[6]) for r in merged] if versions is not None else None,
     )
 
 

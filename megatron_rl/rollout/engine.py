@@ -35,7 +35,9 @@ class RolloutBatch:
     ``response_ids`` includes the stop token / stop sequence that ended a sample.
     ``response_logprobs[k][t]`` is the fp32 log-prob of ``response_ids[k][t]`` under the
     temperature-scaled full distribution (before top-k/top-p), the trainer's definition.
-    ``finish_reason`` is ``"stop"`` or ``"length"``.  ``routing`` (MoE routing replay, engines
+    ``finish_reason`` is ``"stop"`` or ``"length"``.  ``token_versions`` (partial rollouts): the
+    policy version whose weights sampled each response token; None when the weights cannot change
+    during a rollout.  ``routing`` (MoE routing replay, engines
     that record it): per sample, ``{layer_number: [tokens, topk] expert ids}`` for the MoE layers
     of this rank's pipeline stage, so it differs between stages; None when not recorded.
     """
@@ -46,17 +48,31 @@ class RolloutBatch:
     response_logprobs: list[list[float]]
     finish_reason: list[str]
     routing: Optional[list[dict]] = None
+    token_versions: Optional[list[list[int]]] = None
 
     def __post_init__(self):
         sizes = {len(self.prompt_index), len(self.prompt_ids), len(self.response_ids),
                  len(self.response_logprobs), len(self.finish_reason)}
-        if self.routing is not None:
-            sizes.add(len(self.routing))
+        for optional in (self.routing, self.token_versions):
+            if optional is not None:
+                sizes.add(len(optional))
         if len(sizes) != 1:
             raise ValueError(f"RolloutBatch fields have different lengths: {sorted(sizes)}")
 
     def __len__(self) -> int:
         return len(self.prompt_index)
+
+
+@runtime_checkable
+class LiveWeights(Protocol):
+    """Weights that may change while a rollout runs (partial rollouts): an engine that has one
+    calls :meth:`poll` before drawing each token."""
+
+    version: int  # the policy version of the weights the engine holds now
+
+    def poll(self) -> bool:
+        """Load newer weights into the engine if some arrived; True when it did (a collective of
+        the ranks that generate together)."""
 
 
 @runtime_checkable
@@ -103,6 +119,8 @@ class TorchRolloutEngine:
             model = TorchDecoder(model_cfg, dtype=dtype, tp=tp)
         self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
         self._loaded = False
+        # Partial rollouts: weights that can change between two tokens; None = fixed per rollout.
+        self.live_weights: Optional[LiveWeights] = None
 
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
         self._materialize()
@@ -148,34 +166,50 @@ class TorchRolloutEngine:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
         samples = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        responses, logprobs, reasons = [], [], []
+        responses, logprobs, reasons, versions = [], [], [], []
         for start in range(0, len(samples), self.max_batch_size):
             prompts = [p for _, p in samples[start : start + self.max_batch_size]]
-            r, lp, why = self._generate_batch(prompts, params, generator)
+            r, lp, why, v = self._generate_batch(prompts, params, generator)
             responses += r
             logprobs += lp
             reasons += why
+            versions += v
         return RolloutBatch(
             prompt_index=[i for i, _ in samples],
             prompt_ids=[p for _, p in samples],
             response_ids=responses,
             response_logprobs=logprobs,
             finish_reason=reasons,
+            token_versions=versions if self.live_weights is not None else None,
         )
+
+    def _prefill(self, sequences: list[list[int]], new_tokens: int):
+        """Logits of the next token of every sequence, the KV cache holding them with room for
+        ``new_tokens`` more, and the position of each next token."""
+        ids, mask, positions = (t.to(self.device) for t in left_pad(sequences))
+        cache = KVCache.for_model(self.model, ids.shape[0], ids.shape[1] + new_tokens)
+        logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
+        return logits, cache, mask.sum(1)
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator):
         dev = self.device
-        ids, mask, positions = (t.to(dev) for t in left_pad(prompts))
-        b, longest = ids.shape
-        cache = KVCache.for_model(self.model, b, longest + params.max_new_tokens)
-        logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
-        next_pos = mask.sum(1)
+        b = len(prompts)
+        logits, cache, next_pos = self._prefill(prompts, params.max_new_tokens)
 
         responses: list[list[int]] = [[] for _ in range(b)]
         logprobs: list[list[float]] = [[] for _ in range(b)]
+        versions: list[list[int]] = [[] for _ in range(b)]
         reasons = ["length"] * b
         rows = list(range(b))  # batch row -> sample; shrinks when finished rows are dropped
+        live = self.live_weights
         for step in range(params.max_new_tokens):
+            if live is not None and live.poll():
+                # Newer weights arrived: the running samples go on with them.  Their KV cache is
+                # recomputed with the new weights, so every later token is drawn from the new
+                # policy given the sample so far, and its log-prob is that policy's.
+                rows = [s for s in rows if reasons[s] != "stop"]
+                logits, cache, next_pos = self._prefill([prompts[s] + responses[s] for s in rows],
+                                                        params.max_new_tokens - step)
             tokens, token_logp = self.model.tp.first_rank_draw(*sample(logits, params, generator))
             running = []
             for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
@@ -183,6 +217,8 @@ class TorchRolloutEngine:
                     continue
                 responses[s].append(tok)
                 logprobs[s].append(lp)
+                if live is not None:
+                    versions[s].append(live.version)
                 if stopped(responses[s], params):
                     reasons[s] = "stop"
                 else:
@@ -201,7 +237,7 @@ class TorchRolloutEngine:
                 step_mask = step_mask.to(dev)
             logits = self.model(tokens[:, None], next_pos[:, None], cache, step_mask, last_only=True)[:, -1]
             next_pos = next_pos + 1
-        return responses, logprobs, reasons
+        return responses, logprobs, reasons, versions
 
 
 # name -> "module:class"; imported when built, so naming an engine (config validation) never

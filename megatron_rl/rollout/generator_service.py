@@ -43,7 +43,8 @@ def generator_layout(cfg: Config, generators: int) -> ParallelLayout:
 
 def rollout_to_json(rollout: RolloutBatch) -> dict:
     return {"prompt_index": rollout.prompt_index, "response_ids": rollout.response_ids,
-            "response_logprobs": rollout.response_logprobs, "finish_reason": rollout.finish_reason}
+            "response_logprobs": rollout.response_logprobs, "finish_reason": rollout.finish_reason,
+            "token_versions": rollout.token_versions}
 
 
 def rollout_from_json(data: dict, prompt_ids: list[list[int]]) -> RolloutBatch:
@@ -51,7 +52,37 @@ def rollout_from_json(data: dict, prompt_ids: list[list[int]]) -> RolloutBatch:
     return RolloutBatch(prompt_index=list(data["prompt_index"]),
                         prompt_ids=[list(prompt_ids[i]) for i in data["prompt_index"]],
                         response_ids=data["response_ids"], response_logprobs=data["response_logprobs"],
-                        finish_reason=data["finish_reason"])
+                        finish_reason=data["finish_reason"], token_versions=data.get("token_versions"))
+
+
+class PushedWeights:
+    """The weights the trainers push, loaded into the generators' shards and engine.
+
+    With ``trainer.partial_rollouts`` the engine calls :meth:`poll` before each token, so a push
+    reaches the requests in flight (every generator rank polls in step: validation keeps partial
+    rollouts to one replica, whose ranks run the same decode loop)."""
+
+    def __init__(self, bridge: Optional[Bridge], chunks: list, engine):
+        self.bridge, self.chunks, self.engine = bridge, chunks, engine
+        self.version: Optional[int] = None
+
+    def load(self, message: dict) -> None:
+        flat = self.bridge.receive_weights(message) if self.bridge is not None else None
+        load_canonical(self.chunks, _weights_on_every_generator(flat, message))
+        self.engine.load_from_chunks(self.chunks)
+        self.version = int(message["version"])
+
+    def poll(self) -> bool:
+        message = self.bridge.peek_message() if self.bridge is not None else None
+        pushed = message is not None and message["kind"] == WEIGHTS
+        if dist.get_world_size() > 1 and not collectives.agree_any(pushed):
+            return False
+        if dist.get_world_size() == 1 and not pushed:
+            return False
+        if self.bridge is not None:
+            self.bridge.next_message()
+        self.load(collectives.broadcast_object(message, src=0) if dist.get_world_size() > 1 else message)
+        return True
 
 
 def serve_generation(cfg: Config, log=print) -> None:
@@ -70,7 +101,10 @@ def serve_generation(cfg: Config, log=print) -> None:
     if rank0:
         log(f"generators: {dist.get_world_size()} rank(s), layout tp={layout.tp} pp={layout.pp} ep={layout.ep} "
             f"dp={layout.dp}, {type(engine).__name__}")
-    sampling, version = None, None
+    weights = PushedWeights(bridge, chunks, engine)
+    if cfg.trainer.partial_rollouts:
+        engine.live_weights = weights
+    sampling = None
     idle_since = time.perf_counter()
     while True:
         message = collectives.broadcast_object(bridge.next_message() if rank0 else None, src=0)
@@ -80,13 +114,10 @@ def serve_generation(cfg: Config, log=print) -> None:
         if kind == SETTINGS:
             sampling = SamplingParams(**message["sampling"])
         elif kind == WEIGHTS:
-            flat = bridge.receive_weights(message) if rank0 else None
-            load_canonical(chunks, _weights_on_every_generator(flat, message))
-            engine.load_from_chunks(chunks)
-            version = int(message["version"])
+            weights.load(message)
         elif kind == REQUEST:
             faults.maybe_inject(int(message["step"]), role=GENERATOR)
-            start = time.perf_counter()
+            start, version = time.perf_counter(), weights.version
             rollout = generate_data_parallel(engine, message["prompt_ids"], sampling, seed=int(message["seed"]))
             done = time.perf_counter()
             if rank0:
@@ -104,10 +135,5 @@ def serve_generation(cfg: Config, log=print) -> None:
 
 def _weights_on_every_generator(flat: Optional[torch.Tensor], message: dict) -> dict[str, torch.Tensor]:
     """Generator rank 0's received bytes, on every generator rank, as canonical tensors."""
-    if dist.get_world_size() > 1:
-        device = collectives.group_device()
-        buffer = flat.to(device) if flat is not None else torch.empty(int(message["bytes"]), dtype=torch.uint8,
-                                                                      device=device)
-        dist.broadcast(buffer, 0)
-        flat = buffer.cpu()
+    flat = collectives.broadcast_host_tensor(flat, 0, int(message["bytes"]), torch.uint8)
     return unflatten_weights(message["manifest"], flat)

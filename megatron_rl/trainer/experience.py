@@ -36,6 +36,9 @@ class Samples:
     # MoE routing the rollout engine recorded (this rank's pipeline stage), one entry per
     # sample; empty when none was recorded.
     routing: list = dataclasses.field(default_factory=list)
+    # Partial rollouts: the policy version that sampled each response token; empty when a batch
+    # was generated whole with the weights it started with.
+    token_versions: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch, dataset_index: list[int]) -> "Samples":
@@ -45,6 +48,7 @@ class Samples:
             prompt_ids=rollout.prompt_ids, response_ids=rollout.response_ids,
             rollout_logprob=rollout.response_logprobs, finish_reason=rollout.finish_reason,
             routing=list(rollout.routing) if rollout.routing is not None else [],
+            token_versions=list(rollout.token_versions) if rollout.token_versions is not None else [],
         )
 
     def __len__(self) -> int:
@@ -59,6 +63,7 @@ class Samples:
             response_ids=[self.response_ids[i] for i in rows], rollout_logprob=[self.rollout_logprob[i] for i in rows],
             finish_reason=[self.finish_reason[i] for i in rows],
             routing=[self.routing[i] for i in rows] if self.routing else [],
+            token_versions=[self.token_versions[i] for i in rows] if self.token_versions else [],
         )
 
     def groups(self) -> dict[int, list[int]]:

@@ -398,7 +398,8 @@ class PPOTrainer:
             return grade(samples)
 
         metrics: dict = {}
-        version = generated_by = step - 1  # RL updates the weights generating now have seen
+        version = step - 1  # RL updates the weights generating now have seen
+        current: Optional[GeneratedBatch] = None  # a batch generated ahead (else generated now, by these weights)
         one_step_off = self.cfg.trainer.mode == ONE_STEP_OFF
         if self.remote is not None:
             with timed("rollout_wait", timings):
@@ -407,20 +408,18 @@ class PPOTrainer:
                     current, remote_metrics = self.remote.take(step)
                     metrics.update(remote_metrics)
             samples, scores, _ = grade(current.samples)
-            generated_by = current.version
         elif one_step_off or self.buffer:  # (a sync run resumed with batches generated ahead: those first)
             with timed("rollout", timings):
                 current = self.buffer.pop(step, None) or self._generate(step, version)
                 if one_step_off and step < self.cfg.trainer.steps and step + 1 not in self.buffer:
                     self.buffer[step + 1] = self._generate(step + 1, version)
             samples, scores, _ = grade(current.samples)
-            generated_by = current.version
         elif alg.dynamic_sampling:
             filled = fill_batch(draw, self.cfg.trainer.prompts_per_step, alg.dynamic_sampling_max_rounds)
             samples, scores, metrics = filled.samples, filled.scores, dict(filled.metrics)
         else:
             samples, scores, _ = draw(0)
-        metrics.update(staleness_metrics(version, generated_by))
+        metrics.update(staleness_metrics(version, current))
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
         metrics["reward/timeouts"] = timed_out[0]

@@ -13,6 +13,9 @@ generated with the last weights posted before its request, and staleness is fixe
 updates, exactly the batches and seeds of the colocated mode), ``async`` (``trainer.max_staleness``
 and ``trainer.push_weights_every``: generators keep up to that many batches ahead).  While the
 trainers update, the generators generate what was requested: that overlap is the mode's gain.
+With ``trainer.partial_rollouts`` a push also reaches the batch being generated: its later tokens
+come from the newer weights, each recording its version, so a sample's staleness is its oldest
+token's and stays within the same bound.
 
 Prompts are drawn by the trainers (the sampler is theirs and in every checkpoint); a checkpoint
 first takes every requested batch from the generators, so it holds each batch generated and not yet
@@ -86,8 +89,10 @@ class RemoteRollout:
             self.next_request += 1
 
     def after_update(self, step: int, chunks: list) -> None:
-        """The actor has ``step`` updates: push them when due (and while batches remain to request)."""
-        if step % self.push_every == 0 and self.next_request <= self.cfg.trainer.steps:
+        """The actor has ``step`` updates: push them when due and of use -- while batches remain to
+        request, or (partial rollouts) while requested ones may still be generating."""
+        useful = self.next_request <= self.cfg.trainer.steps or (self.cfg.trainer.partial_rollouts and self.requested)
+        if step % self.push_every == 0 and useful:
             self.push(step, chunks)
 
     def take(self, step: int) -> tuple[GeneratedBatch, dict]:

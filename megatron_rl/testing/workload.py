@@ -1,0 +1,66 @@
+"""Workload shaping for benchmarks and tests that run whole jobs: patches every process of the
+job applies at start-up (``PYTHONPATH`` starting with :data:`SITE_DIR`, whose ``sitecustomize``
+calls :func:`shape_from_env`).  Never imported by a training run.
+
+- ``MEGATRON_RL_LONG_TAIL=1``: a response whose first token id is 2 mod 5 (two of the ten digits
+  the add_small answers start with) ignores EOS and runs to ``rollout.max_new_tokens``: most
+  responses stop after the answer, about a tenth run to the maximum.
+- ``MEGATRON_RL_DECODE_FLOOR_S=x``: every single-token decode step of the KV-cache decoder takes
+  at least ``x`` seconds whatever its rows -- an emulation of a memory-bound GPU decode, where a
+  batch costs its longest response.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+LONG_TAIL_ENV, DECODE_FLOOR_ENV = "MEGATRON_RL_LONG_TAIL", "MEGATRON_RL_DECODE_FLOOR_S"
+
+
+def job_env(long_tail: bool = False, decode_floor_s: float = 0.0, base: dict | None = None) -> dict:
+    """An environment for a job whose every process applies the shaping asked for."""
+    env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE_DIR, env.get("PYTHONPATH", "")) if p)
+    if long_tail:
+        env[LONG_TAIL_ENV] = "1"
+    if decode_floor_s:
+        env[DECODE_FLOOR_ENV] = str(decode_floor_s)
+    return env
+
+
+def shape_from_env() -> None:
+    if os.environ.get(LONG_TAIL_ENV):
+        install_long_tail()
+    floor = float(os.environ.get(DECODE_FLOOR_ENV, "0") or 0)
+    if floor > 0:
+        install_decode_floor(floor)
+
+
+def install_long_tail() -> None:
+    from megatron_rl.rollout import engine
+
+    stopped = engine.stopped
+
+    def long_tail_stopped(response, params):
+        return stopped(response, params) and response[0] % 5 != 2
+
+    engine.stopped = long_tail_stopped
+
+
+def install_decode_floor(seconds: float) -> None:
+    from megatron_rl.rollout import decoder
+
+    forward = decoder.TorchDecoder.forward
+
+    def floored(self, ids, *args, **kwargs):
+        start = time.perf_counter()
+        out = forward(self, ids, *args, **kwargs)
+        if ids.shape[1] == 1:
+            left = seconds - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+        return out
+
+    decoder.TorchDecoder.forward = floored
