@@ -1,6 +1,6 @@
 """Trained samples per second of ``sync`` on 2 colocated ranks against ``one_step_off`` and
-``async`` with 1 generator rank and 1 training rank (``rollout.ranks=1``), same model, prompts,
-samples and steps.
+``async`` (with and without partial rollouts) on 1 generator rank and 1 training rank
+(``rollout.ranks=1``), same model, prompts, samples and steps.
 
     python benchmarks/async_throughput.py                      # both regimes, about 10 min on 2 cores
     python benchmarks/async_throughput.py --regimes floor --steps 12
@@ -49,6 +49,8 @@ MODES = {
     "sync": ["--nproc", "2"],
     "one_step_off": ["--nproc", "2", "rollout.ranks=1", "trainer.mode=one_step_off"],
     "async": ["--nproc", "2", "rollout.ranks=1", "trainer.mode=async", "trainer.max_staleness=2"],
+    "async_partial": ["--nproc", "2", "rollout.ranks=1", "trainer.mode=async", "trainer.max_staleness=2",
+                      "trainer.partial_rollouts=true"],
 }
 
 def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work: str) -> dict:
@@ -82,6 +84,8 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
         "length_mean": statistics.mean(r["response_length/mean"] for r in rows),
         "stopped_frac": statistics.mean(r["response_length/stopped_frac"] for r in rows),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),
+        "token_staleness": statistics.mean(r.get("rollout/token_staleness_mean", r.get("rollout/staleness_max", 0))
+                                           for r in rows),
     }
 
 
@@ -110,8 +114,8 @@ def main() -> None:
     print(f"\n{args.steps} steps of 16 prompts x 8 samples, rollout.max_new_tokens=32; "
           f"floor regime: {args.floor_ms:g} ms per decode step (an emulation of a memory-bound GPU decode)")
     print("| regime | mode | ranks | trained samples/s | vs sync | generated tokens/s | trainer idle | "
-          "generator idle | max staleness | reward (last 5) | mean length | stopped |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "generator idle | max staleness | token staleness | reward (last 5) | mean length | stopped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for regime in args.regimes.split(","):
         base = next(r for r in results if r["regime"] == regime and r["mode"] == "sync" and r["seed"] == 1234)
         for r in (r for r in results if r["regime"] == regime):
@@ -119,6 +123,7 @@ def main() -> None:
             print(f"| {regime} | {r['mode']} (seed {r['seed']}) | {ranks} | {r['samples_per_s']:.1f} | "
                   f"{r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['tokens_per_s']:.0f} | "
                   f"{_percent(r['trainer_idle'])} | {_percent(r['generator_idle'])} | {r['staleness_max']} | "
+                  f"{r['token_staleness']:.2f} | "
                   f"{r['reward_last5']:.3f} | {r['length_mean']:.1f} | {100 * r['stopped_frac']:.0f}% |")
     if args.json:
         with open(args.json, "w") as fh:
