@@ -175,6 +175,42 @@ def test_two_training_ranks_and_a_tp2_generator_on_megatrons_engine(tmp_path):
     assert all(0 < r["reward/mean"] <= 1 for r in rows)
 
 
+def test_generator_ranks_under_torchrun_share_the_agents_store(tmp_path):
+    """Under torchrun (as the sbatch script runs it) the agent serves the store at MASTER_PORT:
+    every rank joins it as a client, none tries to serve a second one on the same port."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
+                           "--nproc-per-node", "2", "-m", "megatron_rl.tools.cli", "train", *TINY,
+                           "rollout.ranks=1", "trainer.mode=async", "trainer.steps=2", f"run.dir={tmp_path}",
+                           "run.name=torchrun"], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generators: 1 rank(s)" in proc.stdout
+    assert "failed to bind" not in proc.stderr, proc.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "torchrun")] == [1, 2]
+
+
+def test_sigterm_checkpoints_the_generated_batches_and_exits_0(tmp_path):
+    """A stop signal reaches every rank: the generators keep serving, the trainers finish the
+    step, take every requested batch into the checkpoint, stop the generators and exit 0; the
+    resumed job trains those batches and logs each step once, staleness within the bound."""
+    common = ("trainer.mode=async", "trainer.max_staleness=2", "trainer.steps=4", "rollout.ranks=1")
+    stopped = _train(tmp_path, "stopped", 2, *common, env={"MEGATRON_RL_FAULT": "sigterm@rank=0:step=2"})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "checkpoint after step 2" in stopped.stdout
+    from megatron_rl.engine.checkpoint import load_trainer_state
+
+    state = load_trainer_state(str(tmp_path / "stopped" / "checkpoints" / "step_00000002"))
+    assert [b["step"] for b in state["rollout_buffer"]] == [3, 4]
+    resumed = _train(tmp_path, "stopped", 2, *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = read_metrics(tmp_path / "stopped")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2]
+
+
 def test_a_dead_generator_rank_ends_the_job_with_its_name(tmp_path):
     proc = _train(tmp_path, "dies", 2, "trainer.mode=async", "trainer.steps=4", "rollout.ranks=1",
                   env={"MEGATRON_RL_FAULT": "kill@role=generator:rank=0:step=2"})

@@ -247,3 +247,22 @@ def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
     with open(os.path.join(ckpts, f"step_{PPO_STEPS:08d}", "meta.json")) as fh:
         meta = json.load(fh)
     assert (meta["step"], meta["complete"], meta["world_size"]) == (PPO_STEPS, True, 2), meta
+
+
+def test_a_job_with_generator_ranks_runs_under_the_script(slurm, tmp_path):
+    """rollout.ranks under sbatch + torchrun: the preflight validates the split for the job's
+    world (3 ranks: 2 train, 1 generates), the ranks meet in torchrun's store, the async job ends
+    COMPLETED with every step logged once."""
+    overrides = [*TINY, "trainer.steps=3", "rollout.ranks=1", "trainer.mode=async", "distributed.device=cpu",
+                 "distributed.backend=gloo"]
+    knobs = _knobs(tmp_path, COMMAND="train", CONFIG="", NPROC_PER_NODE="3", RUN_NAME="gen",
+                   OVERRIDES=" ".join(overrides))
+    job = slurm.sbatch(SCRIPT, f"--output={tmp_path}/slurm-%j.out", env=knobs, cwd=REPO)
+    state, code = slurm.wait(job, timeout=JOB_TIMEOUT)
+    log = _read(run_log_path(os.path.join(tmp_path, "gen"), job))
+    assert (state, code) == ("COMPLETED", 0), _job_output(tmp_path, job, "gen")
+    assert "layout: tp=1 pp=1 cp=1 dp=2" in log and "generators: 1 rank(s)" in log, log
+    with open(os.path.join(tmp_path, "gen", "metrics.jsonl")) as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2]

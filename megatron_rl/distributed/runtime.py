@@ -140,8 +140,12 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
     if launch.launcher == SINGLE:
         init = {"store": dist.HashStore()}
     elif where.separate:
-        _JOB_STORE = dist.TCPStore(launch.master_addr, launch.master_port, is_master=launch.rank == 0,
-                                   timeout=timeout, wait_for_workers=False)
+        # Under torchrun the agent already serves a store at MASTER_PORT (as torch's env:// init does,
+        # every worker is then a client); else rank 0 serves it.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        serves = launch.rank == 0 and not agent_store
+        _JOB_STORE = dist.TCPStore(launch.master_addr, launch.master_port, is_master=serves, timeout=timeout,
+                                   wait_for_workers=False, multi_tenant=True)
         init = {"store": dist.PrefixStore(where.role, _JOB_STORE)}
     else:
         init = {"init_method": f"tcp://{launch.master_addr}:{launch.master_port}"}
