@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import queue
 import threading
 import time
@@ -58,10 +59,7 @@ def unflatten_weights(manifest: list, flat: torch.Tensor) -> dict[str, torch.Ten
     out, offset = {}, 0
     for name, shape, dtype in manifest:
         dt = getattr(torch, dtype)
-        count = 1
-        for d in shape:
-            count *= d
-        nbytes = count * torch.empty((), dtype=dt).element_size()
+        nbytes = math.prod(shape) * dt.itemsize
         out[name] = flat[offset:offset + nbytes].view(dt).reshape(shape)
         offset += nbytes
     return out
@@ -72,7 +70,6 @@ class Bridge:
 
     def __init__(self, store, side: str, timeout_s: float):
         self.store = dist.PrefixStore("bridge", store)
-        self.side = side
         self.posted = 0  # trainer: messages posted
         self.read = 0  # generator: messages read
         # Rank 0 of the pair sends weights; built on both sides before anything else.
@@ -123,9 +120,6 @@ class Bridge:
         value = json.loads(wait_for_key(self.store, key))
         self.store.delete_key(key)
         return value
-
-    def result_ready(self, step: int) -> bool:
-        return self.store.check([f"result/{step}"])
 
     def close(self) -> None:
         """Tell the generators to stop, wait until every push is delivered and they have stopped

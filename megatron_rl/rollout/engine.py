@@ -16,13 +16,14 @@ steps do not pay for them.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from megatron_rl.config.schema import ModelConfig
+from megatron_rl.config.schema import ModelConfig, RolloutLayoutConfig
 from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.rollout.decoder import WHOLE_MODEL, KVCache, TensorParallel, TorchDecoder, left_pad
 from megatron_rl.rollout.sampling import SamplingParams, sample
@@ -260,6 +261,13 @@ def engine_class(name: str) -> type:
 def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
     """Build the engine registered as ``name`` (e.g. ``make_engine("torch", model_cfg, device)``)."""
     return engine_class(name)(*args, **kwargs)
+
+
+def on_active_layout(rollout):
+    """``rollout`` (a RolloutConfig) with ``rollout.layout`` unset: an engine built from it generates
+    on the layout of this process's world.  With generator ranks of their own, ``rollout.layout``
+    is the generators' world's layout, so both worlds build their engines this way."""
+    return dataclasses.replace(rollout, layout=RolloutLayoutConfig())
 
 
 def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing: bool = False) -> RolloutEngine:

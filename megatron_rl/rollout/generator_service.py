@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config.schema import Config, RolloutLayoutConfig
+from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives, faults
 from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge, unflatten_weights
 from megatron_rl.distributed.placement import GENERATOR
@@ -28,7 +28,7 @@ from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel,
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import load_canonical
 from megatron_rl.rollout.dp import generate_data_parallel
-from megatron_rl.rollout.engine import RolloutBatch, make_rollout_engine
+from megatron_rl.rollout.engine import RolloutBatch, make_rollout_engine, on_active_layout
 from megatron_rl.rollout.sampling import SamplingParams
 
 
@@ -74,14 +74,11 @@ class PushedWeights:
 
     def poll(self) -> bool:
         message = self.bridge.peek_message() if self.bridge is not None else None
-        pushed = message is not None and message["kind"] == WEIGHTS
-        if dist.get_world_size() > 1 and not collectives.agree_any(pushed):
-            return False
-        if dist.get_world_size() == 1 and not pushed:
+        if not collectives.agree_any(message is not None and message["kind"] == WEIGHTS):
             return False
         if self.bridge is not None:
             self.bridge.next_message()
-        self.load(collectives.broadcast_object(message, src=0) if dist.get_world_size() > 1 else message)
+        self.load(collectives.broadcast_object(message, src=0))
         return True
 
 
@@ -95,8 +92,7 @@ def serve_generation(cfg: Config, log=print) -> None:
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
     chunks = build_gpt_chunks(cfg.model, layout, device)
-    rollout_cfg = dataclasses.replace(cfg.rollout, layout=RolloutLayoutConfig())  # its own layout: in place
-    engine = make_rollout_engine(rollout_cfg, cfg.model, device)
+    engine = make_rollout_engine(on_active_layout(cfg.rollout), cfg.model, device)
     bridge = Bridge(job_store(), "generator", cfg.distributed.timeout_s) if rank0 else None
     if rank0:
         log(f"generators: {dist.get_world_size()} rank(s), layout tp={layout.tp} pp={layout.pp} ep={layout.ep} "

@@ -39,7 +39,7 @@ from megatron_rl.algorithms.rollout_correction import correction_weights
 from megatron_rl.algorithms.shaping import overlong_penalty
 from megatron_rl.config.choices import ONE_STEP_OFF
 from megatron_rl.config.model_io import model_config_to_dict
-from megatron_rl.config.schema import Config, RolloutLayoutConfig
+from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, PromptSet
 from megatron_rl.data.sources import load_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
@@ -62,7 +62,7 @@ from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
 from megatron_rl.rollout.dp import generate_data_parallel
-from megatron_rl.rollout.engine import make_rollout_engine
+from megatron_rl.rollout.engine import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.evaluation import Evaluator
@@ -177,7 +177,7 @@ class PPOTrainer:
                  f"hidden {cfg.model.hidden_size}); built {built}")
         # With generator ranks of their own, rollout.layout is theirs; the trainers' engine (evaluation)
         # generates on the training layout.
-        own = cfg.rollout if not cfg.rollout.ranks else dataclasses.replace(cfg.rollout, layout=RolloutLayoutConfig())
+        own = on_active_layout(cfg.rollout) if cfg.rollout.ranks else cfg.rollout
         self.engine = make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
                                    lambda: (self._phase("actor"), self.engine.load_from_chunks(self.actor.chunks)),
@@ -186,7 +186,7 @@ class PPOTrainer:
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
         if cfg.rollout.ranks:
-            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling, self.log)
+            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling)
         # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
         self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 

@@ -52,8 +52,8 @@ def staleness_plan(cfg: Config) -> tuple[int, int]:
 
 
 class RemoteRollout:
-    def __init__(self, cfg: Config, sampler, prompt_ids: list[list[int]], sampling: SamplingParams, log=print):
-        self.cfg, self.sampler, self.prompt_ids, self.sampling, self.log = cfg, sampler, prompt_ids, sampling, log
+    def __init__(self, cfg: Config, sampler, prompt_ids: list[list[int]], sampling: SamplingParams):
+        self.cfg, self.sampler, self.prompt_ids, self.sampling = cfg, sampler, prompt_ids, sampling
         self.bound, self.push_every = staleness_plan(cfg)
         self.rank0 = dist.get_rank() == 0
         self.bridge = Bridge(job_store(), "trainer", cfg.distributed.timeout_s) if self.rank0 else None
@@ -100,15 +100,17 @@ class RemoteRollout:
         generation cost on their side."""
         batch = self.requested.pop(step)
         start = time.perf_counter()
-        result = self.bridge.take_result(step) if self.rank0 else None
-        waited = time.perf_counter() - start
+        result = None
+        if self.rank0:
+            result = self.bridge.take_result(step)
+            result["trainer_wait_s"] = time.perf_counter() - start
         result = collectives.broadcast_object(result, src=0)
         rollout = rollout_from_json(result["rollout"], [self.prompt_ids[i] for i in batch])
         samples = Samples.from_rollout(rollout, batch)
         tokens = sum(len(r) for r in samples.response_ids)
         metrics = {"rollout/generate_s": result["generate_s"], "rollout/generator_idle_s": result["idle_s"],
                    "rollout/generator_tokens_per_s": tokens / max(result["generate_s"], 1e-9),
-                   "rollout/trainer_wait_s": collectives.broadcast_object(waited, src=0),
+                   "rollout/trainer_wait_s": result["trainer_wait_s"],
                    "rollout/weight_push_bytes": self.push_bytes}
         return GeneratedBatch(samples, int(result["version"])), metrics
 
