@@ -158,11 +158,26 @@ def _old_logprobs(cfg: Config, world: Optional[int], job: Job):
     return resolve_old_logprob_source(cfg.algorithm), AUTO_ORIGIN, why
 
 
+def trajectory_token_limit(cfg: Config) -> int:
+    """A multi-turn trajectory's most tokens: ``rollout.max_trajectory_tokens``, or room for the
+    longest prompt and ``rollout.max_turns`` full turns."""
+    r = cfg.rollout
+    return r.max_trajectory_tokens or cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
+
+
 def max_sequence_length(cfg: Config, job: Job = Job()) -> int:
-    """The longest prompt + response a run can make."""
+    """The longest prompt + response a run can make (a whole trajectory with an environment)."""
     if job.max_seq_len is not None:
         return job.max_seq_len
+    if cfg.rollout.env:
+        return trajectory_token_limit(cfg)
     return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+
+
+def _max_trajectory_tokens(cfg: Config, world: Optional[int], job: Job):
+    if not cfg.rollout.env or cfg.rollout.max_trajectory_tokens is not None:
+        return cfg.rollout.max_trajectory_tokens, SET, ""
+    return trajectory_token_limit(cfg), DERIVED, "data.max_prompt_tokens + rollout.max_turns x rollout.max_new_tokens"
 
 
 def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
@@ -237,6 +252,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("rollout.engine", _rollout_engine),
     ("rollout.layout", _rollout_layout),
     ("algorithm.old_logprobs", _old_logprobs),
+    ("rollout.max_trajectory_tokens", _max_trajectory_tokens),
     ("rollout.max_batch_size", _rollout_batch),
     ("batch.token_budget", _token_budget),
     ("eval.max_new_tokens", _eval_max_new_tokens),

@@ -53,6 +53,11 @@ ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
 ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON = "torch", "tp_sharded", "megatron"
 ROLLOUT_ENGINES = (AUTO, ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON)
 
+# rollout.on_limit: what a multi-turn trajectory that hit rollout.max_turns or
+# rollout.max_trajectory_tokens scores: graded as it stands, or 0.
+ON_LIMIT_GRADE, ON_LIMIT_ZERO = "grade", "zero"
+ON_LIMIT = (ON_LIMIT_GRADE, ON_LIMIT_ZERO)
+
 # --- rewards
 REWARD_CONVENTIONS = (AUTO, "batch", "verl")  # how reward.fn is called (megatron_rl/rewards/conventions.py)
 

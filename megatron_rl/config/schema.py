@@ -32,6 +32,7 @@ from megatron_rl.config.choices import (
     MOE_SCORE_FUNCTIONS,
     NORMALIZATIONS,
     OLD_LOGPROB_SOURCES,
+    ON_LIMIT,
     PARAMS_DTYPES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
@@ -302,6 +303,23 @@ class RolloutConfig:
                        "the others train, and trainer.mode says how far generation runs ahead of the updates; "
                        "0 = every rank trains and generates, one after the other (docs/rollout.md, Generator ranks).",
                     ge=0)
+    env: str = _f("", "Multi-turn environment: a built-in name (tool_calling) or 'package.module:Class'; each "
+                      "trajectory alternates policy turns and the environment's observations, trained "
+                      "token-in-token-out with the loss on the policy's tokens only; '' = single-turn prompt -> "
+                      "response (docs/environments.md).")
+    env_kwargs: dict = _f({}, "Keyword arguments for the environment class (e.g. tools: [calculator]).")
+    max_turns: int = _f(4, "Most policy turns of a multi-turn trajectory (each up to rollout.max_new_tokens).", ge=1)
+    max_trajectory_tokens: Optional[int] = _f(
+        None, "Most tokens of a multi-turn trajectory: prompt + every turn and observation (the sequence length the "
+              "planner and token budgets use); null = data.max_prompt_tokens + rollout.max_turns x "
+              "rollout.max_new_tokens.", ge=2)
+    tool_timeout_s: float = _f(5.0, "Seconds one tool call may run (in a sandboxed worker process without network); "
+                                    "past it the call is killed and answered with an error observation, counted in "
+                                    "env/tool_timeouts.  Handed to environments whose constructor takes timeout_s.",
+                               gt=0)
+    on_limit: Literal[ON_LIMIT] = _f("grade", "A trajectory that hit rollout.max_turns or "
+                                              "rollout.max_trajectory_tokens: graded as it stands (grade) or "
+                                              "scored 0 (zero); counted either way.")
 
 
 @dataclass

@@ -11,9 +11,18 @@ AREA = "models"
 
 
 def _position_limit(cfg) -> tuple | None:
-    """``data.max_prompt_tokens + rollout.max_new_tokens`` past the model's positions: the error."""
+    """``data.max_prompt_tokens + rollout.max_new_tokens`` (a multi-turn trajectory's
+    ``rollout.max_trajectory_tokens``, resolved) past the model's positions: the error."""
     model, longest = cfg.model, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     limit = max_positions(model)
+    trajectory = cfg.rollout.max_trajectory_tokens if cfg.rollout.env else None
+    if trajectory is not None:
+        if trajectory <= limit:
+            return None
+        return ("rollout.max_trajectory_tokens", trajectory,
+                f"multi-turn trajectories of {trajectory} tokens exceed the model's {limit} positions",
+                f"set rollout.max_trajectory_tokens <= {limit}, or lower rollout.max_turns / rollout.max_new_tokens, "
+                "or extend the positions (model.rope_scaling, docs/long_context.md)")
     if longest <= limit:
         return None
     rs = model.rope_scaling

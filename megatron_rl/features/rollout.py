@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _old_logprob_source, need
+from megatron_rl.features.base import TESTED_CPU, Feature, Measured, _old_logprob_source, need
 from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
@@ -271,10 +271,5 @@ FEATURES = [
                  "partial rollouts with one generator replica", when=lambda c: c.trainer.partial_rollouts),
         ),
         config="trainer.partial_rollouts=true",
-    ),
-    Feature(
-        "Multi-turn rollouts with tools and environments", "rollout", PLANNED,
-        "Token-in-token-out trajectories over several turns, tool calls and environment feedback masked out of the "
-        "loss; today a rollout is one response per prompt.",
     ),
 ]

@@ -64,9 +64,11 @@ _LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()
 
 
 class Worker:
-    """One grading child process, started on first use and replaced after a timeout."""
+    """One grading child process, started on first use and replaced after a timeout.  With a
+    ``sandbox`` directory it runs there without network (tools, :mod:`megatron_rl.rewards.worker`)."""
 
-    def __init__(self):
+    def __init__(self, sandbox: Optional[str] = None):
+        self.sandbox = sandbox
         self.proc: Optional[subprocess.Popen] = None
         self.owner = os.getpid()
         _LIVE.add(self)
@@ -85,6 +87,8 @@ class Worker:
         self.outbox = Connection(parent_write, readable=False)
         self._finalizer = weakref.finalize(self, _kill, self.proc)
         self.outbox.send(("path", list(sys.path)))
+        if self.sandbox is not None:
+            self.outbox.send(("sandbox", self.sandbox))
 
     def stop(self) -> None:
         if self.proc is not None and os.getpid() == self.owner:
@@ -107,17 +111,19 @@ class Worker:
             self.stop()
             raise GraderError(f"grading worker exited (code {code}) on sample {index}") from None
 
-    def grade(self, spec: str, items: Sequence[tuple], kwargs: dict, timeout_s: float) -> tuple[list[float], list[int]]:
-        """Scores of ``items`` and the indices that ran past ``timeout_s`` (scored 0)."""
+    def grade(self, spec: str, items: Sequence[tuple], kwargs: dict, timeout_s: float,
+              result: str = "float") -> tuple[list, list[int]]:
+        """Scores of ``items`` and the indices that ran past ``timeout_s`` (scored 0); with
+        ``result="text"`` the function's return values as strings (None where it ran late)."""
         if os.getpid() != self.owner:  # forked: the child process belongs to the parent
             self.proc, self.owner = None, os.getpid()
-        scores: list[float] = [0.0] * len(items)
+        scores: list = [0.0 if result == "float" else None] * len(items)
         timed_out: list[int] = []
         done = 0
         while done < len(items):
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
-            self.outbox.send(("grade", spec, kwargs, list(items[done:])))
+            self.outbox.send(("grade", spec, kwargs, list(items[done:]), result))
             if not self._wait(STARTUP_TIMEOUT_S):
                 self.stop()
                 raise GraderError(f"grading worker did not load {spec} within {STARTUP_TIMEOUT_S:.0f} s")

@@ -1,15 +1,24 @@
-"""The grading child process of :mod:`megatron_rl.rewards.bounded`.
+"""The child process of :mod:`megatron_rl.rewards.bounded`: graders, and the tools of multi-turn
+environments (:mod:`megatron_rl.envs.tools`).
 
-Reads ``("path", sys_path)`` and ``("grade", spec, kwargs, items)`` messages; for a batch it
-imports the grader (and calls its ``prepare`` attribute, if any), answers ``("ready",)`` (or
-``("error", why)``), then sends one ``("score", i, ok, value)`` per item.  The parent kills it when
-an item overruns; it exits by itself when the parent's end of the pipe closes.
+Reads ``("path", sys_path)``, ``("sandbox", directory)`` and ``("grade", spec, kwargs, items,
+result)`` messages; for a batch it imports the function (and calls its ``prepare`` attribute, if
+any), answers ``("ready",)`` (or ``("error", why)``), then sends one ``("score", i, ok, value)`` per
+item, the value a float (``result="float"``, graders) or a string (``"text"``, tools).  The parent
+kills it when an item overruns; it exits by itself when the parent's end of the pipe closes.
+
+``sandbox`` (tools): the process works in ``directory`` (its only writable place by convention:
+``HOME`` and ``TMPDIR`` point there) and every socket call raises, so a tool cannot reach the
+network.  It is a Python-level fence for the built-in tools and well-behaved user tools, not an
+operating-system sandbox: code that means harm can undo it.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import signal
+import socket
 import sys
 from multiprocessing.connection import Connection
 
@@ -20,6 +29,23 @@ def _resolve(spec: str):
     for attr in qualname.split("."):
         obj = getattr(obj, attr)
     return obj
+
+
+def _no_network(*args, **kwargs):
+    raise PermissionError("tools run without network access")
+
+
+def enter_sandbox(directory: str) -> None:
+    """Work in ``directory`` with no network (see the module docstring)."""
+    os.makedirs(directory, exist_ok=True)
+    os.chdir(directory)
+    os.environ["HOME"] = os.environ["TMPDIR"] = directory
+    for name in ("socket", "create_connection", "getaddrinfo", "socketpair", "fromfd", "create_server"):
+        setattr(socket, name, _no_network)
+
+
+def _convert(value, result: str):
+    return float(value) if result == "float" else str(value)
 
 
 def main(read_fd: int, write_fd: int) -> None:
@@ -34,7 +60,10 @@ def main(read_fd: int, write_fd: int) -> None:
         if message[0] == "path":
             sys.path.extend(p for p in message[1] if p not in sys.path)
             continue
-        _, spec, kwargs, items = message
+        if message[0] == "sandbox":
+            enter_sandbox(message[1])
+            continue
+        _, spec, kwargs, items, result = message
         try:
             score = _resolve(spec)
             prepare = getattr(score, "prepare", None)
@@ -46,7 +75,7 @@ def main(read_fd: int, write_fd: int) -> None:
         outbox.send(("ready",))
         for i, item in enumerate(items):
             try:
-                outbox.send(("score", i, True, float(score(*item, **kwargs))))
+                outbox.send(("score", i, True, _convert(score(*item, **kwargs), result)))
             except Exception as err:  # noqa: BLE001 - the parent names the sample and raises
                 outbox.send(("score", i, False, f"{type(err).__name__}: {err}"))
 

@@ -13,12 +13,17 @@ each, so there they compute the same samples).  The first rank of each generator
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron.core import parallel_state
 
 from megatron_rl.distributed import collectives
 from megatron_rl.rollout.engine import RolloutBatch, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.utils.seeds import derive_seed
+
+# Per-sample fields a generator may return besides tokens and log-probs (None when it does not).
+OPTIONAL_FIELDS = ("token_versions", "response_mask", "env_info")
 
 
 def data_parallel_share(num_prompts: int, generators: int, index: int) -> range:
@@ -43,20 +48,23 @@ def generator_of_this_rank(engine: RolloutEngine | None = None) -> tuple[int, in
 
 
 def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], params: SamplingParams,
-                           seed: int) -> RolloutBatch:
+                           seed: int, records: Optional[list[dict]] = None) -> RolloutBatch:
     """``params.n`` samples of every prompt, the same batch on every rank.
 
     ``prompt_index`` of the result indexes ``prompt_ids``; sample ``j`` of prompt ``i`` is at
-    ``i * n + j``.  Each generator samples with its own seed derived from ``seed``.
+    ``i * n + j``.  Each generator samples with its own seed derived from ``seed``.  ``records``
+    (multi-turn: what each prompt's environments start from) go with their prompts.
     """
     generators, index, reports = generator_of_this_rank(engine)
     share = data_parallel_share(len(prompt_ids), generators, index)
     # The tag keeps the name it had when generators were the DP ranks: runs without CP sample
     # what they sampled before.
-    local = engine.generate([prompt_ids[i] for i in share], params, seed=derive_seed(seed, "dp_rank", index))
-    versions = local.token_versions
+    extra = {} if records is None else {"records": [records[i] for i in share]}
+    local = engine.generate([prompt_ids[i] for i in share], params, seed=derive_seed(seed, "dp_rank", index), **extra)
+    optional = [(name, getattr(local, name)) for name in OPTIONAL_FIELDS]
     rows = [(share[local.prompt_index[k]], k, local.prompt_ids[k], local.response_ids[k],
-             local.response_logprobs[k], local.finish_reason[k], versions[k] if versions is not None else None)
+             local.response_logprobs[k], local.finish_reason[k],
+             tuple(values[k] if values is not None else None for _, values in optional))
             for k in range(len(local))] if reports else []
     gathered = collectives.all_gather_object(rows)
     merged = sorted((row for rank_rows in gathered for row in rank_rows), key=lambda r: r[:2])
@@ -64,7 +72,8 @@ def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], p
         prompt_index=[r[0] for r in merged], prompt_ids=[list(r[2]) for r in merged],
         response_ids=[list(r[3]) for r in merged], response_logprobs=[list(r[4]) for r in merged],
         finish_reason=[r[5] for r in merged], routing=_gathered_routing(local, share, merged),
-        token_versions=[list(r[6]) for r in merged] if versions is not None else None,
+        **{name: [r[6][f] for r in merged] if values is not None else None
+           for f, (name, values) in enumerate(optional)},
     )
 
 

@@ -41,6 +41,10 @@ class RolloutBatch:
     during a rollout.  ``routing`` (MoE routing replay, engines
     that record it): per sample, ``{layer_number: [tokens, topk] expert ids}`` for the MoE layers
     of this rank's pipeline stage, so it differs between stages; None when not recorded.
+    Multi-turn trajectories (:mod:`megatron_rl.envs.trajectories`): ``response_mask`` is 1 on the
+    policy's tokens and 0 on observations (whose log-probs are 0); ``env_info`` per sample: turns,
+    limit hit, the environment's reward, the span of the last policy turn, tool counts.  Both None
+    for single-turn rollouts.
     """
 
     prompt_index: list[int]
@@ -50,11 +54,13 @@ class RolloutBatch:
     finish_reason: list[str]
     routing: Optional[list[dict]] = None
     token_versions: Optional[list[list[int]]] = None
+    response_mask: Optional[list[list[int]]] = None
+    env_info: Optional[list[dict]] = None
 
     def __post_init__(self):
         sizes = {len(self.prompt_index), len(self.prompt_ids), len(self.response_ids),
                  len(self.response_logprobs), len(self.finish_reason)}
-        for optional in (self.routing, self.token_versions):
+        for optional in (self.routing, self.token_versions, self.response_mask, self.env_info):
             if optional is not None:
                 sizes.add(len(optional))
         if len(sizes) != 1:

@@ -44,3 +44,19 @@ def check_training_inputs(cfg: Config) -> None:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
                           f"set model.vocab_size >= {tokenizer.vocab_size}")
+    if cfg.rollout.env:
+        _check_environment(cfg, tokenizer)
+
+
+def _check_environment(cfg: Config, tokenizer) -> None:
+    """rollout.env builds (one instance), and the tokenizer can write its stop strings."""
+    from megatron_rl.envs.base import environment_factory
+
+    env = environment_factory(cfg.rollout.env, cfg.rollout.env_kwargs,
+                              defaults={"timeout_s": cfg.rollout.tool_timeout_s})()
+    for stop in getattr(env, "stop", ()):
+        if tokenizer.decode(tokenizer.encode(stop)) != stop:
+            raise ConfigError("data.tokenizer", cfg.data.tokenizer,
+                              f"cannot encode the environment's stop string {stop!r} (it comes back as "
+                              f"{tokenizer.decode(tokenizer.encode(stop))!r})",
+                              "use a tokenizer whose vocabulary has its characters (e.g. char:<alphabet with them>)")

@@ -28,6 +28,7 @@ import torch
 from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSet
 from megatron_rl.data.sources import VAL_KEY, load_prompt_source
+from megatron_rl.envs.trajectories import trajectory_scores
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import RewardFn
 from megatron_rl.rollout.dp import generate_data_parallel
@@ -98,17 +99,23 @@ class Evaluator:
         start = time.perf_counter()
         prompts, ev = self.prompts, self.cfg.eval
         self.load_weights()
+        records = None
+        if self.cfg.rollout.env:  # the environments of multi-turn training
+            records = [dict(fields, prompt=prompts.prompts[i], answer=prompts.answers[i])
+                       for i, fields in enumerate(prompts.record_fields(range(len(prompts))))]
         rollout = generate_data_parallel(self.engine, prompts.prompt_ids, self.sampling,
-                                         seed=derive_seed(self.cfg.run.seed, "eval", step))
+                                         seed=derive_seed(self.cfg.run.seed, "eval", step), records=records)
         self.engine.release_weights()
         index = rollout.prompt_index
+        spans = [slice(*i["final_turn"]) for i in rollout.env_info] if rollout.env_info else None
         graded = rewards_on_every_rank(
             self.reward_fn, [prompts.prompts[i] for i in index],
-            [self.tokenizer.decode(r) for r in rollout.response_ids],
+            [self.tokenizer.decode(r[spans[k]] if spans else r) for k, r in enumerate(rollout.response_ids)],
             [prompts.answers[i] for i in index], [prompts.source_index[i] for i in index],
             timeout_s=self.cfg.reward.timeout_s, fields=prompts.record_fields(index), **dict(self.cfg.reward.kwargs),
         )
-        out = evaluation_metrics(graded.scores, [len(r) for r in rollout.response_ids], ev.n, ev.correct_threshold)
+        scores = trajectory_scores(rollout, graded.scores)
+        out = evaluation_metrics(scores, [len(r) for r in rollout.response_ids], ev.n, ev.correct_threshold)
         out["eval/reward_timeouts"] = graded.timed_out
         out["timing/eval_s"] = time.perf_counter() - start
         self.log(f"eval after step {step}: reward {out['eval/reward_mean']:.4g}  accuracy {out['eval/accuracy']:.4g}  "

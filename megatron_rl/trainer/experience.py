@@ -39,6 +39,10 @@ class Samples:
     # Partial rollouts: the policy version that sampled each response token; empty when a batch
     # was generated whole with the weights it started with.
     token_versions: list = dataclasses.field(default_factory=list)
+    # Multi-turn: 1 on the policy's response tokens, 0 on observations (no loss there), and what
+    # the environment reported per sample (EnvironmentRollout); empty for single-turn samples.
+    loss_mask: list = dataclasses.field(default_factory=list)
+    env_info: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch, dataset_index: list[int]) -> "Samples":
@@ -49,6 +53,8 @@ class Samples:
             rollout_logprob=rollout.response_logprobs, finish_reason=rollout.finish_reason,
             routing=list(rollout.routing) if rollout.routing is not None else [],
             token_versions=list(rollout.token_versions) if rollout.token_versions is not None else [],
+            loss_mask=list(rollout.response_mask) if rollout.response_mask is not None else [],
+            env_info=list(rollout.env_info) if rollout.env_info is not None else [],
         )
 
     def __len__(self) -> int:
@@ -64,6 +70,8 @@ class Samples:
             finish_reason=[self.finish_reason[i] for i in rows],
             routing=[self.routing[i] for i in rows] if self.routing else [],
             token_versions=[self.token_versions[i] for i in rows] if self.token_versions else [],
+            loss_mask=[self.loss_mask[i] for i in rows] if self.loss_mask else [],
+            env_info=[self.env_info[i] for i in rows] if self.env_info else [],
         )
 
     def groups(self) -> dict[int, list[int]]:
@@ -97,11 +105,23 @@ class Samples:
         return out
 
     def response_mask(self) -> torch.Tensor:
+        """``[B, R_max]``: 1 on the tokens the policy generated (observations of multi-turn
+        trajectories and padding are 0)."""
         width = max(len(r) for r in self.response_ids)
         mask = torch.zeros(len(self), width)
         for i, r in enumerate(self.response_ids):
-            mask[i, : len(r)] = 1.0
+            if self.loss_mask:
+                mask[i, : len(r)] = torch.tensor(self.loss_mask[i], dtype=mask.dtype)
+            else:
+                mask[i, : len(r)] = 1.0
         return mask
+
+    def graded_spans(self) -> list[slice]:
+        """The part of each response the reward function grades: all of it, or the last policy turn
+        of a multi-turn trajectory (its answer; tool outputs before it are not the policy's)."""
+        if not self.env_info:
+            return [slice(0, len(r)) for r in self.response_ids]
+        return [slice(*info["final_turn"]) for info in self.env_info]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +163,11 @@ class Experience:
 
 
 def token_rewards_from_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The sequence reward on each sample's last response token, zero elsewhere."""
+    """The sequence reward on each sample's last valid response token (the policy's last token of a
+    multi-turn trajectory), zero elsewhere."""
     rewards = torch.zeros_like(mask)
-    last = mask.sum(-1).long() - 1
+    positions = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    last = torch.where(mask > 0, positions, torch.full_like(positions, -1)).max(-1).values
     rows = torch.arange(mask.size(0))
     rewards[rows, last.clamp(min=0)] = scores * (last >= 0).float()
     return rewards

@@ -50,6 +50,7 @@ from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
+from megatron_rl.envs.trajectories import env_metrics, trajectory_scores, with_environment
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
@@ -178,7 +179,9 @@ class PPOTrainer:
         # With generator ranks of their own, rollout.layout is theirs; the trainers' engine (evaluation)
         # generates on the training layout.
         own = on_active_layout(cfg.rollout) if cfg.rollout.ranks else cfg.rollout
-        self.engine = make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay)
+        self.engine = with_environment(
+            cfg, make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay),
+            self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
                                    lambda: (self._phase("actor"), self.engine.load_from_chunks(self.actor.chunks)),
                                    self.log)
@@ -420,6 +423,7 @@ class PPOTrainer:
         else:
             samples, scores, _ = draw(0)
         metrics.update(staleness_metrics(version, current))
+        metrics.update(env_metrics(samples))
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
         metrics["reward/timeouts"] = timed_out[0]
@@ -442,9 +446,16 @@ class PPOTrainer:
 
     def _rollout(self, batch: list[int], step: int, round_: int = 0) -> Samples:
         tags = ("rollout", step) if round_ == 0 else ("rollout", step, "round", round_)
+        records = self._records(batch) if self.cfg.rollout.env else None
         rollout = generate_data_parallel(self.engine, [self.prompts.prompt_ids[i] for i in batch], self.sampling,
-                                         seed=derive_seed(self.cfg.run.seed, *tags))
+                                         seed=derive_seed(self.cfg.run.seed, *tags), records=records)
         return Samples.from_rollout(rollout, batch)
+
+    def _records(self, batch: list[int]) -> list[dict]:
+        """What each prompt's environments start from: its text, answer and record fields."""
+        p = self.prompts
+        return [dict(fields, prompt=p.prompts[i], answer=p.answers[i])
+                for i, fields in zip(batch, p.record_fields(batch))]
 
     def _score(self, samples: Samples) -> Graded:
         """The reward function on this step's samples, every rank grading a share (a collective);
@@ -455,13 +466,14 @@ class PPOTrainer:
         graded = rewards_on_every_rank(
             self.reward_fn,
             [prompts.prompts[i] for i in rows],
-            _Decoded(self.tokenizer, samples.response_ids),
+            _Decoded(self.tokenizer, [r[span] for r, span in zip(samples.response_ids, samples.graded_spans())]),
             answers,
             indices,
             timeout_s=self.cfg.reward.timeout_s,
             fields=prompts.record_fields(rows),
             **dict(self.cfg.reward.kwargs),
         )
+        graded = dataclasses.replace(graded, scores=trajectory_scores(samples, graded.scores))
         self.reward_signal.observe(graded.scores, samples.groups())
         return graded
 

@@ -1,0 +1,221 @@
+"""Multi-turn rollout: trajectories driven through a rollout engine, token-in-token-out.
+
+:class:`EnvironmentRollout` wraps any rollout engine and has its ``generate``: each round, every
+unfinished trajectory's whole context (prompt, earlier turns, observations: the exact ids so far)
+goes to the engine for one policy turn (ending at EOS, at one of the environment's stop strings or
+after ``rollout.max_new_tokens``); then each environment answers (in a thread pool, so tool
+calls of many trajectories run at once, each in its own bounded worker); its observation is
+tokenized once and appended.  Nothing is ever re-tokenized from text, so the trainer trains on the
+ids the engine sampled.  The response of a trajectory is everything after the prompt; its
+``response_mask`` is 1 on the policy's tokens and 0 on observation tokens, whose log-probs are 0
+and which carry no loss.
+
+Limits (``rollout.max_turns``, ``rollout.max_trajectory_tokens``: prompt + every turn and
+observation) end a trajectory where it stands: a turn is cut at the token limit, an observation
+that would cross it is not appended; the trajectory is then graded as it is
+(``rollout.on_limit=grade``) or scores 0 (``zero``).  Every limit hit is counted per sample in
+``env_info`` and logged as ``env/*`` metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+from megatron_rl.envs.base import Turn
+from megatron_rl.rollout.engine import RolloutBatch
+from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.utils.seeds import derive_seed
+
+# finish_reason of a trajectory that hit a limit (the others end "stop": the environment said done
+# or the policy ended with EOS; or "length": a turn ran to rollout.max_new_tokens).
+MAX_TURNS, MAX_TOKENS = "max_turns", "max_tokens"
+TOOL_THREADS = 8  # environments stepped at once (each tool call runs in its own worker process)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryLimits:
+    max_turns: int
+    max_tokens: int  # prompt + all turns and observations
+    zero_at_limit: bool = False  # rollout.on_limit=zero
+
+
+@dataclasses.dataclass
+class _Trajectory:
+    prompt_index: int
+    prompt: list[int]
+    env: object
+    response: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: str = ""
+    cut: bool = False  # the last turn ran to rollout.max_new_tokens
+    info: dict = dataclasses.field(default_factory=lambda: {"turns": 0, "env_reward": 0.0, "limit": "",
+                                                            "final_turn": [0, 0]})
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Optional[Sequence[int]],
+                 version: int) -> None:
+        start = len(self.response)
+        self.response += ids
+        self.logprobs += logprobs
+        self.mask += [1] * len(ids)
+        self.versions += list(versions) if versions is not None else [version] * len(ids)
+        self.info["turns"] += 1
+        self.info["final_turn"] = [start, len(self.response)]
+
+    def add_observation(self, ids: Sequence[int]) -> None:
+        self.response += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+        self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
+
+    def end(self, finish: str, limit: str = "", zero_at_limit: bool = False) -> None:
+        self.finish, self.info["limit"] = finish, limit
+        if limit:
+            self.info["zero_at_limit"] = zero_at_limit
+
+
+class EnvironmentRollout:
+    """A rollout engine's ``generate`` over multi-turn trajectories (everything else of the engine:
+    weights, release, partial-rollout hooks, passes through)."""
+
+    def __init__(self, engine, make_env: Callable, encode: Callable[[str], list[int]],
+                 decode: Callable[[Sequence[int]], str], limits: TrajectoryLimits):
+        self.engine, self.make_env, self.encode, self.decode, self.limits = engine, make_env, encode, decode, limits
+        env = make_env()
+        self.stop_sequences = tuple(tuple(encode(s)) for s in getattr(env, "stop", ()))
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["engine"], name)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+                 records: Optional[list[dict]] = None) -> RolloutBatch:
+        """``params.n`` trajectories per prompt; ``records[i]`` is handed to the environments of
+        prompt ``i`` (``{}`` when None)."""
+        trajectories = []
+        for i, prompt in enumerate(prompt_ids):
+            for _ in range(params.n):
+                env = self.make_env()
+                env.reset(dict(records[i]) if records is not None else {})
+                trajectories.append(_Trajectory(i, list(prompt), env))
+        turn_params = dataclasses.replace(params, n=1, stop_sequences=params.stop_sequences + self.stop_sequences)
+        with ThreadPoolExecutor(TOOL_THREADS) as pool:
+            for turn in range(self.limits.max_turns):
+                active = [t for t in trajectories if not t.finish]
+                if not active:
+                    break
+                self._policy_turn(active, turn_params, derive_seed(seed, "turn", turn))
+                waiting = [t for t in active if not t.finish]
+                last = turn + 1 == self.limits.max_turns
+                for t, answer in zip(waiting, pool.map(self._step, waiting)):
+                    self._observe(t, answer, last)
+        return RolloutBatch(
+            prompt_index=[t.prompt_index for t in trajectories], prompt_ids=[t.prompt for t in trajectories],
+            response_ids=[t.response for t in trajectories], response_logprobs=[t.logprobs for t in trajectories],
+            finish_reason=[t.finish for t in trajectories],
+            token_versions=[t.versions for t in trajectories] if self._live() is not None else None,
+            response_mask=[t.mask for t in trajectories], env_info=[t.info for t in trajectories],
+        )
+
+    def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int) -> None:
+        room = [self.limits.max_tokens - t.length for t in active]
+        params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, max(room))))
+        out = self.engine.generate([t.prompt + t.response for t in active], params, seed=seed)
+        live = self._live()
+        for k, (t, left) in enumerate(zip(active, room)):
+            ids, logprobs = out.response_ids[k][:left], out.response_logprobs[k][:left]
+            versions = out.token_versions[k][:left] if out.token_versions is not None else None
+            t.add_turn(ids, logprobs, versions, live.version if live is not None else 0)
+            t.cut = out.finish_reason[k] == "length"  # the turn ran to rollout.max_new_tokens
+            if len(out.response_ids[k]) > left:
+                t.end("length", MAX_TOKENS, self.limits.zero_at_limit)  # cut at the trajectory's token limit
+            elif ids and ids[-1] in params.stop_token_ids:
+                t.end("stop")  # EOS: the policy is done (its environment still answers, for the reward)
+                t.info["env_reward"] += float(self._step(t).reward)
+
+    def _live(self):
+        return getattr(self.engine, "live_weights", None)
+
+    def _step(self, t: _Trajectory) -> Turn:
+        start, end = t.info["final_turn"]
+        turn = t.response[start:end]
+        answer = t.env.step(self.decode(turn), list(turn))
+        if not isinstance(answer, Turn):
+            raise TypeError(f"{type(t.env).__name__}.step returned {type(answer).__name__}, not envs.base.Turn")
+        return answer
+
+    def _observe(self, t: _Trajectory, answer: Turn, last: bool) -> None:
+        """Take the environment's answer; after the last turn allowed, its observation would train
+        nothing, so the trajectory ends there (at rollout.max_turns) without it."""
+        t.info["env_reward"] += float(answer.reward)
+        for key, value in answer.info.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                t.info[key] = t.info.get(key, 0) + value
+        if answer.done:
+            t.end("length" if t.cut else "stop")
+            return
+        if last:
+            t.end(MAX_TURNS, MAX_TURNS, self.limits.zero_at_limit)
+            return
+        observation = answer.observation
+        ids = self.encode(observation) if isinstance(observation, str) else [int(i) for i in observation]
+        if t.length + len(ids) >= self.limits.max_tokens:  # no room left for the policy after it
+            t.end(MAX_TOKENS, MAX_TOKENS, self.limits.zero_at_limit)
+            return
+        t.add_observation(ids)
+
+
+def with_environment(cfg, engine, tokenizer):
+    """``engine`` driven through ``rollout.env``'s trajectories (``cfg`` resolved), or ``engine``
+    itself for single-turn rollouts."""
+    from megatron_rl.config.choices import ON_LIMIT_ZERO
+    from megatron_rl.envs.base import environment_factory
+    from megatron_rl.resolve import trajectory_token_limit
+
+    r = cfg.rollout
+    if not r.env:
+        return engine
+    make_env = environment_factory(r.env, r.env_kwargs, defaults={"timeout_s": r.tool_timeout_s})
+    limits = TrajectoryLimits(r.max_turns, trajectory_token_limit(cfg), r.on_limit == ON_LIMIT_ZERO)
+    return EnvironmentRollout(engine, make_env, tokenizer.encode, tokenizer.decode, limits)
+
+
+# Counts an environment may report per turn (Turn.info) that become env/* metrics (per sample, mean).
+_COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "tool_parse_errors")
+
+
+def env_metrics(samples) -> dict:
+    """``env/*`` of a step's multi-turn samples (``{}`` for single-turn ones): mean turns, the
+    fraction that hit each limit, observation tokens, and the tool counts per sample."""
+    infos = samples.env_info
+    if not infos:
+        return {}
+    n = len(infos)
+    out = {"env/turns_mean": sum(i["turns"] for i in infos) / n,
+           "env/max_turns_frac": sum(i["limit"] == MAX_TURNS for i in infos) / n,
+           "env/max_tokens_frac": sum(i["limit"] == MAX_TOKENS for i in infos) / n,
+           "env/reward_mean": sum(i["env_reward"] for i in infos) / n,
+           "env/observation_tokens_mean": sum(len(m) - sum(m) for m in samples.loss_mask) / n}
+    for key in _COUNTED:
+        out[f"env/{key}"] = sum(i.get(key, 0) for i in infos) / n
+    return out
+
+
+def trajectory_scores(samples, graded):
+    """The scores of multi-turn samples (``Samples`` or a ``RolloutBatch``): ``reward.fn``'s grade
+    of the last turn plus the environment's rewards; 0 for a trajectory that hit a limit under
+    ``rollout.on_limit=zero``."""
+    import torch
+
+    infos = samples.env_info
+    if not infos:
+        return graded
+    env_reward = torch.tensor([float(i["env_reward"]) for i in infos], dtype=graded.dtype)
+    zeroed = torch.tensor([bool(i["limit"]) and bool(i.get("zero_at_limit")) for i in infos])
+    return torch.where(zeroed, torch.zeros_like(graded), graded + env_reward)

@@ -1,0 +1,105 @@
+"""Environments: multi-turn trajectories, tools, observation masking and their limits."""
+
+from __future__ import annotations
+
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, need
+from megatron_rl.planner.memory import RolloutLayout
+
+AREA = "environments"
+
+
+def _env(c) -> bool:
+    return bool(c.rollout.env)
+
+
+def _generator_ranks(c) -> int:
+    """Ranks one generator (model replica) spans where the rollout runs."""
+    lay = RolloutLayout.filled(c.rollout.layout, c.parallel)
+    return lay.tp * lay.pp
+
+
+FEATURES = [
+    Feature(
+        "Multi-turn environments (rollout.env)", "environments", TESTED_CPU,
+        "A class with reset(record) and step(turn_text, turn_ids) -> Turn(observation, reward, done), one instance per "
+        "trajectory, named as 'module:Class' (or a built-in) and built once before launch; trajectories advance turn "
+        "by turn through the rollout engine, the environments of one round answering at once in a thread pool; the "
+        "score is reward.fn's grade of the last policy turn plus the environment's rewards.",
+        ("tests/test_environments.py::test_a_trajectory_is_token_in_token_out_with_the_policy_mask",
+         "tests/test_environments.py::test_a_multi_turn_job_trains_and_logs_env_metrics",
+         "tests/test_environments.py::test_a_bad_environment_is_refused_before_launch"),
+        constraints=(
+            need("rollout.ranks", lambda c, w: c.rollout.ranks == 0,
+                 "multi-turn trajectories are driven on the training ranks; generator ranks of their own do not run "
+                 "environments yet", "set rollout.ranks=0 (colocated generation)",
+                 "environments with colocated generation", when=_env),
+            need("rollout.env", lambda c, w: _generator_ranks(c) == 1,
+                 "each generator runs its own environments, so a generator must be one rank (tensor x pipeline "
+                 "size 1 where it generates): ranks sharing a model would have to agree on every tool result",
+                 "generate with rollout.layout.tp=1 and rollout.layout.pp=1 (or train with parallel.tp=parallel.pp=1); "
+                 "data and context parallelism are fine", "one-rank generators", when=_env),
+            need("algorithm.overlong_buffer", lambda c, w: not c.algorithm.overlong_buffer,
+                 "the overlong penalty reads a response's length against rollout.max_new_tokens, which a trajectory of "
+                 "several turns and observations is not measured by", "set algorithm.overlong_buffer=0 (bound "
+                 "trajectories with rollout.max_trajectory_tokens)", "no overlong penalty", when=_env),
+            need("rollout.max_trajectory_tokens",
+                 lambda c, w: c.rollout.max_trajectory_tokens > c.data.max_prompt_tokens,
+                 "leaves no room for a turn after the longest prompt "
+                 "(data.max_prompt_tokens={c.data.max_prompt_tokens})",
+                 "raise rollout.max_trajectory_tokens above data.max_prompt_tokens", "room for a turn", when=_env),
+        ),
+        config="rollout.env, rollout.env_kwargs",
+    ),
+    Feature(
+        "Tool calling (Hermes / Qwen <tool_call> JSON)", "environments", TESTED_CPU,
+        "rollout.env=tool_calling: a turn ends at EOS or </tool_call>; every call runs a registered Python tool "
+        "(built-in: calculator; or tools: {name: 'module:function'}); a call that does not parse, an unknown tool, a "
+        "tool that raises or overruns answers 'error: ...' as the observation (counted, never a crash); results come "
+        "back in the plain or Qwen chat format (observation_format).",
+        ("tests/test_environments.py::test_tool_calls_are_parsed_and_bad_ones_become_observations",
+         "tests/test_environments.py::test_a_multi_turn_job_trains_and_logs_env_metrics"),
+        config="rollout.env=tool_calling, rollout.env_kwargs.tools",
+    ),
+    Feature(
+        "Observation masking (token-in-token-out)", "environments", TESTED_CPU,
+        "The trainer trains on exactly the ids the engine sampled; observations are tokenized once and appended; "
+        "their tokens carry no loss and no gradient (their log-probs, advantages and old log-probs cannot change the "
+        "update), the result equals the same trajectory with them dropped from the loss by hand; the sequence reward "
+        "sits on the policy's last token.",
+        ("tests/test_environments.py::test_a_trajectory_is_token_in_token_out_with_the_policy_mask",
+         "tests/test_environments.py::test_observation_tokens_carry_no_gradient"),
+        config="rollout.env",
+    ),
+    Feature(
+        "Trajectory limits and tool time bounds", "environments", TESTED_CPU,
+        "rollout.max_turns, rollout.max_trajectory_tokens (prompt + turns + observations; the sequence length of the "
+        "planner and token budgets), rollout.tool_timeout_s per call in a worker process working in a scratch "
+        "directory without network; a trajectory at a limit ends where it stands, graded or scored 0 "
+        "(rollout.on_limit); env/max_turns_frac, env/max_tokens_frac, env/tool_timeouts are logged.",
+        ("tests/test_environments.py::test_each_limit_ends_the_trajectory_and_is_counted",
+         "tests/test_environments.py::test_tools_run_bounded_in_a_sandbox_without_network"),
+        config="rollout.max_turns, rollout.max_trajectory_tokens, rollout.tool_timeout_s, rollout.on_limit",
+    ),
+    Feature(
+        "Multi-turn trajectories with context parallelism", "environments", TESTED_CPU,
+        "Trajectories are packed, token-budgeted and sharded over CP ranks like long responses; with observations in "
+        "the middle of a sequence, CP=2 and CP=4 losses and gradients equal CP=1's within 1e-5.",
+        ("tests/test_environments.py::test_multi_turn_masks_train_the_same_at_cp2_and_cp4",),
+        config="rollout.env with parallel.cp",
+    ),
+    Feature(
+        "Environments on generator ranks and multi-rank generators", "environments", PLANNED,
+        "Multi-turn trajectories with rollout.ranks > 0 (one_step_off / async) and on generators spanning TP or PP "
+        "ranks; refused before launch today.",
+    ),
+    Feature(
+        "OpenAI-compatible endpoint for outside agents", "environments", PLANNED,
+        "/v1/chat/completions served by the rollout engine so an outside agent harness drives trajectories while "
+        "the trainer collects the exact token ids and log-probs it served.",
+    ),
+    Feature(
+        "A built-in tool-use task that learns", "environments", PLANNED,
+        "Multi-digit arithmetic a tiny model cannot do without the calculator, an SFT warm-up teaching the call "
+        "format, GRPO raising the reward; a config in configs/ and generate with an environment.",
+    ),
+]

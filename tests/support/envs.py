@@ -1,0 +1,48 @@
+"""Environments the multi-turn tests name as ``rollout.env=tests.support.envs:<Class>``."""
+
+from __future__ import annotations
+
+import time
+
+from megatron_rl.envs.base import Turn
+
+# Observation ids of ScriptedEnv: characters of the char tokenizer ("tool: ok\n" would do; fixed ids
+# make the check independent of the tokenizer).
+OBSERVATION = [40, 41, 42]
+
+
+class ScriptedEnv:
+    """Answers every turn with :data:`OBSERVATION` and is done after ``turns`` turns; a reward of
+    0.25 per turn (so the environment's reward is visible in the score)."""
+
+    stop = ()
+
+    def __init__(self, turns: int = 3, observation: list | str | None = None):
+        self.turns, self.observation = turns, OBSERVATION if observation is None else observation
+        self.seen = 0
+
+    def reset(self, record: dict) -> None:
+        self.seen = 0
+        self.record = record
+
+    def step(self, turn_text: str, turn_ids) -> Turn:
+        self.seen += 1
+        return Turn(observation=self.observation, reward=0.25, done=self.seen >= self.turns)
+
+
+def slow_tool(seconds: float = 30.0) -> str:
+    time.sleep(float(seconds))
+    return "late"
+
+
+def network_tool() -> str:
+    import socket
+
+    socket.create_connection(("127.0.0.1", 9), timeout=1)
+    return "connected"
+
+
+def where_tool() -> str:
+    import os
+
+    return os.getcwd()
