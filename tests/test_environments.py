@@ -14,7 +14,7 @@ from megatron_rl.config.schema import ModelConfig
 from megatron_rl.envs.base import Turn, environment_factory
 from megatron_rl.envs.tool_calls import parse_tool_calls
 from megatron_rl.envs.tool_env import ToolCallingEnv
-from megatron_rl.envs.tools import ToolTimeout, call_tool, calculator
+from megatron_rl.envs.tools import ToolTimeout, calculator, call_tool
 from megatron_rl.envs.trajectories import MAX_TOKENS, MAX_TURNS, EnvironmentRollout, TrajectoryLimits, env_metrics
 from megatron_rl.errors import ConfigError
 from megatron_rl.rollout.decoder import random_canonical
@@ -192,3 +192,170 @@ def test_environment_factory_refuses_what_cannot_run():
     make = environment_factory("tool_calling", {"tools": ["calculator"]}, defaults={"timeout_s": 1.5})
     assert make().timeout_s == 1.5 and make() is not make()
     assert isinstance(Turn(), Turn)
+
+
+# ---------------------------------------------------------------------------- jobs through the CLI
+
+
+@pytest.mark.slow
+def test_a_multi_turn_job_trains_and_logs_env_metrics(tmp_path):
+    from tests.support.helpers import TINY, read_metrics
+    from tests.test_cli import cli
+
+    proc, seconds = cli("train", *TINY, "rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.turns=2",
+                        "rollout.max_turns=3", "rollout.max_new_tokens=4", "trainer.steps=2",
+                        f"run.dir={tmp_path}", "run.name=multi_turn")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rollout.max_trajectory_tokens=28 (derived" in proc.stdout  # 16 + 3 x 4
+    metrics = read_metrics(tmp_path / "multi_turn")
+    print(f"{seconds:.1f}s", json.dumps({k: v for k, v in metrics[-1].items() if k.startswith("env/")}))
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 1.0 < m["env/turns_mean"] <= 2.0  # two turns unless the policy ended with EOS first
+        assert m["env/observation_tokens_mean"] > 0
+        assert m["env/reward_mean"] == pytest.approx(0.25 * m["env/turns_mean"])
+        assert m["env/max_turns_frac"] == 0.0
+        assert all(torch.isfinite(torch.tensor(float(m[k]))) for k in ("actor/pg_loss", "actor/grad_norm"))
+
+
+@pytest.mark.slow
+def test_a_bad_environment_is_refused_before_launch(tmp_path):
+    from tests.support.helpers import TINY
+    from tests.test_cli import cli
+
+    cases = [
+        (["rollout.env=tests.support.nothing:Env"],
+         "config error: rollout.env=tests.support.nothing:Env: cannot import"),
+        (["rollout.env=tool_calling"],
+         "data.tokenizer=char: cannot encode the environment's stop string '</tool_call>'"),
+        (["rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.colour=red"], "rollout.env_kwargs"),
+        (["rollout.env=tests.support.envs:ScriptedEnv", "algorithm.overlong_buffer=2"], "algorithm.overlong_buffer"),
+        (["rollout.env=tests.support.envs:ScriptedEnv", "rollout.max_trajectory_tokens=16"],
+         "rollout.max_trajectory_tokens=16: leaves no room for a turn"),
+    ]
+    for overrides, expected in cases:
+        proc, _ = cli("train", *TINY, *overrides, f"run.dir={tmp_path}")
+        assert proc.returncode == 2, (overrides, proc.stdout[-500:], proc.stderr[-2000:])
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], (overrides, lines)
+
+
+# ---------------------------------------------------------------------------- training on multi-turn masks
+
+# Trajectories: (prompt length, [(policy turn length, observation length), ...]); observations sit in
+# the middle of every sequence, two of them end with a policy turn cut short.
+TRAJECTORIES = ((5, [(4, 3), (6, 2), (3, 0)]), (3, [(7, 5), (2, 0)]), (8, [(1, 4), (5, 4), (6, 0)]),
+                (4, [(9, 0)]), (6, [(3, 7), (4, 0)]))
+PERTURBED = 7.0  # advantages / old log-probs written on observation tokens in the perturbed run
+
+
+def _multi_turn_experience(perturb: bool):
+    """Sequences for the update built the trainer's way (Samples -> Experience.training_sequences),
+    and for each sequence the positions of the policy's tokens, found from the turn structure."""
+    from megatron_rl.rollout.engine import RolloutBatch
+    from megatron_rl.trainer.experience import Experience
+
+    g = torch.Generator().manual_seed(7)
+    prompts, responses, masks, policy_positions = [], [], [], []
+    for prompt_len, turns in TRAJECTORIES:
+        prompt = torch.randint(4, 64, (prompt_len,), generator=g).tolist()
+        response, mask, positions = [], [], []
+        for policy, observation in turns:
+            # the response token at index r is predicted at sequence position prompt_len - 1 + r
+            positions += [prompt_len - 1 + len(response) + i for i in range(policy)]
+            response += torch.randint(4, 64, (policy,), generator=g).tolist()
+            mask += [1] * policy
+            response += torch.randint(4, 64, (observation,), generator=g).tolist()
+            mask += [0] * observation
+        prompts.append(prompt)
+        responses.append(response)
+        masks.append(mask)
+        policy_positions.append(positions)
+    batch = RolloutBatch(prompt_index=list(range(len(prompts))), prompt_ids=prompts, response_ids=responses,
+                         response_logprobs=[[0.0] * len(r) for r in responses], finish_reason=["stop"] * len(prompts),
+                         response_mask=masks, env_info=[{}] * len(prompts))
+    samples = Samples.from_rollout(batch, list(range(len(prompts))))
+    mask = samples.response_mask()
+    advantages = torch.randn(mask.shape, generator=g) * mask
+    old = (-4.0 + 0.3 * torch.randn(mask.shape, generator=g)) * mask
+    if perturb:  # anything at all on the observation tokens
+        advantages = advantages + PERTURBED * (1 - mask)
+        old = old - PERTURBED * (1 - mask)
+    exp = Experience(samples=samples, scores=torch.zeros(len(prompts)), mask=mask, old_logprob=old, ref_logprob=None,
+                     values=None, token_rewards=torch.zeros_like(mask), advantages=advantages, returns=None)
+    seqs = exp.training_sequences({"advantages": advantages, "old_logprob": old})
+    return seqs, policy_positions
+
+
+def multi_turn_update_body(layout_kw: dict, weights, perturb: bool, by_hand: bool):
+    """Harness body: the gradient of the PPO token-mean loss on the multi-turn sequences, through the
+    trainer's loss (``by_hand=False``) or a loss written here over the policy positions only."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import AlgorithmConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.canonical import gather_canonical
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.trainer.update import actor_loss_fn, loss_denominator
+    from tests.support.helpers import small_actor
+
+    trainable, weights = small_actor(layout_kw, weights)
+    seqs, policy_positions = _multi_turn_experience(perturb)
+    alg = AlgorithmConfig(policy_loss="ppo", loss_agg="token-mean", clip_low=0.2, clip_high=0.2)
+    valid = [int(s["loss_mask"].sum()) for s in seqs]
+    denominator = loss_denominator(alg.loss_agg, valid)
+    if by_hand:
+        for seq, positions in zip(seqs, policy_positions):
+            seq["policy_index"] = torch.zeros(len(seq["tokens"]))
+            seq["policy_index"][positions] = 1.0
+
+        def loss_fn(outs, t, mb):  # one process, one sequence per micro-batch: plain indexing
+            keep = t["policy_index"].flatten().nonzero().flatten()
+            logp = outs["logprob"].flatten()[keep]
+            adv, old = t["advantages"].flatten()[keep], t["old_logprob"].flatten()[keep]
+            ratio = torch.exp(logp - old)
+            loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).sum()
+            return loss / denominator, {"actor/pg_loss": (loss / denominator).detach()}
+    else:
+        loss_fn = actor_loss_fn(alg, denominator, valid, kl_loss_coef=0.0)
+    trainable.zero_grad()
+    plan = BatchPlan(micro_batch_size=1) if by_hand else BatchPlan(micro_batch_size=2)
+    run_sequences(trainable.chunks, seqs, LogProbHead(with_entropy=False), plan, torch.device("cpu"),
+                  loss_fn=loss_fn, forward_only=False)
+    grads = gather_canonical(trainable.chunks, "grad")
+    return {"grads": grads, "weights": weights} if dist.get_rank() == 0 else None
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_observation_tokens_carry_no_gradient():
+    """Whatever the advantages and old log-probs on observation tokens, the gradient is bit-for-bit the
+    same, and it equals the gradient of the loss written over the policy's positions alone."""
+    from megatron_rl.testing.harness import run_distributed
+
+    base = run_distributed(1, multi_turn_update_body, {}, None, False, False)[0]
+    perturbed = run_distributed(1, multi_turn_update_body, {}, base["weights"], True, False)[0]
+    by_hand = run_distributed(1, multi_turn_update_body, {}, base["weights"], False, True)[0]
+    assert all(torch.equal(base["grads"][k], perturbed["grads"][k]) for k in base["grads"])
+    gap = _max_diff(base["grads"], by_hand["grads"])
+    scale = max(float(g.abs().max()) for g in base["grads"].values())
+    print(f"observation tokens perturbed: gradient identical; vs the loss over policy positions by hand: "
+          f"max |d| {gap:.2e} (largest gradient {scale:.2e})")
+    assert scale > 1e-3 and gap <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_multi_turn_masks_train_the_same_at_cp2_and_cp4(cp):
+    """Observations in the middle of each sequence, sequences sharded over CP ranks: the trainer's loss
+    gradient equals CP=1's within the CP tolerance."""
+    from megatron_rl.testing.harness import run_distributed
+    from tests.support.helpers import CP_TOL
+
+    ref = run_distributed(1, multi_turn_update_body, {}, None, False, False)[0]
+    got = run_distributed(cp, multi_turn_update_body, {"cp": cp}, ref["weights"], False, False)[0]
+    gap = _max_diff(got["grads"], ref["grads"])
+    print(f"cp={cp}: multi-turn gradients max |d| vs cp=1: {gap:.2e}")
+    assert gap <= CP_TOL

@@ -124,12 +124,24 @@ def _our_key(key: str, value: str) -> tuple[str, Optional[str]]:
             return alias.ours, f"config: {alias.origin} key {key} read as our {alias.ours}={value}"
         problem, fix = aliases.refusal(match, value, _KNOWN)
         raise ConfigError(key, value, problem, fix)
+    if key not in ALL_KEYS and _dict_key_of(key):
+        return key, None  # an entry of a dict-valued key (reward.kwargs.scale=2): the dict takes any
     if key not in ALL_KEYS:
         group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None)
         if group:
             raise ConfigError(key, value, "is a group of keys, not a value", f"set one key, e.g. {group}=...")
         raise ConfigError(key, value, "unknown key (from the command line)", _nearest_key(key))
     return key, None
+
+
+def _dict_key_of(key: str) -> Optional[str]:
+    """The dict-valued key ``key`` is an entry of (``reward.kwargs`` for ``reward.kwargs.scale``)."""
+    parent = key.rpartition(".")[0]
+    while parent:
+        if _KEY_TYPES.get(parent) == "dict":
+            return parent
+        parent = parent.rpartition(".")[0]
+    return None
 
 
 def _resolve_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
@@ -147,7 +159,7 @@ def _resolve_overrides(overrides: Iterable[str]) -> list[tuple[str, str]]:
             raise ConfigError(typed, value, f"conflicts with {other[0]}={other[1]}: both set {key}",
                               "give only one of them")
         names[typed] = value
-        if _KEY_TYPES[key] in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
+        if _KEY_TYPES.get(key) in ("str", "Optional[str]") and value != "null" and not value.startswith(("'", '"')):
             # Keep strings as typed: YAML would turn e.g. run.name=on into the boolean True.  Not
             # ASCII-escaped: YAML cannot read the surrogate pairs json writes for characters
             # outside the Basic Multilingual Plane.
