@@ -14,11 +14,11 @@ exactly the ids the engine generated, with the observation's ids masked out of t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from typing import Callable, Protocol, Sequence, Union, runtime_checkable
 
 from megatron_rl.errors import ConfigError
+from megatron_rl.rewards.worker import import_spec
 
 KEY = "rollout.env"
 
@@ -54,14 +54,6 @@ ENVIRONMENTS = {
 }
 
 
-def _import(spec: str):
-    module_name, _, qualname = spec.partition(":")
-    obj = importlib.import_module(module_name)
-    for attr in qualname.split("."):
-        obj = getattr(obj, attr)
-    return obj
-
-
 def environment_factory(spec: str, kwargs: dict | None = None,
                         defaults: dict | None = None) -> Callable[[], Environment]:
     """The callable that builds one environment per trajectory for ``rollout.env=spec``.
@@ -78,7 +70,7 @@ def environment_factory(spec: str, kwargs: dict | None = None,
         raise ConfigError(KEY, spec, "not a built-in environment and not 'module:Class'",
                           f"use one of {', '.join(ENVIRONMENTS)} or 'package.module:Class'")
     try:
-        cls = _import(target)
+        cls = import_spec(target)
     except (ImportError, AttributeError) as err:
         raise ConfigError(KEY, spec, f"cannot import it ({type(err).__name__}: {err})",
                           "put the module on PYTHONPATH or in the working directory") from None

@@ -23,7 +23,8 @@ import sys
 from multiprocessing.connection import Connection
 
 
-def _resolve(spec: str):
+def import_spec(spec: str):
+    """The object ``"package.module:qualname"`` names."""
     module_name, _, qualname = spec.partition(":")
     obj = importlib.import_module(module_name)
     for attr in qualname.split("."):
@@ -65,7 +66,7 @@ def main(read_fd: int, write_fd: int) -> None:
             continue
         _, spec, kwargs, items, result = message
         try:
-            score = _resolve(spec)
+            score = import_spec(spec)
             prepare = getattr(score, "prepare", None)
             if prepare is not None:
                 prepare()  # heavy imports happen before the first sample's clock starts
