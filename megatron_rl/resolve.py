@@ -169,13 +169,13 @@ def max_sequence_length(cfg: Config, job: Job = Job()) -> int:
     """The longest prompt + response a run can make (a whole trajectory with an environment)."""
     if job.max_seq_len is not None:
         return job.max_seq_len
-    if cfg.rollout.env:
+    if cfg.rollout.multi_turn:
         return trajectory_token_limit(cfg)
     return cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
 
 
 def _max_trajectory_tokens(cfg: Config, world: Optional[int], job: Job):
-    if not cfg.rollout.env or cfg.rollout.max_trajectory_tokens is not None:
+    if not cfg.rollout.multi_turn or cfg.rollout.max_trajectory_tokens is not None:
         return cfg.rollout.max_trajectory_tokens, SET, ""
     return trajectory_token_limit(cfg), DERIVED, "data.max_prompt_tokens + rollout.max_turns x rollout.max_new_tokens"
 

@@ -3,6 +3,7 @@ training on multi-turn masks (no gradient through observations; CP parity)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -216,6 +217,20 @@ def test_a_multi_turn_job_trains_and_logs_env_metrics(tmp_path):
         assert m["env/reward_mean"] == pytest.approx(0.25 * m["env/turns_mean"])
         assert m["env/max_turns_frac"] == 0.0
         assert all(torch.isfinite(torch.tensor(float(m[k]))) for k in ("actor/pg_loss", "actor/grad_norm"))
+    # The checkpoint evaluated on the environment: generate runs the same trajectories.
+    rows, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows.write_text(json.dumps({"prompt": "3+4=", "answer": "7"}) + "\n")
+    proc, _ = cli("generate", "--checkpoint", str(tmp_path / "multi_turn"), "--input", str(rows), "--output", str(out),
+                  *TINY[:7], "data.max_prompt_tokens=16", "rollout.env=tests.support.envs:ScriptedEnv",
+                  "rollout.env_kwargs.turns=2",
+                  "rollout.max_turns=3", "rollout.max_new_tokens=4", "rollout.n=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    generated = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(generated) == 3
+    for row in generated:
+        assert len(row["response_mask"]) == len(row["response_ids"]) and 1 <= row["turns"] <= 2
+        assert row["env_reward"] == 0.25 * row["turns"]
+        assert (row["turns"] == 2) == (row["response_mask"].count(0) == 3)  # one observation between two turns
 
 
 @pytest.mark.slow
@@ -359,3 +374,149 @@ def test_multi_turn_masks_train_the_same_at_cp2_and_cp4(cp):
     gap = _max_diff(got["grads"], ref["grads"])
     print(f"cp={cp}: multi-turn gradients max |d| vs cp=1: {gap:.2e}")
     assert gap <= CP_TOL
+
+
+# ---------------------------------------------------------------------------- the OpenAI-compatible endpoint
+
+TOOL_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=#.,:?()<>_{}\"\n"
+
+
+def _post(url: str, body: dict) -> tuple[int, dict, dict]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), dict(err.headers)
+
+
+def test_the_endpoint_serves_two_tool_turns_and_records_the_exact_ids():
+    """An HTTP client drives one conversation through two tool turns (and two more sessions at once);
+    the trajectory the endpoint records is the served ids, the tool messages' ids once each, mask 1
+    exactly on the replies, and log-probs equal to a full forward over the recorded sequence."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_rl.data.tokenizer import CharTokenizer
+    from megatron_rl.envs.endpoint import ChatEndpoint
+
+    tokenizer = CharTokenizer(TOOL_ALPHABET)
+    engine = _engine()
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=(tokenizer.eos_id,))
+    endpoint = ChatEndpoint(engine, tokenizer, params, seed=5, max_turns=8)
+    url = endpoint.base_url + "/chat/completions"
+    try:
+        def conversation(sid: str):
+            messages = [{"role": "user", "content": "what is 12*3+4?"}]
+            replies, deltas = [], []
+            for tool_result in ("36", "40", None):
+                status, reply, headers = _post(url, {"model": "megatron_rl", "messages": messages, "session_id": sid})
+                assert status == 200 and headers["X-Session-Id"] == sid, reply
+                content = reply["choices"][0]["message"]["content"]
+                replies.append(content)
+                if tool_result is None:
+                    break
+                # the agent sends the reply back with a tool_calls field of its own: it must not be re-rendered
+                messages = messages + [{"role": "assistant", "content": content, "tool_calls": [
+                    {"id": "x", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}]},
+                    {"role": "tool", "content": tool_result}]
+                deltas.append(f"\ntool: {tool_result}\nassistant: ")
+            return replies, deltas
+
+        with ThreadPoolExecutor(3) as pool:
+            results = dict(zip(["a", "b", "c"], pool.map(conversation, ["a", "b", "c"])))
+        first = [{"role": "user", "content": "what is 2+2?"}]
+        assert _post(url, {"messages": first, "session_id": "d"})[0] == 200
+        status, error, _ = _post(url, {"messages": first + [{"role": "assistant", "content": "edited"},
+                                                            {"role": "tool", "content": "1"}], "session_id": "d"})
+        assert status == 400 and "unchanged" in error["error"]["message"]
+        trajectories = endpoint.trajectories(["a", "b", "c"])
+    finally:
+        endpoint.close()
+    worst = 0.0
+    for (replies, deltas), t in zip(results.values(), trajectories):
+        assert t["prompt_ids"] == tokenizer.apply_chat_template([{"role": "user", "content": "what is 12*3+4?"}])
+        assert t["turns"] == 3 and t["limit"] == ""
+        # Walk the response: reply ids (mask 1, decoding to what the client got), then the tool
+        # message's ids (mask 0, the rendered delta encoded once), ...
+        pos, resp, mask = 0, t["response_ids"], t["mask"]
+        for k, reply in enumerate(replies):
+            end = pos
+            while end < len(resp) and mask[end] == 1:
+                end += 1
+            assert tokenizer.decode(resp[pos:end]) == reply
+            last_reply = [pos, end]
+            pos = end
+            if k < len(deltas):
+                delta = tokenizer.encode(deltas[k])
+                assert resp[pos : pos + len(delta)] == delta and mask[pos : pos + len(delta)] == [0] * len(delta)
+                pos += len(delta)
+        assert pos == len(resp)
+        assert t["final_turn"] == last_reply == [last_reply[0], len(resp)]
+        ref = _full_forward_logprobs(engine, t["prompt_ids"], resp, 1.0)
+        policy = torch.tensor(mask, dtype=torch.bool)
+        worst = max(worst, float((ref[policy] - torch.tensor(t["logprobs"])[policy]).abs().max()))
+    print(f"3 sessions x 3 replies over HTTP; max |served log-prob - full forward| = {worst:.2e}")
+    assert worst <= 1e-5
+
+
+@pytest.mark.slow
+def test_an_agent_job_trains_on_what_the_endpoint_served(tmp_path):
+    """rollout.agent: an outside agent in its own process drives every sample through the endpoint
+    (two tool turns); the step trains on the served sessions and the agent's reward counts."""
+    from tests.support.helpers import TINY, read_metrics
+    from tests.test_cli import cli
+
+    proc, seconds = cli("train", *TINY, "rollout.agent=tests.support.envs:two_tool_turns", "rollout.max_new_tokens=4",
+                        "rollout.max_turns=3", "rollout.max_trajectory_tokens=100", "model.max_position_embeddings=128",
+                        "trainer.steps=2", f"run.dir={tmp_path}", "run.name=agent")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "agent")
+    print(f"{seconds:.1f}s", json.dumps({k: v for k, v in metrics[-1].items() if k.startswith("env/")}))
+    for m in metrics:
+        assert m["env/turns_mean"] == 3.0 and m["env/reward_mean"] == 0.5
+        assert m["env/agent_timeouts"] == 0 and m["env/agent_no_reply"] == 0
+        # two tool messages per trajectory, each "\ntool: 7\nassistant: " (20 characters)
+        assert m["env/observation_tokens_mean"] == 40.0
+        assert all(torch.isfinite(torch.tensor(float(m[k]))) for k in ("actor/pg_loss", "actor/grad_norm"))
+
+
+def test_the_endpoint_and_agents_stop_at_their_limits():
+    """A session past rollout.max_turns gets empty replies (finish 'length') and records the limit;
+    an agent past rollout.agent_timeout_s is killed and counted; one that never asks has no loss."""
+    from megatron_rl.data.tokenizer import CharTokenizer
+    from megatron_rl.envs.agent import AgentRollout
+    from megatron_rl.envs.endpoint import ChatEndpoint
+
+    tokenizer = CharTokenizer(TOOL_ALPHABET)
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(tokenizer.eos_id,))
+    endpoint = ChatEndpoint(_engine(), tokenizer, params, max_turns=1)
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        _, first = endpoint.complete({"messages": messages, "session_id": "s"})
+        messages += [first["choices"][0]["message"], {"role": "tool", "content": "1"}]
+        _, second = endpoint.complete({"messages": messages, "session_id": "s"})
+        assert second["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": ""},
+                                        "finish_reason": "length"}
+        (t,) = endpoint.trajectories(["s"])
+        assert t["turns"] == 1 and t["limit"] == MAX_TURNS
+    finally:
+        endpoint.close()
+    rollout = AgentRollout(_engine(), tokenizer, "tests.support.envs:silent_agent", TrajectoryLimits(3, 100), 30.0)
+    try:
+        batch = rollout.generate(PROMPTS, params, seed=1, records=[{"prompt": "a"}, {"prompt": "b"}])
+    finally:
+        rollout.close()
+    assert [i["agent_no_reply"] for i in batch.env_info] == [1, 1] and batch.response_mask == [[0], [0]]
+    slow = AgentRollout(_engine(), tokenizer, "tests.support.envs:sleeping_agent", TrajectoryLimits(3, 100), 1.0)
+    start = time.monotonic()
+    try:
+        batch = slow.generate(PROMPTS[:1], dataclasses.replace(params, n=2), seed=1, records=[{"prompt": "a"}])
+    finally:
+        slow.close()
+    assert time.monotonic() - start < 20
+    assert [i["agent_timeouts"] for i in batch.env_info] == [1, 1]
+    # each asked once before sleeping: what was served is kept
+    assert [i["turns"] for i in batch.env_info] == [1, 1]

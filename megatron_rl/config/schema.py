@@ -308,6 +308,13 @@ class RolloutConfig:
                       "token-in-token-out with the loss on the policy's tokens only; '' = single-turn prompt -> "
                       "response (docs/environments.md).")
     env_kwargs: dict = _f({}, "Keyword arguments for the environment class (e.g. tools: [calculator]).")
+    agent: str = _f("", "Multi-turn trajectories driven by an outside agent: 'package.module:function' called as "
+                        "fn(base_url, session_id, record) per sample, talking to the rollout engine's "
+                        "OpenAI-compatible endpoint at base_url; trained on the exact ids it was served; '' = off "
+                        "(docs/environments.md).")
+    agent_timeout_s: float = _f(120.0, "Seconds one agent call (one trajectory) may run in its worker process; past "
+                                       "it the agent is killed and its session kept as served "
+                                       "(env/agent_timeouts).", gt=0)
     max_turns: int = _f(4, "Most policy turns of a multi-turn trajectory (each up to rollout.max_new_tokens).", ge=1)
     max_trajectory_tokens: Optional[int] = _f(
         None, "Most tokens of a multi-turn trajectory: prompt + every turn and observation (the sequence length the "
@@ -317,6 +324,11 @@ class RolloutConfig:
                                     "past it the call is killed and answered with an error observation, counted in "
                                     "env/tool_timeouts.  Handed to environments whose constructor takes timeout_s.",
                                gt=0)
+    @property
+    def multi_turn(self) -> bool:
+        """Trajectories of several turns: an environment or an outside agent drives them."""
+        return bool(self.env or self.agent)
+
     on_limit: Literal[ON_LIMIT] = _f("grade", "A trajectory that hit rollout.max_turns or "
                                               "rollout.max_trajectory_tokens: graded as it stands (grade) or "
                                               "scored 0 (zero); counted either way.")

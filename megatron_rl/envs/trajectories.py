@@ -172,22 +172,26 @@ class EnvironmentRollout:
 
 
 def with_environment(cfg, engine, tokenizer):
-    """``engine`` driven through ``rollout.env``'s trajectories (``cfg`` resolved), or ``engine``
-    itself for single-turn rollouts."""
+    """``engine`` driven through ``rollout.env``'s trajectories or ``rollout.agent``'s sessions
+    (``cfg`` resolved), or ``engine`` itself for single-turn rollouts."""
     from megatron_rl.config.choices import ON_LIMIT_ZERO
     from megatron_rl.envs.base import environment_factory
     from megatron_rl.resolve import trajectory_token_limit
 
     r = cfg.rollout
+    limits = TrajectoryLimits(r.max_turns, trajectory_token_limit(cfg), r.on_limit == ON_LIMIT_ZERO)
+    if r.agent:
+        from megatron_rl.envs.agent import AgentRollout
+
+        return AgentRollout(engine, tokenizer, r.agent, limits, r.agent_timeout_s)
     if not r.env:
         return engine
     make_env = environment_factory(r.env, r.env_kwargs, defaults={"timeout_s": r.tool_timeout_s})
-    limits = TrajectoryLimits(r.max_turns, trajectory_token_limit(cfg), r.on_limit == ON_LIMIT_ZERO)
     return EnvironmentRollout(engine, make_env, tokenizer.encode, tokenizer.decode, limits)
 
 
 # Counts an environment may report per turn (Turn.info) that become env/* metrics (per sample, mean).
-_COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "tool_parse_errors")
+_COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "tool_parse_errors", "agent_timeouts", "agent_no_reply")
 
 
 def env_metrics(samples) -> dict:
@@ -203,7 +207,8 @@ def env_metrics(samples) -> dict:
            "env/reward_mean": sum(i["env_reward"] for i in infos) / n,
            "env/observation_tokens_mean": sum(len(m) - sum(m) for m in samples.loss_mask) / n}
     for key in _COUNTED:
-        out[f"env/{key}"] = sum(i.get(key, 0) for i in infos) / n
+        if any(key in i for i in infos):
+            out[f"env/{key}"] = sum(i.get(key, 0) for i in infos) / n
     return out
 
 

@@ -9,7 +9,7 @@ AREA = "environments"
 
 
 def _env(c) -> bool:
-    return bool(c.rollout.env)
+    return c.rollout.multi_turn
 
 
 def _generator_ranks(c) -> int:
@@ -29,6 +29,9 @@ FEATURES = [
          "tests/test_environments.py::test_a_multi_turn_job_trains_and_logs_env_metrics",
          "tests/test_environments.py::test_a_bad_environment_is_refused_before_launch"),
         constraints=(
+            need("rollout.agent", lambda c, w: not (c.rollout.env and c.rollout.agent),
+                 "an environment and an outside agent would both drive the same trajectories",
+                 "set one of rollout.env and rollout.agent", "one driver of trajectories", when=_env),
             need("rollout.ranks", lambda c, w: c.rollout.ranks == 0,
                  "multi-turn trajectories are driven on the training ranks; generator ranks of their own do not run "
                  "environments yet", "set rollout.ranks=0 (colocated generation)",
@@ -93,13 +96,26 @@ FEATURES = [
         "ranks; refused before launch today.",
     ),
     Feature(
-        "OpenAI-compatible endpoint for outside agents", "environments", PLANNED,
-        "/v1/chat/completions served by the rollout engine so an outside agent harness drives trajectories while "
-        "the trainer collects the exact token ids and log-probs it served.",
+        "OpenAI-compatible endpoint for outside agents (rollout.agent)", "environments", TESTED_CPU,
+        "POST /v1/chat/completions served by the rollout engine (concurrent requests generated together), sessions "
+        "by session_id; each session records the exact ids and log-probs served, later messages rendered once after "
+        "the last reply (never the reply again), an edited history refused; rollout.agent=module:function runs an "
+        "outside agent per sample in a worker process bounded by rollout.agent_timeout_s and trains on its sessions.",
+        ("tests/test_environments.py::test_the_endpoint_serves_two_tool_turns_and_records_the_exact_ids",
+         "tests/test_environments.py::test_an_agent_job_trains_on_what_the_endpoint_served",
+         "tests/test_environments.py::test_the_endpoint_and_agents_stop_at_their_limits"),
+        config="rollout.agent, rollout.agent_timeout_s",
+    ),
+    Feature(
+        "Multi-turn generate (evaluate a checkpoint on an environment)", "environments", TESTED_CPU,
+        "megatron-rl generate with rollout.env (or rollout.agent): each input line is the environment's record; "
+        "rows carry response_mask, turns, limit and the environment's reward.",
+        ("tests/test_environments.py::test_a_multi_turn_job_trains_and_logs_env_metrics",),
+        config="megatron-rl generate ... rollout.env=...",
     ),
     Feature(
         "A built-in tool-use task that learns", "environments", PLANNED,
         "Multi-digit arithmetic a tiny model cannot do without the calculator, an SFT warm-up teaching the call "
-        "format, GRPO raising the reward; a config in configs/ and generate with an environment.",
+        "format, GRPO raising the reward; a config in configs/.",
     ),
 ]

@@ -15,7 +15,7 @@ def _position_limit(cfg) -> tuple | None:
     ``rollout.max_trajectory_tokens``, resolved) past the model's positions: the error."""
     model, longest = cfg.model, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     limit = max_positions(model)
-    trajectory = cfg.rollout.max_trajectory_tokens if cfg.rollout.env else None
+    trajectory = cfg.rollout.max_trajectory_tokens if cfg.rollout.multi_turn else None
     if trajectory is not None:
         if trajectory <= limit:
             return None

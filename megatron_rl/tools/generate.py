@@ -50,8 +50,9 @@ def _prompt_ids(record: dict, where: str, tokenizer) -> list[int]:
     return tokenizer.apply_chat_template(record["messages"])
 
 
-def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Prompt ids, one per non-empty line of ``path``; ``tokenizer`` None reads rows of ids only."""
+def read_prompts(path: str, tokenizer, vocab_size: int, records: list | None = None) -> list[list[int]]:
+    """Prompt ids, one per non-empty line of ``path``; ``tokenizer`` None reads rows of ids only.
+    ``records`` (a list) receives each line's JSON object (what an environment starts from)."""
     if not os.path.isfile(path):
         raise DataError("--input", path, "file not found",
                         "give a JSONL file with prompt_ids, prompt or messages per line")
@@ -72,6 +73,8 @@ def read_prompts(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
                                 f"token ids must be non-empty and inside the vocabulary (size {vocab_size})",
                                 "fix that line")
             prompts.append(ids)
+            if records is not None:
+                records.append(record)
     if not prompts:
         raise DataError("--input", path, "no prompts", "add at least one line")
     return prompts
@@ -107,8 +110,9 @@ def _model_from_checkpoint(checkpoint: str, part: str):
 def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
                  checkpoint: str | None = None, part: str = "actor") -> int:
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+    from megatron_rl.envs.trajectories import with_environment
     from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.resolve import Job, resolve
+    from megatron_rl.resolve import Job, resolve, trajectory_token_limit
     from megatron_rl.rollout.dp import generate_data_parallel
     from megatron_rl.rollout.engine import make_rollout_engine
     from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
@@ -117,10 +121,19 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
     if checkpoint:
         model_cfg, model_dir, tokenizer_dir = _model_from_checkpoint(checkpoint, part)
     tokenizer = load_generation_tokenizer(cfg, tokenizer_dir)
-    prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size)
+    records: list = []
+    prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size, records)
     # The rollout batch and engine for these prompts and this model (every sample of a rank's
-    # share in one pass, within the KV budget, unless rollout.max_batch_size says otherwise).
-    job = Job(max_seq_len=max(map(len, prompts)) + cfg.rollout.max_new_tokens, prompts=len(prompts))
+    # share in one pass, within the KV budget, unless rollout.max_batch_size says otherwise); with
+    # an environment or agent, trajectories up to their token limit.
+    longest = max(map(len, prompts)) + cfg.rollout.max_new_tokens
+    if cfg.rollout.multi_turn:
+        if tokenizer is None:
+            raise DataError("rollout.env", cfg.rollout.env or cfg.rollout.agent,
+                            "multi-turn generation needs a tokenizer and the model directory holds none",
+                            "set data.tokenizer")
+        longest = max(longest, trajectory_token_limit(cfg))
+    job = Job(max_seq_len=longest, prompts=len(prompts))
     resolution = resolve(dataclasses.replace(cfg, model=model_cfg), dist.get_world_size(), job)
     layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
@@ -135,14 +148,15 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
 
         load_hf_weights(chunks, hf_dir)
     rollout = resolution.config.rollout
-    engine = make_rollout_engine(rollout, model_cfg, device)
+    engine = with_environment(resolution.config, make_rollout_engine(rollout, model_cfg, device), tokenizer)
     engine.load_from_chunks(chunks)
     params = SamplingParams(
         temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
         max_new_tokens=rollout.max_new_tokens, n=rollout.n, stop_token_ids=eos_token_ids(tokenizer, model_dir),
         stop_sequences=tuple(tuple(tokenizer.encode(s)) for s in rollout.stop) if tokenizer is not None else (),
     )
-    batch = generate_data_parallel(engine, prompts, params, seed=cfg.run.seed)
+    batch = generate_data_parallel(engine, prompts, params, seed=cfg.run.seed,
+                                   records=records if rollout.multi_turn else None)
     if dist.get_rank() == 0:
         tmp = output_path + ".tmp"
         with open(tmp, "w") as fh:
@@ -152,7 +166,17 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
                     "response_ids": batch.response_ids[k],
                     "text": tokenizer.decode(batch.response_ids[k]) if tokenizer is not None else None,
                     "logprobs": batch.response_logprobs[k], "finish_reason": batch.finish_reason[k],
+                    **_trajectory_fields(batch, k),
                 }) + "\n")
         os.replace(tmp, output_path)
         print(f"generated {len(batch)} samples for {len(prompts)} prompts -> {output_path}", flush=True)
     return 0
+
+
+def _trajectory_fields(batch, k: int) -> dict:
+    """A multi-turn sample's mask (1 on the policy's tokens) and what its environment reported."""
+    if batch.response_mask is None:
+        return {}
+    info = batch.env_info[k]
+    return {"response_mask": batch.response_mask[k], "turns": info["turns"], "limit": info["limit"],
+            "env_reward": info["env_reward"]}

@@ -46,6 +46,8 @@ def check_training_inputs(cfg: Config) -> None:
                           f"set model.vocab_size >= {tokenizer.vocab_size}")
     if cfg.rollout.env:
         _check_environment(cfg, tokenizer)
+    if cfg.rollout.agent:
+        _check_agent(cfg)
 
 
 def _check_environment(cfg: Config, tokenizer) -> None:
@@ -60,3 +62,18 @@ def _check_environment(cfg: Config, tokenizer) -> None:
                               f"cannot encode the environment's stop string {stop!r} (it comes back as "
                               f"{tokenizer.decode(tokenizer.encode(stop))!r})",
                               "use a tokenizer whose vocabulary has its characters (e.g. char:<alphabet with them>)")
+
+
+def _check_agent(cfg: Config) -> None:
+    """rollout.agent names a function (imported here, as its worker processes will)."""
+    from megatron_rl.rewards.worker import import_spec
+
+    spec = cfg.rollout.agent
+    try:
+        fn = import_spec(spec) if ":" in spec else None
+    except (ImportError, AttributeError) as err:
+        raise ConfigError("rollout.agent", spec, f"cannot import it ({type(err).__name__}: {err})",
+                          "put the module on PYTHONPATH or in the working directory") from None
+    if not callable(fn):
+        raise ConfigError("rollout.agent", spec, "is not 'package.module:function' naming a function",
+                          "point rollout.agent at fn(base_url, session_id, record) (docs/environments.md)")

@@ -100,7 +100,7 @@ class Evaluator:
         prompts, ev = self.prompts, self.cfg.eval
         self.load_weights()
         records = None
-        if self.cfg.rollout.env:  # the environments of multi-turn training
+        if self.cfg.rollout.multi_turn:  # the environments / agent of multi-turn training
             records = [dict(fields, prompt=prompts.prompts[i], answer=prompts.answers[i])
                        for i, fields in enumerate(prompts.record_fields(range(len(prompts))))]
         rollout = generate_data_parallel(self.engine, prompts.prompt_ids, self.sampling,

@@ -446,7 +446,7 @@ class PPOTrainer:
 
     def _rollout(self, batch: list[int], step: int, round_: int = 0) -> Samples:
         tags = ("rollout", step) if round_ == 0 else ("rollout", step, "round", round_)
-        records = self._records(batch) if self.cfg.rollout.env else None
+        records = self._records(batch) if self.cfg.rollout.multi_turn else None
         rollout = generate_data_parallel(self.engine, [self.prompts.prompt_ids[i] for i in batch], self.sampling,
                                          seed=derive_seed(self.cfg.run.seed, *tags), records=records)
         return Samples.from_rollout(rollout, batch)

@@ -46,3 +46,40 @@ def where_tool() -> str:
     import os
 
     return os.getcwd()
+
+
+def two_tool_turns(base_url: str, session_id: str, record: dict) -> float:
+    """An outside agent: asks the prompt, answers two replies with tool results, takes a third; 0.5."""
+    import json
+    import urllib.request
+
+    def ask(messages):
+        body = json.dumps({"model": "megatron_rl", "messages": messages, "session_id": session_id}).encode()
+        request = urllib.request.Request(base_url + "/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["choices"][0]["message"]["content"]
+
+    messages = [{"role": "user", "content": record["prompt"]}]
+    for result in ("7", "8"):
+        messages += [{"role": "assistant", "content": ask(messages)}, {"role": "tool", "content": result}]
+    ask(messages)
+    return 0.5
+
+
+def silent_agent(base_url: str, session_id: str, record: dict) -> None:
+    """An agent that never asks: its samples have no reply."""
+    return None
+
+
+def sleeping_agent(base_url: str, session_id: str, record: dict) -> float:
+    """Asks once, then never returns (the agent time bound ends it)."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"messages": [{"role": "user", "content": record["prompt"]}], "session_id": session_id})
+    request = urllib.request.Request(base_url + "/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=60).read()
+    time.sleep(600)
+    return 1.0
