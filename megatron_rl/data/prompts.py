@@ -56,6 +56,8 @@ class PromptSet:
     path: str = ""
     fields: list[dict] = dataclasses.field(default_factory=list)
     answer_key: str = DEFAULT_ANSWER_KEY  # the key the answers were read with (:func:`answer_key_of`)
+    # Per prompt, the policy turns of a multi-turn solution (built-in tool tasks); empty when none.
+    demonstrations: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

@@ -4,9 +4,16 @@
 ``add_small``: the same with b in {1, 2} (20 prompts) -- small enough that RL alone teaches a
 tiny model the table in a few minutes on a CPU.  Both are verifiable with ``reward.fn=digit_sum``;
 a model that only knows the answer format scores about 1/12 on ``add_small``.
+``tool_mul``: ``"a*b="`` for two-digit a, b (8100 prompts): beyond a tiny model without a tool, and
+easy with the calculator of ``rollout.env=tool_calling``.  Each prompt carries a demonstration, the
+policy turns that solve it (a Hermes tool call, then the answer): a supervised warm-up
+(``trainer.sft_warmup_steps``) steps the environment through them, so it trains on the trajectory
+the environment would produce, its observations masked (:mod:`megatron_rl.trainer.sft`).
 """
 
 from __future__ import annotations
+
+import json
 
 from megatron_rl.data.prompts import PromptSet
 from megatron_rl.errors import DataError
@@ -24,7 +31,18 @@ def _max_digit() -> list[tuple[str, str]]:
     return [(f"max {a}{b}=", str(max(a, b))) for a in range(10) for b in range(10)]
 
 
-TASKS = {"digit_sum": _digit_sum, "add_small": _add_small, "max_digit": _max_digit}
+def tool_call_text(name: str, arguments: dict) -> str:
+    """A Hermes / Qwen tool call, as ``rollout.env=tool_calling`` reads it."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def _tool_mul() -> list[tuple[str, str, list[str]]]:
+    return [(f"{a}*{b}=", str(a * b), [tool_call_text("calculator", {"expression": f"{a}*{b}"}), str(a * b)])
+            for a in range(10, 100) for b in range(10, 100)]
+
+
+# name -> rows of (prompt, answer) or (prompt, answer, demonstration: the policy turns that solve it)
+TASKS = {"digit_sum": _digit_sum, "add_small": _add_small, "max_digit": _max_digit, "tool_mul": _tool_mul}
 TASK_PREFIX = "task:"
 
 
@@ -37,7 +55,7 @@ def check_task(name: str, key: str = "data.train_path") -> None:
 def load_task(name: str, tokenizer, max_prompt_tokens: int, key: str = "data.train_path") -> PromptSet:
     check_task(name, key)
     out = PromptSet([], [], [], [], path=f"{TASK_PREFIX}{name}")
-    for index, (prompt, answer) in enumerate(TASKS[name]()):
+    for index, (prompt, answer, *demonstration) in enumerate(TASKS[name]()):
         ids = tokenizer.encode_prompt(prompt)
         if len(ids) > max_prompt_tokens:
             out.num_dropped += 1
@@ -46,4 +64,6 @@ def load_task(name: str, tokenizer, max_prompt_tokens: int, key: str = "data.tra
         out.prompts.append(prompt)
         out.answers.append(answer)
         out.source_index.append(index)
+        if demonstration:
+            out.demonstrations.append(demonstration[0])
     return out

@@ -128,4 +128,4 @@ def _first(prompts: PromptSet, count: Optional[int]) -> PromptSet:
         return prompts
     return dataclasses.replace(prompts, prompt_ids=prompts.prompt_ids[:count], prompts=prompts.prompts[:count],
                                answers=prompts.answers[:count], source_index=prompts.source_index[:count],
-                               fields=prompts.fields[:count])
+                               fields=prompts.fields[:count], demonstrations=prompts.demonstrations[:count])

@@ -239,7 +239,8 @@ class PPOTrainer:
             seeded_init(self.actor.chunks, cfg.run.seed)
         self.actor.weights_replaced()
         if cfg.trainer.sft_warmup_steps:
-            self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device, self.log)
+            self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device, self.log,
+                                    make_env=getattr(self.engine, "make_env", None))
         if self.reference is None and self.critic is None:
             return
         initial = gather_canonical(self.actor.chunks)

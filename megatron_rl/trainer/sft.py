@@ -3,11 +3,16 @@
 It teaches a freshly initialised model the answer format, so that RL starts with rewards that
 vary.  The loss covers the answer and EOS only, summed over tokens and divided once by the
 step's answer-token count.  RL then starts from a new optimizer state and the RL learning rate.
+
+With an environment (``rollout.env``) and prompts that carry demonstrations (the policy turns that
+solve them, e.g. ``task:tool_mul``), a warm-up sequence is the trajectory the environment makes of
+them: each turn is encoded and stepped through a fresh environment, whose observation is appended
+with no loss, exactly as a rollout would build it; the last turn ends with EOS.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -34,18 +39,43 @@ def _targets(prompts: PromptSet, cfg: Config) -> list:
     return answers
 
 
-def _batch(indices: list[int], prompts: PromptSet, answers: list, tokenizer: Tokenizer) -> tuple[list[dict], float]:
-    """Sequences with a loss mask on the positions that predict answer + EOS, and their token count."""
+def _batch(indices: list[int], prompts: PromptSet, answers: list, tokenizer: Tokenizer,
+           make_env: Optional[Callable] = None) -> tuple[list[dict], float]:
+    """Sequences with a loss mask on the positions that predict the policy's tokens (answer + EOS, or
+    a demonstration's turns), and their token count."""
     seqs, total = [], 0
     for i in indices:
         prompt = prompts.prompt_ids[i]
-        answer = tokenizer.encode(answers[i] or "") + [tokenizer.eos_id]
-        tokens = torch.tensor(prompt + answer)
+        if make_env is not None and prompts.demonstrations:
+            response, policy = _demonstrated(prompts.demonstrations[i], make_env, tokenizer)
+        else:
+            response = tokenizer.encode(answers[i] or "") + [tokenizer.eos_id]
+            policy = [1] * len(response)
+        tokens = torch.tensor(prompt + response)
         mask = torch.zeros(len(tokens))
-        mask[response_positions(len(prompt), len(answer))] = 1.0
+        mask[response_positions(len(prompt), len(response))] = torch.tensor(policy, dtype=mask.dtype)
         seqs.append({"tokens": tokens, "loss_mask": mask})
-        total += len(answer)
+        total += sum(policy)
     return seqs, float(total)
+
+
+def _demonstrated(turns: list[str], make_env: Callable, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The response ids of a demonstration stepped through a fresh environment, and its policy mask."""
+    env = make_env()
+    env.reset({})
+    response, policy = [], []
+    for k, text in enumerate(turns):
+        ids = tokenizer.encode(text) + ([tokenizer.eos_id] if k + 1 == len(turns) else [])
+        response += ids
+        policy += [1] * len(ids)
+        if k + 1 == len(turns):
+            break
+        answer = env.step(text, ids)
+        observation = answer.observation
+        obs = tokenizer.encode(observation) if isinstance(observation, str) else list(observation)
+        response += obs
+        policy += [0] * len(obs)
+    return response, policy
 
 
 def _nll(total_tokens: float) -> Callable:
@@ -59,22 +89,24 @@ def _nll(total_tokens: float) -> Callable:
 
 
 def sft_warmup(actor: Trainable, prompts: PromptSet, tokenizer: Tokenizer, cfg: Config, plan: BatchPlan, device,
-               log: Callable[[str], None]) -> Trainable:
-    """Run ``trainer.sft_warmup_steps`` supervised steps on ``actor``'s weights.
+               log: Callable[[str], None], make_env: Optional[Callable] = None) -> Trainable:
+    """Run ``trainer.sft_warmup_steps`` supervised steps on ``actor``'s weights (``make_env``: the
+    environment demonstrations are stepped through).
 
     Returns the actor with a rebuilt optimizer and schedule for RL; ``actor``'s optimizer is dead
     afterwards, so whoever keeps the actor (offloaders, checkpoint parts) must take the returned one.
     """
     steps = cfg.trainer.sft_warmup_steps
-    for group in actor.optimizer.param_groups:
-        group["lr"] = cfg.trainer.sft_lr
     sampler = PromptSampler(prompts, cfg.trainer.prompts_per_step, derive_seed(cfg.run.seed, "sft_prompts"), True)
     answers = _targets(prompts, cfg)
     head = LogProbHead(with_entropy=False)
     for step in range(steps):
-        seqs, total = _batch(sampler.next_batch(), prompts, answers, tokenizer)
+        seqs, total = _batch(sampler.next_batch(), prompts, answers, tokenizer, make_env)
         actor.zero_grad()
         _, logs = run_sequences(actor.chunks, seqs, head, plan, device, loss_fn=_nll(total), forward_only=False)
+        # Every step: the actor's scheduler sets the RL schedule's rate after each step it takes.
+        for group in actor.optimizer.param_groups:
+            group["lr"] = cfg.trainer.sft_lr
         actor.step()
         loss = reduce_sums(logs, ["sft/loss"])["sft/loss"]
         if step == 0 or (step + 1) % _LOG_EVERY == 0 or step + 1 == steps:
