@@ -17,8 +17,8 @@ def sft_body(sft_lr: float, actor_lr: float, steps: int, with_env: bool):
     from megatron_rl.trainer import sft
     from tests.support.helpers import small_actor
 
-    cfg = load_config(None, [f"trainer.sft_lr={sft_lr}", f"actor.optim.lr={actor_lr}", f"trainer.sft_warmup_steps={steps}",
-                             "trainer.prompts_per_step=4"])
+    cfg = load_config(None, [f"trainer.sft_lr={sft_lr}", f"actor.optim.lr={actor_lr}",
+                             f"trainer.sft_warmup_steps={steps}", "trainer.prompts_per_step=4"])
     trainable, _ = small_actor({}, None)
     tokenizer = CharTokenizer("0123456789abcdefghijklmnopqrstuvwxyz +-*/=#.,:?()<>_{}\"\n")
     prompts = load_task("tool_mul" if with_env else "add_small", tokenizer, 16)
