@@ -520,3 +520,22 @@ def test_the_endpoint_and_agents_stop_at_their_limits():
     assert [i["agent_timeouts"] for i in batch.env_info] == [1, 1]
     # each asked once before sleeping: what was served is kept
     assert [i["turns"] for i in batch.env_info] == [1, 1]
+
+
+@pytest.mark.slow
+def test_grpo_with_the_calculator_tool_raises_the_reward(tmp_path):
+    """configs/tool_calling_cpu.yaml: two-digit products, which the tiny model can only get with the
+    calculator; after the warm-up on demonstrations GRPO raises the share of exact answers."""
+    from tests.support.helpers import read_metrics
+    from tests.test_cli import cli
+
+    proc, seconds = cli("train", "--config", "configs/tool_calling_cpu.yaml", f"run.dir={tmp_path}", timeout=2400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "tool_calling_cpu")
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    calls = sum(r["env/tool_calls"] for r in rows[-5:]) / 5
+    print(f"tool_mul: reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of {len(rows)}); tool calls per "
+          f"trajectory {calls:.3f}; {seconds / 60:.1f} min")
+    assert len(rows) == 30 and last - first >= 0.15
+    assert calls >= 0.9 and all(r["env/reward_mean"] == 0.0 for r in rows)  # the score is reward.fn's alone

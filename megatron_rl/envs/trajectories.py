@@ -171,25 +171,6 @@ class EnvironmentRollout:
         t.add_observation(ids)
 
 
-def with_environment(cfg, engine, tokenizer):
-    """``engine`` driven through ``rollout.env``'s trajectories or ``rollout.agent``'s sessions
-    (``cfg`` resolved), or ``engine`` itself for single-turn rollouts."""
-    from megatron_rl.config.choices import ON_LIMIT_ZERO
-    from megatron_rl.envs.base import environment_factory
-    from megatron_rl.resolve import trajectory_token_limit
-
-    r = cfg.rollout
-    limits = TrajectoryLimits(r.max_turns, trajectory_token_limit(cfg), r.on_limit == ON_LIMIT_ZERO)
-    if r.agent:
-        from megatron_rl.envs.agent import AgentRollout
-
-        return AgentRollout(engine, tokenizer, r.agent, limits, r.agent_timeout_s)
-    if not r.env:
-        return engine
-    make_env = environment_factory(r.env, r.env_kwargs, defaults={"timeout_s": r.tool_timeout_s})
-    return EnvironmentRollout(engine, make_env, tokenizer.encode, tokenizer.decode, limits)
-
-
 # Counts an environment may report per turn (Turn.info) that become env/* metrics (per sample, mean).
 _COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "tool_parse_errors", "agent_timeouts", "agent_no_reply")
 

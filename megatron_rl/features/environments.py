@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, need
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
 from megatron_rl.planner.memory import RolloutLayout
 
 AREA = "environments"
@@ -114,8 +114,13 @@ FEATURES = [
         config="megatron-rl generate ... rollout.env=...",
     ),
     Feature(
-        "A built-in tool-use task that learns", "environments", PLANNED,
-        "Multi-digit arithmetic a tiny model cannot do without the calculator, an SFT warm-up teaching the call "
-        "format, GRPO raising the reward; a config in configs/.",
+        "A tool-use task that learns (task:tool_mul, configs/tool_calling_cpu.yaml)", "environments", TESTED_CPU,
+        "Two-digit products a tiny model cannot compute without the calculator; the warm-up steps the environment "
+        "through each prompt's demonstration (observations masked), then GRPO raises the share of exact answers.",
+        ("tests/test_environments.py::test_grpo_with_the_calculator_tool_raises_the_reward",
+         "tests/test_sft.py::test_a_demonstration_is_stepped_through_the_environment_with_its_observation_masked"),
+        config="data.train_path=task:tool_mul, rollout.env=tool_calling",
+        measured=(Measured("reward 0.459 (first 5 steps) -> 0.703 (last 5 of 30), 0.99 tool calls per trajectory",
+                           "megatron-rl train --config configs/tool_calling_cpu.yaml"),),
     ),
 ]

@@ -110,7 +110,7 @@ def _model_from_checkpoint(checkpoint: str, part: str):
 def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
                  checkpoint: str | None = None, part: str = "actor") -> int:
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
-    from megatron_rl.envs.trajectories import with_environment
+    from megatron_rl.envs.build import with_environment
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.resolve import Job, resolve, trajectory_token_limit
     from megatron_rl.rollout.dp import generate_data_parallel

@@ -50,7 +50,8 @@ from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
-from megatron_rl.envs.trajectories import env_metrics, trajectory_scores, with_environment
+from megatron_rl.envs.build import with_environment
+from megatron_rl.envs.trajectories import env_metrics, trajectory_scores
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
