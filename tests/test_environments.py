@@ -539,3 +539,25 @@ def test_grpo_with_the_calculator_tool_raises_the_reward(tmp_path):
           f"trajectory {calls:.3f}; {seconds / 60:.1f} min")
     assert len(rows) == 30 and last - first >= 0.15
     assert calls >= 0.9 and all(r["env/reward_mean"] == 0.0 for r in rows)  # the score is reward.fn's alone
+
+
+def test_a_trajectory_waiting_on_a_slow_tool_stalls_no_other():
+    """Prompt 0's environments take 1.5 s on their first answer; the other trajectories take all their
+    turns meanwhile, and every trajectory is the one a run without the slow tool samples (each turn
+    draws from keys of its own trajectory and turn)."""
+    from tests.support import envs
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, stop_token_ids=())
+    engine = _engine()
+    envs.STEP_TIMES.clear()
+    slow = _rollout(lambda: envs.SlowFirstStepEnv(turns=3), engine=engine).generate(
+        PROMPTS, params, seed=4, records=[{"name": "slow", "sleep": 1.5}, {"name": "fast"}])
+    times = list(envs.STEP_TIMES)
+    fast_done = max(t for name, step, t in times if name == "fast" and step == 3)
+    slow_first = min(t for name, step, t in times if name == "slow" and step == 1)
+    print(f"the fast trajectories finished their 3 turns {slow_first - fast_done:.2f} s before the slow tool answered")
+    assert fast_done < slow_first
+    plain = _rollout(lambda: envs.SlowFirstStepEnv(turns=3), engine=engine).generate(
+        PROMPTS, params, seed=4, records=[{"name": "slow"}, {"name": "fast"}])
+    assert slow.response_ids == plain.response_ids and slow.response_mask == plain.response_mask
+    assert [i["turns"] for i in slow.env_info] == [3, 3, 3, 3]

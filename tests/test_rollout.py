@@ -340,7 +340,7 @@ def test_engine_interface():
         engine.generate([[]], SamplingParams(), seed=0)
     fields = {f.name for f in dataclasses.fields(RolloutBatch)}
     assert fields == {"prompt_index", "prompt_ids", "response_ids", "response_logprobs", "finish_reason", "routing",
-                      "token_versions"}
+                      "token_versions", "response_mask", "env_info"}
 
 
 # -- TP-sharded engine -------------------------------------------------------------------------

@@ -1,14 +1,19 @@
 """Multi-turn rollout: trajectories driven through a rollout engine, token-in-token-out.
 
-:class:`EnvironmentRollout` wraps any rollout engine and has its ``generate``: each round, every
-unfinished trajectory's whole context (prompt, earlier turns, observations: the exact ids so far)
-goes to the engine for one policy turn (ending at EOS, at one of the environment's stop strings or
-after ``rollout.max_new_tokens``); then each environment answers (in a thread pool, so tool
-calls of many trajectories run at once, each in its own bounded worker); its observation is
-tokenized once and appended.  Nothing is ever re-tokenized from text, so the trainer trains on the
-ids the engine sampled.  The response of a trajectory is everything after the prompt; its
-``response_mask`` is 1 on the policy's tokens and 0 on observation tokens, whose log-probs are 0
-and which carry no loss.
+:class:`EnvironmentRollout` wraps any rollout engine and has its ``generate``: a trajectory's whole
+context (prompt, earlier turns, observations: the exact ids so far) goes to the engine for one
+policy turn (ending at EOS, at one of the environment's stop strings or after
+``rollout.max_new_tokens``), together with whichever other trajectories are ready; then its
+environment answers in a thread pool (tool calls of many trajectories run at once, each in its own
+bounded worker) while the engine goes on with the trajectories that are ready, so one waiting on a
+slow tool stalls nobody; its observation is tokenized once and appended.  Nothing is ever
+re-tokenized from text, so the trainer trains on the ids the engine sampled.  The response of a
+trajectory is everything after the prompt; its ``response_mask`` is 1 on the policy's tokens and 0
+on observation tokens, whose log-probs are 0 and which carry no loss.
+
+An engine whose ``generate`` takes ``sample_keys`` (the torch and megatron engines) draws each turn
+from keys of its own (trajectory, turn), so trajectories go on independently and still reproduce
+from the seed; another engine advances them in lockstep rounds (one call per round).
 
 Limits (``rollout.max_turns``, ``rollout.max_trajectory_tokens``: prompt + every turn and
 observation) end a trajectory where it stands: a turn is cut at the token limit, an observation
@@ -20,12 +25,13 @@ that would cross it is not appended; the trajectory is then graded as it is
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+import inspect
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
 
 from megatron_rl.envs.base import Turn
 from megatron_rl.rollout.engine import RolloutBatch
-from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.rollout.sampling import SamplingParams, sample_key
 from megatron_rl.utils.seeds import derive_seed
 
 # finish_reason of a trajectory that hit a limit (the others end "stop": the environment said done
@@ -43,6 +49,7 @@ class TrajectoryLimits:
 
 @dataclasses.dataclass
 class _Trajectory:
+    index: int
     prompt_index: int
     prompt: list[int]
     env: object
@@ -52,6 +59,7 @@ class _Trajectory:
     versions: list[int] = dataclasses.field(default_factory=list)
     finish: str = ""
     cut: bool = False  # the last turn ran to rollout.max_new_tokens
+    answered_by_eos: bool = False  # the last turn ended with EOS: the environment answers it once more
     info: dict = dataclasses.field(default_factory=lambda: {"turns": 0, "env_reward": 0.0, "limit": "",
                                                             "final_turn": [0, 0]})
 
@@ -103,18 +111,13 @@ class EnvironmentRollout:
             for _ in range(params.n):
                 env = self.make_env()
                 env.reset(dict(records[i]) if records is not None else {})
-                trajectories.append(_Trajectory(i, list(prompt), env))
+                trajectories.append(_Trajectory(len(trajectories), i, list(prompt), env))
         turn_params = dataclasses.replace(params, n=1, stop_sequences=params.stop_sequences + self.stop_sequences)
         with ThreadPoolExecutor(TOOL_THREADS) as pool:
-            for turn in range(self.limits.max_turns):
-                active = [t for t in trajectories if not t.finish]
-                if not active:
-                    break
-                self._policy_turn(active, turn_params, derive_seed(seed, "turn", turn))
-                waiting = [t for t in active if not t.finish]
-                last = turn + 1 == self.limits.max_turns
-                for t, answer in zip(waiting, pool.map(self._step, waiting)):
-                    self._observe(t, answer, last)
+            if "sample_keys" in inspect.signature(self.engine.generate).parameters:
+                self._advance_independently(trajectories, turn_params, seed, pool)
+            else:
+                self._advance_in_rounds(trajectories, turn_params, seed, pool)
         return RolloutBatch(
             prompt_index=[t.prompt_index for t in trajectories], prompt_ids=[t.prompt for t in trajectories],
             response_ids=[t.response for t in trajectories], response_logprobs=[t.logprobs for t in trajectories],
@@ -123,21 +126,62 @@ class EnvironmentRollout:
             response_mask=[t.mask for t in trajectories], env_info=[t.info for t in trajectories],
         )
 
-    def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int) -> None:
+    def _advance_independently(self, trajectories: list[_Trajectory], params: SamplingParams, seed: int,
+                               pool: ThreadPoolExecutor) -> None:
+        """Each trajectory goes on as soon as its environment answered: the engine generates the next
+        turns of whichever are ready while others wait on slow tools.  Every turn draws from keys of
+        its own (trajectory, turn), so what a trajectory samples does not depend on which others
+        share an engine call, and the same seed gives the same trajectories however the calls fall."""
+        ready, pending, calls = list(trajectories), {}, 0
+        while ready or pending:
+            if ready:
+                keys = [sample_key(derive_seed(seed, "trajectory", t.index, "turn", t.info["turns"])) for t in ready]
+                self._policy_turn(ready, params, derive_seed(seed, "call", calls), keys)
+                calls += 1
+                for t in ready:
+                    if not t.finish or t.answered_by_eos:
+                        pending[pool.submit(self._step, t)] = t
+                ready = []
+            if pending:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in sorted(done, key=lambda f: pending[f].index):
+                    t = pending.pop(future)
+                    self._observe(t, future.result(), last=t.info["turns"] >= self.limits.max_turns)
+                    if not t.finish:
+                        ready.append(t)
+
+    def _advance_in_rounds(self, trajectories: list[_Trajectory], params: SamplingParams, seed: int,
+                           pool: ThreadPoolExecutor) -> None:
+        """For an engine that draws from one stream per call: every unfinished trajectory takes its
+        turn in one call per round, so the calls (and the samples) are the same on every run."""
+        for turn in range(self.limits.max_turns):
+            active = [t for t in trajectories if not t.finish]
+            if not active:
+                break
+            self._policy_turn(active, params, derive_seed(seed, "turn", turn))
+            waiting = [t for t in active if not t.finish or t.answered_by_eos]
+            last = turn + 1 == self.limits.max_turns
+            for t, answer in zip(waiting, pool.map(self._step, waiting)):
+                self._observe(t, answer, last)
+
+    def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int,
+                     keys: Optional[list[int]] = None) -> None:
         room = [self.limits.max_tokens - t.length for t in active]
         params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, max(room))))
-        out = self.engine.generate([t.prompt + t.response for t in active], params, seed=seed)
+        extra = {} if keys is None else {"sample_keys": keys}
+        out = self.engine.generate([t.prompt + t.response for t in active], params, seed=seed, **extra)
         live = self._live()
         for k, (t, left) in enumerate(zip(active, room)):
             ids, logprobs = out.response_ids[k][:left], out.response_logprobs[k][:left]
             versions = out.token_versions[k][:left] if out.token_versions is not None else None
             t.add_turn(ids, logprobs, versions, live.version if live is not None else 0)
             t.cut = out.finish_reason[k] == "length"  # the turn ran to rollout.max_new_tokens
+            t.answered_by_eos = False
             if len(out.response_ids[k]) > left:
                 t.end("length", MAX_TOKENS, self.limits.zero_at_limit)  # cut at the trajectory's token limit
             elif ids and ids[-1] in params.stop_token_ids:
                 t.end("stop")  # EOS: the policy is done (its environment still answers, for the reward)
-                t.info["env_reward"] += float(self._step(t).reward)
+                t.answered_by_eos = True
 
     def _live(self):
         return getattr(self.engine, "live_weights", None)
@@ -157,6 +201,8 @@ class EnvironmentRollout:
         for key, value in answer.info.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 t.info[key] = t.info.get(key, 0) + value
+        if t.finish:  # ended by EOS: the answer counts for the reward only
+            return
         if answer.done:
             t.end("length" if t.cut else "stop")
             return

@@ -26,7 +26,7 @@ import torch
 from megatron_rl.config.schema import ModelConfig, RolloutLayoutConfig
 from megatron_rl.models.arch import resolve_dtype
 from megatron_rl.rollout.decoder import WHOLE_MODEL, KVCache, TensorParallel, TorchDecoder, left_pad
-from megatron_rl.rollout.sampling import SamplingParams, sample
+from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample
 
 
 @dataclass
@@ -98,8 +98,13 @@ class RolloutEngine(Protocol):
     def weight_bytes(self) -> int:
         """Bytes of weights this rank holds for generation."""
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
-        """``len(prompt_ids) * params.n`` samples; the same seed reproduces them on one device."""
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+                 sample_keys: Optional[list[int]] = None) -> RolloutBatch:
+        """``len(prompt_ids) * params.n`` samples; the same seed reproduces them on one device.
+        ``sample_keys`` (one :func:`~megatron_rl.rollout.sampling.sample_key` per sample): each draw
+        is a pure function of its sample's key, response position and token instead, so a sample
+        does not depend on which others share its call (multi-turn trajectories advancing on their
+        own)."""
 
 
 def stopped(response: list[int], params: SamplingParams) -> bool:
@@ -162,7 +167,8 @@ class TorchRolloutEngine:
                 storage.resize_(tensor.numel() * tensor.element_size())
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+                 sample_keys: Optional[list[int]] = None) -> RolloutBatch:
         if not self._loaded:
             raise RuntimeError("TorchRolloutEngine.generate called before load_weights")
         vocab = self.model.cfg.vocab_size
@@ -172,11 +178,14 @@ class TorchRolloutEngine:
             if min(prompt) < 0 or max(prompt) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
         samples = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
+        if sample_keys is not None and len(sample_keys) != len(samples):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(samples)} samples")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         responses, logprobs, reasons, versions = [], [], [], []
         for start in range(0, len(samples), self.max_batch_size):
             prompts = [p for _, p in samples[start : start + self.max_batch_size]]
-            r, lp, why, v = self._generate_batch(prompts, params, generator)
+            keys = sample_keys[start : start + self.max_batch_size] if sample_keys is not None else None
+            r, lp, why, v = self._generate_batch(prompts, params, generator, keys)
             responses += r
             logprobs += lp
             reasons += why
@@ -198,7 +207,7 @@ class TorchRolloutEngine:
         logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
         return logits, cache, mask.sum(1)
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator):
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator, keys=None):
         dev = self.device
         b = len(prompts)
         logits, cache, next_pos = self._prefill(prompts, params.max_new_tokens)
@@ -217,7 +226,12 @@ class TorchRolloutEngine:
                 rows = [s for s in rows if reasons[s] != "stop"]
                 logits, cache, next_pos = self._prefill([prompts[s] + responses[s] for s in rows],
                                                         params.max_new_tokens - step)
-            tokens, token_logp = self.model.tp.first_rank_draw(*sample(logits, params, generator))
+            noise = None
+            if keys is not None:
+                noise = keyed_exponentials(torch.tensor([keys[s] for s in rows], device=dev),
+                                           torch.tensor([len(responses[s]) for s in rows], device=dev),
+                                           logits.shape[-1])
+            tokens, token_logp = self.model.tp.first_rank_draw(*sample(logits, params, generator, noise))
             running = []
             for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
                 if reasons[s] == "stop":

@@ -566,9 +566,11 @@ class MegatronRolloutEngine:
         return max_positions(self.model_cfg)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int) -> RolloutBatch:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+                 sample_keys: Optional[list[int]] = None) -> RolloutBatch:
         """``params.n`` samples per prompt; every TP/PP rank of the replica must call it with the
-        same arguments (they run one engine together)."""
+        same arguments (they run one engine together).  ``sample_keys``: one per sample, in place
+        of the keys derived from ``seed`` (see RolloutEngine.generate)."""
         from megatron.core.inference.inference_request import Status
         from megatron.core.inference.utils import InferenceMode
 
@@ -610,7 +612,10 @@ class MegatronRolloutEngine:
                 f"rollout.kv_cache_memory or lower rollout.max_new_tokens"
             )
         samples = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
-        keys = {rid: sample_key(derive_seed(seed, i, j)) for rid, (i, j) in enumerate(samples)}
+        if sample_keys is not None and len(sample_keys) != len(samples):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(samples)} samples")
+        keys = {rid: sample_keys[rid] if sample_keys is not None else sample_key(derive_seed(seed, i, j))
+                for rid, (i, j) in enumerate(samples)}
         controller.begin(params, getattr(self._model, "true_vocab_size", None) or vocab, keys)
         request = _request_params_class()(num_tokens_to_generate=params.max_new_tokens, termination_id=-1,
                                    return_log_probs=False)

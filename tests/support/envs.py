@@ -83,3 +83,18 @@ def sleeping_agent(base_url: str, session_id: str, record: dict) -> float:
     urllib.request.urlopen(request, timeout=60).read()
     time.sleep(600)
     return 1.0
+
+
+class SlowFirstStepEnv(ScriptedEnv):
+    """:class:`ScriptedEnv` whose first step sleeps ``record["sleep"]`` seconds (a slow tool); every
+    step's end time goes to :data:`STEP_TIMES` as (record["name"], step, time)."""
+
+    def step(self, turn_text: str, turn_ids) -> Turn:
+        if self.seen == 0 and self.record.get("sleep"):
+            time.sleep(self.record["sleep"])
+        answer = super().step(turn_text, turn_ids)
+        STEP_TIMES.append((self.record.get("name"), self.seen, time.monotonic()))
+        return answer
+
+
+STEP_TIMES: list = []
