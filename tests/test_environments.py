@@ -561,3 +561,29 @@ def test_a_trajectory_waiting_on_a_slow_tool_stalls_no_other():
         PROMPTS, params, seed=4, records=[{"name": "slow"}, {"name": "fast"}])
     assert slow.response_ids == plain.response_ids and slow.response_mask == plain.response_mask
     assert [i["turns"] for i in slow.env_info] == [3, 3, 3, 3]
+
+
+@pytest.mark.slow
+def test_multi_turn_on_a_generator_rank_trains_what_the_colocated_mode_trains(tmp_path):
+    """rollout.env with one generator and one trainer rank in one_step_off mode: the generator runs the
+    environments, and every step trains what the colocated one_step_off run trains.  The engine's
+    log-probs may differ in the last bits (trajectories share engine calls as they become ready, so
+    the batches differ), which only the rollout/trainer log-prob gap shows."""
+    from tests.support.helpers import TINY, read_metrics
+    from tests.test_cli import cli
+    from tests.test_generator_ranks import _stable
+
+    common = (*TINY, "rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.turns=2", "rollout.max_turns=3",
+              "rollout.max_new_tokens=4", "trainer.mode=one_step_off", "trainer.steps=3", "actor.optim.lr=0.01",
+              f"run.dir={tmp_path}")
+    colocated, _ = cli("train", "--nproc", "1", *common, "run.name=colocated")
+    assert colocated.returncode == 0, colocated.stderr[-3000:]
+    separate, _ = cli("train", "--nproc", "2", *common, "rollout.ranks=1", "run.name=separate")
+    assert separate.returncode == 0, separate.stderr[-3000:]
+    rows, reference = read_metrics(tmp_path / "separate"), read_metrics(tmp_path / "colocated")
+    gap = "rollout/logprob_mismatch_mean"
+    assert [{k: v for k, v in r.items() if k != gap} for r in _stable(rows)] == \
+        [{k: v for k, v in r.items() if k != gap} for r in _stable(reference)]
+    assert all(r[gap] == pytest.approx(ref[gap], rel=1e-5, abs=1e-6) for r, ref in zip(rows, reference))
+    assert all(1.0 < r["env/turns_mean"] <= 2.0 for r in rows)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]

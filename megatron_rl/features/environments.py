@@ -32,10 +32,6 @@ FEATURES = [
             need("rollout.agent", lambda c, w: not (c.rollout.env and c.rollout.agent),
                  "an environment and an outside agent would both drive the same trajectories",
                  "set one of rollout.env and rollout.agent", "one driver of trajectories", when=_env),
-            need("rollout.ranks", lambda c, w: c.rollout.ranks == 0,
-                 "multi-turn trajectories are driven on the training ranks; generator ranks of their own do not run "
-                 "environments yet", "set rollout.ranks=0 (colocated generation)",
-                 "environments with colocated generation", when=_env),
             need("rollout.env", lambda c, w: _generator_ranks(c) == 1,
                  "each generator runs its own environments, so a generator must be one rank (tensor x pipeline "
                  "size 1 where it generates): ranks sharing a model would have to agree on every tool result",
@@ -91,9 +87,17 @@ FEATURES = [
         config="rollout.env with parallel.cp",
     ),
     Feature(
-        "Environments on generator ranks and multi-rank generators", "environments", PLANNED,
-        "Multi-turn trajectories with rollout.ranks > 0 (one_step_off / async) and on generators spanning TP or PP "
-        "ranks; refused before launch today.",
+        "Multi-turn on generator ranks (one_step_off, async)", "environments", TESTED_CPU,
+        "With rollout.ranks the generators run the environments (or serve the agents); requests carry each prompt's "
+        "record, results the masks and what the environment reported; one_step_off trains exactly what the "
+        "colocated mode trains.",
+        ("tests/test_environments.py::test_multi_turn_on_a_generator_rank_trains_what_the_colocated_mode_trains",),
+        config="rollout.env with rollout.ranks, trainer.mode",
+    ),
+    Feature(
+        "Multi-turn on generators spanning several ranks", "environments", PLANNED,
+        "Environments with TP or PP where the rollout runs (the ranks of one model would have to agree on every "
+        "tool result); refused before launch today.",
     ),
     Feature(
         "OpenAI-compatible endpoint for outside agents (rollout.agent)", "environments", TESTED_CPU,

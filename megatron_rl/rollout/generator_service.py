@@ -42,17 +42,22 @@ def generator_layout(cfg: Config, generators: int) -> ParallelLayout:
 
 
 def rollout_to_json(rollout: RolloutBatch) -> dict:
-    return {"prompt_index": rollout.prompt_index, "response_ids": rollout.response_ids,
-            "response_logprobs": rollout.response_logprobs, "finish_reason": rollout.finish_reason,
-            "token_versions": rollout.token_versions}
+    out = {"prompt_index": rollout.prompt_index, "response_ids": rollout.response_ids,
+           "response_logprobs": rollout.response_logprobs, "finish_reason": rollout.finish_reason,
+           "token_versions": rollout.token_versions}
+    if rollout.response_mask is not None:  # multi-turn: an agent's session may start from its own prompt
+        out.update(prompt_ids=rollout.prompt_ids, response_mask=rollout.response_mask, env_info=rollout.env_info)
+    return out
 
 
 def rollout_from_json(data: dict, prompt_ids: list[list[int]]) -> RolloutBatch:
-    """The batch a generator returned; ``prompt_ids``: the request's prompts (not sent back)."""
-    return RolloutBatch(prompt_index=list(data["prompt_index"]),
-                        prompt_ids=[list(prompt_ids[i]) for i in data["prompt_index"]],
+    """The batch a generator returned; ``prompt_ids``: the request's prompts (sent back only by
+    multi-turn rollouts)."""
+    prompts = data.get("prompt_ids") or [list(prompt_ids[i]) for i in data["prompt_index"]]
+    return RolloutBatch(prompt_index=list(data["prompt_index"]), prompt_ids=[list(p) for p in prompts],
                         response_ids=data["response_ids"], response_logprobs=data["response_logprobs"],
-                        finish_reason=data["finish_reason"], token_versions=data.get("token_versions"))
+                        finish_reason=data["finish_reason"], token_versions=data.get("token_versions"),
+                        response_mask=data.get("response_mask"), env_info=data.get("env_info"))
 
 
 class PushedWeights:
@@ -82,8 +87,10 @@ class PushedWeights:
         return True
 
 
-def serve_generation(cfg: Config, log=print) -> None:
-    """The generator ranks' main loop; ``cfg`` is resolved for the training world like the trainers'."""
+def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
+    """The generator ranks' main loop; ``cfg`` is resolved for the training world like the trainers'.
+    ``wrap_engine(engine)``: the rollout the requests run on (multi-turn: the engine driven by
+    ``rollout.env`` or ``rollout.agent``, :func:`megatron_rl.envs.build.with_environment`)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainers checkpoint, then stop us
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -100,6 +107,7 @@ def serve_generation(cfg: Config, log=print) -> None:
     weights = PushedWeights(bridge, chunks, engine)
     if cfg.trainer.partial_rollouts:
         engine.live_weights = weights
+    rollout = wrap_engine(engine) if wrap_engine is not None else engine
     sampling = None
     idle_since = time.perf_counter()
     while True:
@@ -114,11 +122,12 @@ def serve_generation(cfg: Config, log=print) -> None:
         elif kind == REQUEST:
             faults.maybe_inject(int(message["step"]), role=GENERATOR)
             start, version = time.perf_counter(), weights.version
-            rollout = generate_data_parallel(engine, message["prompt_ids"], sampling, seed=int(message["seed"]))
+            batch = generate_data_parallel(rollout, message["prompt_ids"], sampling, seed=int(message["seed"]),
+                                           records=message.get("records"))
             done = time.perf_counter()
             if rank0:
                 bridge.put_result(int(message["step"]), {
-                    "rollout": rollout_to_json(rollout), "version": version,
+                    "rollout": rollout_to_json(batch), "version": version,
                     "generate_s": done - start, "idle_s": start - idle_since,
                 })
             idle_since = done

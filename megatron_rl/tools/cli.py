@@ -176,10 +176,18 @@ def _rank_main(args) -> int:
 
 
 def _serve_generation(cfg, where) -> int:
+    from megatron_rl.data.sources import tokenizer_spec
+    from megatron_rl.data.tokenizer import load_tokenizer
+    from megatron_rl.envs.build import with_environment
     from megatron_rl.resolve import resolve
     from megatron_rl.rollout.generator_service import serve_generation
 
-    serve_generation(resolve(cfg, where.trainers).config, log=lambda line: print(line, flush=True))
+    cfg = resolve(cfg, where.trainers).config
+    wrap = None
+    if cfg.rollout.multi_turn:  # the generators run the environments (or serve the agents)
+        tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
+        wrap = lambda engine: with_environment(cfg, engine, tokenizer)  # noqa: E731
+    serve_generation(cfg, log=lambda line: print(line, flush=True), wrap_engine=wrap)
     return 0
 
 

@@ -190,7 +190,8 @@ class PPOTrainer:
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.start_step = self._resume_or_init()
         if cfg.rollout.ranks:
-            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling)
+            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling,
+                                        records_of=self._records if cfg.rollout.multi_turn else None)
         # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
         self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 

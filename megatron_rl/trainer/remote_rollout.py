@@ -52,8 +52,11 @@ def staleness_plan(cfg: Config) -> tuple[int, int]:
 
 
 class RemoteRollout:
-    def __init__(self, cfg: Config, sampler, prompt_ids: list[list[int]], sampling: SamplingParams):
+    def __init__(self, cfg: Config, sampler, prompt_ids: list[list[int]], sampling: SamplingParams,
+                 records_of=None):
+        """``records_of(batch)``: what the environments of a batch's prompts start from (multi-turn)."""
         self.cfg, self.sampler, self.prompt_ids, self.sampling = cfg, sampler, prompt_ids, sampling
+        self.records_of = records_of
         self.bound, self.push_every = staleness_plan(cfg)
         self.rank0 = dist.get_rank() == 0
         self.bridge = Bridge(job_store(), "trainer", cfg.distributed.timeout_s) if self.rank0 else None
@@ -83,8 +86,11 @@ class RemoteRollout:
             step = self.next_request
             batch = self.sampler.next_batch()
             if self.rank0:
-                self.bridge.post({"kind": REQUEST, "step": step, "prompt_ids": [self.prompt_ids[i] for i in batch],
-                                  "seed": derive_seed(self.cfg.run.seed, "rollout", step)})
+                request = {"kind": REQUEST, "step": step, "prompt_ids": [self.prompt_ids[i] for i in batch],
+                           "seed": derive_seed(self.cfg.run.seed, "rollout", step)}
+                if self.records_of is not None:
+                    request["records"] = self.records_of(batch)
+                self.bridge.post(request)
             self.requested[step] = batch
             self.next_request += 1
 
