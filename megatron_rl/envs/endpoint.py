@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
 from megatron_rl.envs.tool_calls import CLOSE, parse_tool_calls
-from megatron_rl.envs.trajectories import MAX_TOKENS, MAX_TURNS
+from megatron_rl.envs.trajectories import MAX_TOKENS, MAX_TURNS, TokenTrace
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.utils.seeds import derive_seed
 
@@ -48,21 +48,12 @@ class RequestError(Exception):
 
 
 @dataclasses.dataclass
-class Session:
-    prompt: list[int]
-    response: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    mask: list[int] = dataclasses.field(default_factory=list)
+class Session(TokenTrace):
     messages: int = 0  # messages of the conversation already in the ids (the served replies included)
     replies: list[str] = dataclasses.field(default_factory=list)  # the text of every reply (empty at a limit)
     turns: int = 0  # replies the engine generated
-    final_turn: tuple[int, int] = (0, 0)
     limit: str = ""
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.response)
 
     def trajectory(self) -> dict:
         return {"prompt_ids": list(self.prompt), "response_ids": list(self.response), "logprobs": list(self.logprobs),
@@ -195,11 +186,8 @@ class ChatEndpoint:
         rendered = self.tokenizer.chat_text(history)
         if rendered.count(SENTINEL) != 1:
             raise RequestError("the chat template did not render the conversation as sent")
-        ids = self.tokenizer.encode(rendered.split(SENTINEL, 1)[1])
+        session.add_observation(self.tokenizer.encode(rendered.split(SENTINEL, 1)[1]))
         session.messages = len(messages)
-        session.response += ids
-        session.logprobs += [0.0] * len(ids)
-        session.mask += [0] * len(ids)
 
     def _reply(self, session: Session, body: dict) -> tuple[list[int], str]:
         room = self.max_tokens - session.length
@@ -213,14 +201,10 @@ class ChatEndpoint:
         future: Future = Future()
         self._queue.put((session.prompt + session.response, wanted, future))
         ids, logprobs, finish = future.result()
-        start = len(session.response)
-        session.response += ids
-        session.logprobs += logprobs
-        session.mask += [1] * len(ids)
+        session.add_turn(ids, logprobs)
         session.replies.append(self.tokenizer.decode(ids))
         session.messages += 1
         session.turns += 1
-        session.final_turn = (start, len(session.response))
         if finish == "length" and len(ids) == room:
             session.limit = MAX_TOKENS
         return ids, finish
@@ -228,7 +212,7 @@ class ChatEndpoint:
     # ------------------------------------------------------------------ the engine's thread
 
     def _generate_loop(self) -> None:
-        """Everything queued, in one engine call; each request cut to its own token limit and stops."""
+        """Everything queued, in one engine call; each request cut to its own token limit."""
         while True:
             first = self._queue.get()
             if first is None:

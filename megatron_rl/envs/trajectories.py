@@ -48,40 +48,54 @@ class TrajectoryLimits:
 
 
 @dataclasses.dataclass
-class _Trajectory:
-    index: int
-    prompt_index: int
+class TokenTrace:
+    """One trajectory's ids as the engine saw them: the prompt, then the policy's turns (mask 1, the
+    engine's log-probs) and what came between them (mask 0, log-prob 0), and the span of the last
+    turn in the response.  Kept alike by environments' trajectories and the endpoint's sessions."""
+
     prompt: list[int]
-    env: object
     response: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     mask: list[int] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    finish: str = ""
-    cut: bool = False  # the last turn ran to rollout.max_new_tokens
-    answered_by_eos: bool = False  # the last turn ended with EOS: the environment answers it once more
-    info: dict = dataclasses.field(default_factory=lambda: {"turns": 0, "env_reward": 0.0, "limit": "",
-                                                            "final_turn": [0, 0]})
+    final_turn: list[int] = dataclasses.field(default_factory=lambda: [0, 0])
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.response)
 
-    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Optional[Sequence[int]],
-                 version: int) -> None:
+    def add_turn(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
         start = len(self.response)
         self.response += ids
         self.logprobs += logprobs
         self.mask += [1] * len(ids)
-        self.versions += list(versions) if versions is not None else [version] * len(ids)
-        self.info["turns"] += 1
-        self.info["final_turn"] = [start, len(self.response)]
+        self.final_turn = [start, len(self.response)]
 
     def add_observation(self, ids: Sequence[int]) -> None:
         self.response += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Trajectory(TokenTrace):
+    index: int
+    prompt_index: int
+    env: object
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finish: str = ""
+    cut: bool = False  # the last turn ran to rollout.max_new_tokens
+    answered_by_eos: bool = False  # the last turn ended with EOS: the environment answers it once more
+    info: dict = dataclasses.field(default_factory=lambda: {"turns": 0, "env_reward": 0.0, "limit": ""})
+
+    def add_policy_turn(self, ids: Sequence[int], logprobs: Sequence[float], versions: Optional[Sequence[int]],
+                        version: int) -> None:
+        self.add_turn(ids, logprobs)
+        self.versions += list(versions) if versions is not None else [version] * len(ids)
+        self.info["turns"] += 1
+
+    def add_observation(self, ids: Sequence[int]) -> None:
         self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
+        super().add_observation(ids)
 
     def end(self, finish: str, limit: str = "", zero_at_limit: bool = False) -> None:
         self.finish, self.info["limit"] = finish, limit
@@ -111,7 +125,8 @@ class EnvironmentRollout:
             for _ in range(params.n):
                 env = self.make_env()
                 env.reset(dict(records[i]) if records is not None else {})
-                trajectories.append(_Trajectory(len(trajectories), i, list(prompt), env))
+                trajectories.append(_Trajectory(prompt=list(prompt), index=len(trajectories), prompt_index=i,
+                                                env=env))
         turn_params = dataclasses.replace(params, n=1, stop_sequences=params.stop_sequences + self.stop_sequences)
         with ThreadPoolExecutor(TOOL_THREADS) as pool:
             if "sample_keys" in inspect.signature(self.engine.generate).parameters:
@@ -123,7 +138,8 @@ class EnvironmentRollout:
             response_ids=[t.response for t in trajectories], response_logprobs=[t.logprobs for t in trajectories],
             finish_reason=[t.finish for t in trajectories],
             token_versions=[t.versions for t in trajectories] if self._live() is not None else None,
-            response_mask=[t.mask for t in trajectories], env_info=[t.info for t in trajectories],
+            response_mask=[t.mask for t in trajectories],
+            env_info=[dict(t.info, final_turn=t.final_turn) for t in trajectories],
         )
 
     def _advance_independently(self, trajectories: list[_Trajectory], params: SamplingParams, seed: int,
@@ -174,7 +190,7 @@ class EnvironmentRollout:
         for k, (t, left) in enumerate(zip(active, room)):
             ids, logprobs = out.response_ids[k][:left], out.response_logprobs[k][:left]
             versions = out.token_versions[k][:left] if out.token_versions is not None else None
-            t.add_turn(ids, logprobs, versions, live.version if live is not None else 0)
+            t.add_policy_turn(ids, logprobs, versions, live.version if live is not None else 0)
             t.cut = out.finish_reason[k] == "length"  # the turn ran to rollout.max_new_tokens
             t.answered_by_eos = False
             if len(out.response_ids[k]) > left:
@@ -187,7 +203,7 @@ class EnvironmentRollout:
         return getattr(self.engine, "live_weights", None)
 
     def _step(self, t: _Trajectory) -> Turn:
-        start, end = t.info["final_turn"]
+        start, end = t.final_turn
         turn = t.response[start:end]
         answer = t.env.step(self.decode(turn), list(turn))
         if not isinstance(answer, Turn):
