@@ -62,6 +62,11 @@ class PromptSet:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def records(self, indices) -> list[dict]:
+        """What the environments of the prompts at ``indices`` start from: text, answer, record fields."""
+        return [dict(fields, prompt=self.prompts[i], answer=self.answers[i])
+                for i, fields in zip(indices, self.record_fields(indices))]
+
     def record_fields(self, indices) -> list[dict]:
         """The :data:`RECORD_FIELDS` of the prompts at ``indices`` (``{}`` where the record has none)."""
         return [self.fields[i] if i < len(self.fields) else {} for i in indices]

@@ -48,6 +48,11 @@ class Environment(Protocol):
         """The environment's answer to the policy's turn (its decoded text and token ids)."""
 
 
+def observation_ids(observation: Union[str, Sequence[int]], encode: Callable[[str], list[int]]) -> list[int]:
+    """The ids an observation appends: text encoded once (no BOS), ids as they are."""
+    return encode(observation) if isinstance(observation, str) else [int(i) for i in observation]
+
+
 # Built-in environments: name -> "module:Class" (imported when used).
 ENVIRONMENTS = {
     "tool_calling": "megatron_rl.envs.tool_env:ToolCallingEnv",

@@ -29,7 +29,7 @@ import inspect
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
 
-from megatron_rl.envs.base import Turn
+from megatron_rl.envs.base import Turn, observation_ids
 from megatron_rl.rollout.engine import RolloutBatch
 from megatron_rl.rollout.sampling import SamplingParams, sample_key
 from megatron_rl.utils.seeds import derive_seed
@@ -225,8 +225,7 @@ class EnvironmentRollout:
         if last:
             t.end(MAX_TURNS, MAX_TURNS, self.limits.zero_at_limit)
             return
-        observation = answer.observation
-        ids = self.encode(observation) if isinstance(observation, str) else [int(i) for i in observation]
+        ids = observation_ids(answer.observation, self.encode)
         if t.length + len(ids) >= self.limits.max_tokens:  # no room left for the policy after it
             t.end(MAX_TOKENS, MAX_TOKENS, self.limits.zero_at_limit)
             return

@@ -34,6 +34,7 @@ from megatron_rl.rewards.registry import RewardFn
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.trainer.experience import graded_responses
 from megatron_rl.utils.seeds import derive_seed
 
 
@@ -99,18 +100,15 @@ class Evaluator:
         start = time.perf_counter()
         prompts, ev = self.prompts, self.cfg.eval
         self.load_weights()
-        records = None
-        if self.cfg.rollout.multi_turn:  # the environments / agent of multi-turn training
-            records = [dict(fields, prompt=prompts.prompts[i], answer=prompts.answers[i])
-                       for i, fields in enumerate(prompts.record_fields(range(len(prompts))))]
+        # The environments / agent of multi-turn training start from the records.
+        records = prompts.records(range(len(prompts))) if self.cfg.rollout.multi_turn else None
         rollout = generate_data_parallel(self.engine, prompts.prompt_ids, self.sampling,
                                          seed=derive_seed(self.cfg.run.seed, "eval", step), records=records)
         self.engine.release_weights()
         index = rollout.prompt_index
-        spans = [slice(*i["final_turn"]) for i in rollout.env_info] if rollout.env_info else None
         graded = rewards_on_every_rank(
             self.reward_fn, [prompts.prompts[i] for i in index],
-            [self.tokenizer.decode(r[spans[k]] if spans else r) for k, r in enumerate(rollout.response_ids)],
+            [self.tokenizer.decode(r) for r in graded_responses(rollout.response_ids, rollout.env_info)],
             [prompts.answers[i] for i in index], [prompts.source_index[i] for i in index],
             timeout_s=self.cfg.reward.timeout_s, fields=prompts.record_fields(index), **dict(self.cfg.reward.kwargs),
         )

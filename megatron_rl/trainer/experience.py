@@ -116,12 +116,17 @@ class Samples:
                 mask[i, : len(r)] = 1.0
         return mask
 
-    def graded_spans(self) -> list[slice]:
-        """The part of each response the reward function grades: all of it, or the last policy turn
-        of a multi-turn trajectory (its answer; tool outputs before it are not the policy's)."""
-        if not self.env_info:
-            return [slice(0, len(r)) for r in self.response_ids]
-        return [slice(*info["final_turn"]) for info in self.env_info]
+    def graded_responses(self) -> list[list[int]]:
+        """What the reward function grades of each response (:func:`graded_responses`)."""
+        return graded_responses(self.response_ids, self.env_info)
+
+
+def graded_responses(response_ids: list[list[int]], env_info: Optional[list[dict]]) -> list[list[int]]:
+    """The part of each response the reward function grades: all of it, or the last policy turn of a
+    multi-turn trajectory (its answer; tool outputs before it are not the policy's)."""
+    if not env_info:
+        return list(response_ids)
+    return [r[slice(*info["final_turn"])] for r, info in zip(response_ids, env_info)]
 
 
 @dataclasses.dataclass(frozen=True)

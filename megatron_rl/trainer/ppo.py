@@ -191,7 +191,7 @@ class PPOTrainer:
         self.start_step = self._resume_or_init()
         if cfg.rollout.ranks:
             self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling,
-                                        records_of=self._records if cfg.rollout.multi_turn else None)
+                                        records_of=self.prompts.records if cfg.rollout.multi_turn else None)
         # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
         self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 
@@ -449,16 +449,10 @@ class PPOTrainer:
 
     def _rollout(self, batch: list[int], step: int, round_: int = 0) -> Samples:
         tags = ("rollout", step) if round_ == 0 else ("rollout", step, "round", round_)
-        records = self._records(batch) if self.cfg.rollout.multi_turn else None
+        records = self.prompts.records(batch) if self.cfg.rollout.multi_turn else None
         rollout = generate_data_parallel(self.engine, [self.prompts.prompt_ids[i] for i in batch], self.sampling,
                                          seed=derive_seed(self.cfg.run.seed, *tags), records=records)
         return Samples.from_rollout(rollout, batch)
-
-    def _records(self, batch: list[int]) -> list[dict]:
-        """What each prompt's environments start from: its text, answer and record fields."""
-        p = self.prompts
-        return [dict(fields, prompt=p.prompts[i], answer=p.answers[i])
-                for i, fields in zip(batch, p.record_fields(batch))]
 
     def _score(self, samples: Samples) -> Graded:
         """The reward function on this step's samples, every rank grading a share (a collective);
@@ -469,7 +463,7 @@ class PPOTrainer:
         graded = rewards_on_every_rank(
             self.reward_fn,
             [prompts.prompts[i] for i in rows],
-            _Decoded(self.tokenizer, [r[span] for r, span in zip(samples.response_ids, samples.graded_spans())]),
+            _Decoded(self.tokenizer, samples.graded_responses()),
             answers,
             indices,
             timeout_s=self.cfg.reward.timeout_s,

@@ -22,6 +22,7 @@ from megatron_rl.data.tokenizer import Tokenizer
 from megatron_rl.distributed.metrics import reduce_sums
 from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.engine.trainable import Trainable, rebuild_optimizer
+from megatron_rl.envs.base import observation_ids
 from megatron_rl.models.heads import LogProbHead
 from megatron_rl.trainer.experience import response_positions
 from megatron_rl.trainer.update import scheduled_updates
@@ -70,9 +71,7 @@ def _demonstrated(turns: list[str], make_env: Callable, tokenizer: Tokenizer) ->
         policy += [1] * len(ids)
         if k + 1 == len(turns):
             break
-        answer = env.step(text, ids)
-        observation = answer.observation
-        obs = tokenizer.encode(observation) if isinstance(observation, str) else list(observation)
+        obs = observation_ids(env.step(text, ids).observation, tokenizer.encode)
         response += obs
         policy += [0] * len(obs)
     return response, policy
