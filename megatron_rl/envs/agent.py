@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from megatron_rl.envs.endpoint import ChatEndpoint
-from megatron_rl.envs.trajectories import TrajectoryLimits
+from megatron_rl.envs.trajectories import EngineWrapper, TrajectoryLimits
 from megatron_rl.rewards.bounded import GraderError, Worker
 from megatron_rl.rollout.engine import RolloutBatch
 from megatron_rl.rollout.sampling import SamplingParams
@@ -30,18 +30,14 @@ from megatron_rl.rollout.sampling import SamplingParams
 AGENT_THREADS = 32  # agents run at once per generator (each in its own process)
 
 
-class AgentRollout:
-    """A rollout engine's ``generate`` over sessions an outside agent drives (everything else of the
-    engine passes through)."""
+class AgentRollout(EngineWrapper):
+    """A rollout engine's ``generate`` over sessions an outside agent drives."""
 
     def __init__(self, engine, tokenizer, agent_spec: str, limits: TrajectoryLimits, timeout_s: float):
-        self.engine, self.tokenizer, self.agent_spec = engine, tokenizer, agent_spec
-        self.limits, self.timeout_s = limits, timeout_s
+        super().__init__(engine)
+        self.tokenizer, self.agent_spec, self.limits, self.timeout_s = tokenizer, agent_spec, limits, timeout_s
         self.endpoint: Optional[ChatEndpoint] = None
         self._local = threading.local()
-
-    def __getattr__(self, name):
-        return getattr(self.__dict__["engine"], name)
 
     def close(self) -> None:
         if self.endpoint is not None:

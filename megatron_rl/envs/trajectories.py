@@ -103,18 +103,26 @@ class _Trajectory(TokenTrace):
             self.info["zero_at_limit"] = zero_at_limit
 
 
-class EnvironmentRollout:
-    """A rollout engine's ``generate`` over multi-turn trajectories (everything else of the engine:
-    weights, release, partial-rollout hooks, passes through)."""
+class EngineWrapper:
+    """A rollout engine with a ``generate`` of its own; everything else of the engine (weights,
+    release, partial-rollout hooks) is the engine's."""
 
-    def __init__(self, engine, make_env: Callable, encode: Callable[[str], list[int]],
-                 decode: Callable[[Sequence[int]], str], limits: TrajectoryLimits):
-        self.engine, self.make_env, self.encode, self.decode, self.limits = engine, make_env, encode, decode, limits
-        env = make_env()
-        self.stop_sequences = tuple(tuple(encode(s)) for s in getattr(env, "stop", ()))
+    def __init__(self, engine):
+        self.engine = engine
 
     def __getattr__(self, name):
         return getattr(self.__dict__["engine"], name)
+
+
+class EnvironmentRollout(EngineWrapper):
+    """A rollout engine's ``generate`` over multi-turn trajectories."""
+
+    def __init__(self, engine, make_env: Callable, encode: Callable[[str], list[int]],
+                 decode: Callable[[Sequence[int]], str], limits: TrajectoryLimits):
+        super().__init__(engine)
+        self.make_env, self.encode, self.decode, self.limits = make_env, encode, decode, limits
+        env = make_env()
+        self.stop_sequences = tuple(tuple(encode(s)) for s in getattr(env, "stop", ()))
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
                  records: Optional[list[dict]] = None) -> RolloutBatch:
