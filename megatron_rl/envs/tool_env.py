@@ -72,12 +72,9 @@ class ToolCallingEnv:
         except ToolTimeout as err:
             counts["tool_timeouts"] += 1
             return f"error: {call.name} {err}"
-        except (GraderError, TypeError, ValueError, ArithmeticError) as err:
+        except GraderError as err:
             counts["tool_errors"] += 1
-            return f"error: {_worker_message(err)}"
-
-
-def _worker_message(err: Exception) -> str:
-    """The tool's own exception text (a worker error reads 'ValueError: ... (sample 0)')."""
-    text = str(err)
-    return text[: -len(" (sample 0)")] if text.endswith(" (sample 0)") else text
+            return f"error: {err.detail}"
+        except (TypeError, ValueError, ArithmeticError) as err:  # run in this process (timeout_s=None)
+            counts["tool_errors"] += 1
+            return f"error: {err}"

@@ -31,7 +31,12 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 class GraderError(RuntimeError):
-    """The grader raised on a sample, or its worker process could not run it."""
+    """The grader raised on a sample, or its worker process could not run it.  ``detail``: the
+    function's own ``"Type: message"`` when it raised (the message adds which sample)."""
+
+    def __init__(self, message: str, detail: Optional[str] = None):
+        super().__init__(message)
+        self.detail = detail if detail is not None else message
 
 
 class Scores(list):
@@ -142,7 +147,7 @@ class Worker:
                 _, offset, ok, value = self._recv(done)
                 if not ok:
                     self.stop()  # it is still grading the rest of the batch
-                    raise GraderError(f"{value} (sample {base + offset})")
+                    raise GraderError(f"{value} (sample {base + offset})", detail=value)
                 scores[base + offset] = value
                 done = base + offset + 1
                 deadline = time.monotonic() + timeout_s
