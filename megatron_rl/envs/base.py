@@ -59,6 +59,16 @@ ENVIRONMENTS = {
 }
 
 
+def import_for(key: str, spec: str, shown: str | None = None):
+    """The object ``"package.module:qualname"`` names, or a one-line :class:`ConfigError` naming
+    ``key`` (with the value the user wrote, ``shown``)."""
+    try:
+        return import_spec(spec)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(key, spec if shown is None else shown, f"cannot import it ({type(err).__name__}: {err})",
+                          "put the module on PYTHONPATH or in the working directory") from None
+
+
 def environment_factory(spec: str, kwargs: dict | None = None,
                         defaults: dict | None = None) -> Callable[[], Environment]:
     """The callable that builds one environment per trajectory for ``rollout.env=spec``.
@@ -74,11 +84,7 @@ def environment_factory(spec: str, kwargs: dict | None = None,
     if ":" not in target:
         raise ConfigError(KEY, spec, "not a built-in environment and not 'module:Class'",
                           f"use one of {', '.join(ENVIRONMENTS)} or 'package.module:Class'")
-    try:
-        cls = import_spec(target)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(KEY, spec, f"cannot import it ({type(err).__name__}: {err})",
-                          "put the module on PYTHONPATH or in the working directory") from None
+    cls = import_for(KEY, target, shown=spec)
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise ConfigError(KEY, spec, "not a class with reset(record) and step(turn_text, turn_ids) methods",
                           "point rollout.env at an environment class (docs/environments.md)")

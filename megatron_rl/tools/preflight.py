@@ -66,14 +66,10 @@ def _check_environment(cfg: Config, tokenizer) -> None:
 
 def _check_agent(cfg: Config) -> None:
     """rollout.agent names a function (imported here, as its worker processes will)."""
-    from megatron_rl.rewards.worker import import_spec
+    from megatron_rl.envs.base import import_for
 
     spec = cfg.rollout.agent
-    try:
-        fn = import_spec(spec) if ":" in spec else None
-    except (ImportError, AttributeError) as err:
-        raise ConfigError("rollout.agent", spec, f"cannot import it ({type(err).__name__}: {err})",
-                          "put the module on PYTHONPATH or in the working directory") from None
+    fn = import_for("rollout.agent", spec) if ":" in spec else None
     if not callable(fn):
         raise ConfigError("rollout.agent", spec, "is not 'package.module:function' naming a function",
                           "point rollout.agent at fn(base_url, session_id, record) (docs/environments.md)")
