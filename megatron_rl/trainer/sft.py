@@ -23,6 +23,7 @@ from megatron_rl.distributed.metrics import reduce_sums
 from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.engine.trainable import Trainable, rebuild_optimizer
 from megatron_rl.envs.base import observation_ids
+from megatron_rl.envs.trajectories import TokenTrace
 from megatron_rl.models.heads import LogProbHead
 from megatron_rl.trainer.experience import response_positions
 from megatron_rl.trainer.update import scheduled_updates
@@ -64,17 +65,13 @@ def _demonstrated(turns: list[str], make_env: Callable, tokenizer: Tokenizer) ->
     """The response ids of a demonstration stepped through a fresh environment, and its policy mask."""
     env = make_env()
     env.reset({})
-    response, policy = [], []
+    trace = TokenTrace(prompt=[])  # the record a rollout keeps (no log-probs here)
     for k, text in enumerate(turns):
         ids = tokenizer.encode(text) + ([tokenizer.eos_id] if k + 1 == len(turns) else [])
-        response += ids
-        policy += [1] * len(ids)
-        if k + 1 == len(turns):
-            break
-        obs = observation_ids(env.step(text, ids).observation, tokenizer.encode)
-        response += obs
-        policy += [0] * len(obs)
-    return response, policy
+        trace.add_turn(ids, [0.0] * len(ids))
+        if k + 1 < len(turns):
+            trace.add_observation(observation_ids(env.step(text, ids).observation, tokenizer.encode))
+    return trace.response, trace.mask
 
 
 def _nll(total_tokens: float) -> Callable:
