@@ -14,7 +14,7 @@ from tests.test_cli import cli
 
 # Keys that differ by placement or by the clock, not by what was trained.
 VOLATILE = ("timing/", "memory/", "throughput/", "rollout/weights_gb", "rollout/generate_s", "rollout/generator_",
-            "rollout/trainer_wait_s", "rollout/weight_push_bytes")
+            "rollout/trainer_wait_s", "rollout/refit_bytes", "rollout/generator_shard_bytes")
 
 
 def _stable(rows: list[dict]) -> list[dict]:
@@ -44,7 +44,9 @@ def test_one_step_off_on_generator_ranks_trains_what_the_colocated_mode_trains(t
     assert [r["rollout/policy_version"] for r in rows] == [0, 0, 1, 2]
     # The generator side reports its work; the trainer side how long it waited for it.
     assert all(r["rollout/generate_s"] > 0 and r["rollout/generator_tokens_per_s"] > 0 for r in rows)
-    assert all(r["rollout/weight_push_bytes"] > 0 for r in rows)
+    # Each push filled the generator's shard (here the whole model), nothing more.
+    assert all(r["rollout/refit_bytes"] == r["rollout/generator_shard_bytes"] > 0 for r in rows)
+    assert all(r["timing/refit_s"] > 0 for r in rows)
 
 
 @pytest.mark.slow
@@ -172,6 +174,9 @@ def test_two_training_ranks_and_a_tp2_generator_on_megatrons_engine(tmp_path):
     assert "generators: 2 rank(s), layout tp=2 pp=1 ep=1 dp=1, MegatronRolloutEngine" in proc.stdout
     rows = read_metrics(tmp_path / "tp2")
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1]
+    # Generator rank 0 received exactly its TP shard from the two trainers: less than the whole
+    # model, which the two data-parallel trainers each hold.
+    assert all(0 < r["rollout/refit_bytes"] == r["rollout/generator_shard_bytes"] for r in rows)
     assert all(0 < r["reward/mean"] <= 1 for r in rows)
 
 

@@ -60,6 +60,19 @@ for _known in (
         torch_versions=TORCH_TESTED,
     ),
     KnownWarning(
+        name="torch.backend_used_as_process_group",
+        message=r"You are using a Backend <class 'torch\.distributed\.distributed_c10d\.ProcessGroupGloo'> as a "
+                r"ProcessGroup",
+        category=UserWarning,
+        module=r"torch\.distributed\.distributed_c10d",
+        reason=(
+            "the group joining the training and the generating world (distributed/cross_world.py) "
+            "is a gloo backend outside either world's group table; megatron's resharding gathers "
+            "its plan over it with all_gather_object, which warns for such a group and works"
+        ),
+        torch_versions=TORCH_TESTED,
+    ),
+    KnownWarning(
         name="megatron.inference_contexts_imports",
         message=r"The following imports from `dynamic_context\.py` will be removed",
         category=DeprecationWarning,

@@ -1,6 +1,6 @@
-"""Trainer rank 0 <-> generator rank 0: the one link between the training and the generating world.
+"""Trainer rank 0 <-> generator rank 0: how the training and the generating world talk.
 
-Three channels, all from the job's TCP store (:func:`megatron_rl.distributed.runtime.job_store`):
+Through the job's TCP store (:func:`megatron_rl.distributed.runtime.job_store`):
 
 - **messages**, trainer -> generators: an ordered stream (``msg/0``, ``msg/1``, ...) of small JSON
   records (sampling settings, weight pushes, generation requests, stop).  The generators act on
@@ -8,25 +8,23 @@ Three channels, all from the job's TCP store (:func:`megatron_rl.distributed.run
   staleness of every batch is fixed by the order the trainer posts in, not by timing.
 - **results**, generators -> trainer: one key per generated batch (``result/<step>``), JSON.  A
   store write never waits for the reader, so generators run ahead while the trainer trains.
-- **weights**, trainer -> generators: one flat byte buffer per push through a two-rank gloo group
-  (a full canonical copy; the generators load their own shards from it).  The trainer's sender
-  thread starts the transfer only when the generator says it is receiving, so neither side's
-  gloo timeout runs while the other is busy, and the trainer never waits for the copy.
+- **weights** move rank to rank, each generator receiving its own shard from the trainers that
+  hold it (megatron-core's resharding over a group of the whole job,
+  :mod:`megatron_rl.distributed.cross_world`).  A :class:`WeightSender` on every trainer rank
+  starts its part of a push only when generator rank 0 says the generators are receiving, so
+  neither side's timeout runs while the other is busy, and the trainers never wait for the copy.
 
-JSON and raw bytes only: nothing received is unpickled.
+JSON only through the store: nothing received from it is unpickled.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import math
 import queue
 import threading
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 MAX_POLL_S = 0.05  # longest pause between two looks at the store for a key
@@ -45,39 +43,13 @@ def wait_for_key(store, key: str) -> bytes:
     return store.get(key)
 
 
-def flatten_weights(canonical: dict[str, torch.Tensor]) -> tuple[list, torch.Tensor]:
-    """``(manifest, bytes)``: every tensor's bytes one after another in name order, and the
-    ``[name, shape, dtype]`` list that reads them back."""
-    names = sorted(canonical)
-    manifest = [[n, list(canonical[n].shape), str(canonical[n].dtype).removeprefix("torch.")] for n in names]
-    flat = torch.cat([canonical[n].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for n in names])
-    return manifest, flat
-
-
-def unflatten_weights(manifest: list, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`flatten_weights` (views into ``flat``)."""
-    out, offset = {}, 0
-    for name, shape, dtype in manifest:
-        dt = getattr(torch, dtype)
-        nbytes = math.prod(shape) * dt.itemsize
-        out[name] = flat[offset:offset + nbytes].view(dt).reshape(shape)
-        offset += nbytes
-    return out
-
-
 class Bridge:
     """One side of the link (``trainer`` on trainer rank 0, ``generator`` on generator rank 0)."""
 
-    def __init__(self, store, side: str, timeout_s: float):
+    def __init__(self, store):
         self.store = dist.PrefixStore("bridge", store)
         self.posted = 0  # trainer: messages posted
         self.read = 0  # generator: messages read
-        # Rank 0 of the pair sends weights; built on both sides before anything else.
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("weights", store), 0 if side == "trainer" else 1, 2,
-                                           datetime.timedelta(seconds=timeout_s))
-        self._sends: Optional[queue.Queue] = None
-        self._sender: Optional[threading.Thread] = None
-        self._send_error: list[BaseException] = []
         self._peeked: Optional[tuple[int, dict]] = None  # generator: (index, message) looked at ahead
 
     # ---------------------------------------------------------------- trainer side
@@ -86,49 +58,18 @@ class Bridge:
         self.store.set(f"msg/{self.posted}", json.dumps(message))
         self.posted += 1
 
-    def push_weights(self, version: int, canonical: dict[str, torch.Tensor]) -> int:
-        """Post a weight push and hand its bytes to the sender thread; returns the bytes sent."""
-        manifest, flat = flatten_weights(canonical)
-        self.post({"kind": WEIGHTS, "version": version, "manifest": manifest, "bytes": flat.numel()})
-        if self._sender is None:
-            self._sends = queue.Queue()
-            self._sender = threading.Thread(target=self._send_loop, name="weight-push", daemon=True)
-            self._sender.start()
-        self._raise_send_error()
-        self._sends.put((version, flat))
-        return flat.numel()
-
-    def _send_loop(self) -> None:
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            version, flat = item
-            try:
-                wait_for_key(self.store, f"receiving/{version}")
-                self.group.broadcast(flat, 0).wait()
-            except (RuntimeError, dist.DistError) as err:  # raised in the main thread at its next push or close
-                self._send_error.append(err)
-                return
-
-    def _raise_send_error(self) -> None:
-        if self._send_error:
-            raise RuntimeError("pushing weights to the generator ranks failed") from self._send_error[0]
-
     def take_result(self, step: int) -> dict:
         key = f"result/{step}"
         value = json.loads(wait_for_key(self.store, key))
         self.store.delete_key(key)
         return value
 
-    def close(self) -> None:
-        """Tell the generators to stop, wait until every push is delivered and they have stopped
-        (this process hosts the store they read)."""
+    def post_stop(self) -> None:
+        """Tell the generators to stop once they have acted on every message before this one."""
         self.post({"kind": STOP})
-        if self._sender is not None:
-            self._sends.put(None)
-            self._sender.join()
-            self._raise_send_error()
+
+    def wait_stopped(self) -> None:
+        """Wait until the generators have stopped (this process hosts the store they read)."""
         wait_for_key(self.store, "stopped")
 
     # ---------------------------------------------------------------- generator side
@@ -151,15 +92,56 @@ class Bridge:
         self._peeked = (self.read, json.loads(self.store.get(key)))
         return self._peeked[1]
 
-    def receive_weights(self, message: dict) -> torch.Tensor:
-        """The flat bytes of the push ``message`` announced (:func:`unflatten_weights` reads them)."""
-        flat = torch.empty(int(message["bytes"]), dtype=torch.uint8)
+    def receiving(self, message: dict) -> None:
+        """Tell the trainers' :class:`WeightSender`\\ s the generators are taking the push ``message``."""
         self.store.set(f"receiving/{message['version']}", "1")
-        self.group.broadcast(flat, 0).wait()
-        return flat
 
     def put_result(self, step: int, result: dict) -> None:
         self.store.set(f"result/{step}", json.dumps(result))
 
     def stopped(self) -> None:
         self.store.set("stopped", "1")
+
+
+class WeightSender:
+    """A trainer rank's part of each weight push, run on a thread of its own: ``send(payload)``
+    once the generators are receiving push ``version`` (every trainer rank joins the copy)."""
+
+    def __init__(self, store, send):
+        self.store = dist.PrefixStore("bridge", store)
+        self.send = send
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._error: list[BaseException] = []
+
+    def put(self, version: int, payload) -> None:
+        self._raise_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="weight-push", daemon=True)
+            self._thread.start()
+        self._queue.put((version, payload))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            version, payload = item
+            try:
+                wait_for_key(self.store, f"receiving/{version}")
+                self.send(payload)
+            except (RuntimeError, ValueError, OSError, dist.DistError) as err:  # raised at the next push or close
+                self._error.append(err)
+                return
+
+    def _raise_error(self) -> None:
+        if self._error:
+            raise RuntimeError("pushing weights to the generator ranks failed") from self._error[0]
+
+    def close(self) -> None:
+        """Wait until every push is delivered."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_error()

@@ -4,8 +4,8 @@ With ``rollout.ranks = G > 0`` the last ``G`` ranks of the job are generators: t
 inference model on ``rollout.layout`` and nothing else, and the first ``world - G`` ranks train.
 The two sets are two torch.distributed worlds of their own (each with megatron's parallel groups
 for its layout, so every collective of either side is one it already runs alone), joined through
-the job's TCP store: messages and samples through the store, weights through a two-rank gloo
-group between trainer rank 0 and generator rank 0 (:mod:`megatron_rl.distributed.bridge`).
+the job's TCP store: messages and samples through the store (:mod:`megatron_rl.distributed.bridge`),
+weights rank to rank through a gloo group of the whole job (:mod:`megatron_rl.distributed.cross_world`).
 Megatron's ``parallel_state`` is per process, so a second world is the only way one job can
 build two layouts over two disjoint rank sets without each side joining the other's groups.
 

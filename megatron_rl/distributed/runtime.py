@@ -124,10 +124,11 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
     ``generators > 0`` (``rollout.ranks``): the last ``generators`` ranks form a world of their
     own, the others the training world, both on the job's one TCP store under prefixes of their
     own (:mod:`megatron_rl.distributed.placement`); :func:`job_store` is that store."""
-    global _JOB_STORE
+    global _JOB_STORE, _PLACEMENT
     enable_compat()
     launch = launch or detect_launch_env()
     where = place(launch.rank, launch.world_size, generators)
+    _PLACEMENT = where
     device = resolve_device(dist_cfg)
     if device.type == CUDA:
         torch.cuda.set_device(device)
@@ -155,11 +156,17 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
 
 
 _JOB_STORE = None
+_PLACEMENT: Placement | None = None
 
 
 def job_store():
     """The TCP store every rank of a job with generator ranks of their own shares (None otherwise)."""
     return _JOB_STORE
+
+
+def job_placement() -> Placement | None:
+    """Where this process sits in its job (None before :func:`init_distributed`)."""
+    return _PLACEMENT
 
 
 _CURRENT: ParallelLayout | None = None

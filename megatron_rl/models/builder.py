@@ -182,18 +182,19 @@ def gpt_model(model: ModelConfig, config: TransformerConfig, impl: str, vocab: i
 
 def build_gpt_chunks(
     model: ModelConfig, layout: ParallelLayout, device: torch.device, model_cls=RLGPTModel, *,
-    initialize: bool = True, **model_kwargs
+    initialize: bool = True, vocab_rows: int | None = None, **model_kwargs
 ) -> list[RLGPTModel]:
     """One ``model_cls`` per virtual pipeline stage held by this rank, on ``device``.
 
     ``initialize=False`` when weights are loaded right after (checkpoint, HF): megatron then
-    allocates the parameters without initialising them."""
+    allocates the parameters without initialising them.  ``vocab_rows``: the padded vocabulary
+    of another layout's model (one refit from it), instead of this layout's own."""
     impl = resolve_transformer_impl(model.transformer_impl)
     dtype = resolve_dtype(model.params_dtype, device)
     if torch.device(device).type == "cuda":
         allow_tf32()
     config = transformer_config(model, layout, dtype, impl, device=device, initialize=initialize)
-    vocab = padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp)
+    vocab = vocab_rows or padded_vocab_size(model.vocab_size, model.make_vocab_size_divisible_by, layout.tp)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None

@@ -4,7 +4,8 @@ batches they request, in the order they were posted, until told to stop.
 The generator ranks are a world of their own with megatron's groups for ``rollout.layout`` (CP 1,
 the remaining ranks data-parallel replicas); their engine generates on that layout's own shards.
 Generator rank 0 reads the trainer's messages (:mod:`megatron_rl.distributed.bridge`) and passes
-each to the others; every generator rank loads a pushed copy into its shards; generator rank 0
+each to the others; at a weight push every generator rank receives its own shard from the trainer
+ranks (megatron-core's resharding across the two worlds, :func:`refit_across_worlds`); generator rank 0
 returns each batch with the policy version that generated it and the time it took, and how long
 the generators sat idle before the request came.  Signals are the trainers' to act on: a
 generator serves until the trainers have checkpointed and said stop.
@@ -17,18 +18,24 @@ import signal
 import time
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives, faults
-from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge, unflatten_weights
+from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge
+from megatron_rl.distributed.cross_world import joint_group
 from megatron_rl.distributed.placement import GENERATOR
-from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, job_store, resolve_device
+from megatron_rl.distributed.runtime import (
+    ParallelLayout,
+    init_model_parallel,
+    job_placement,
+    job_store,
+    resolve_device,
+)
 from megatron_rl.models.builder import build_gpt_chunks
-from megatron_rl.models.canonical import load_canonical
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import RolloutBatch, make_rollout_engine, on_active_layout
+from megatron_rl.rollout.refit import RefitStats, refit_across_worlds, refit_vocab_rows
 from megatron_rl.rollout.sampling import SamplingParams
 
 
@@ -61,19 +68,22 @@ def rollout_from_json(data: dict, prompt_ids: list[list[int]]) -> RolloutBatch:
 
 
 class PushedWeights:
-    """The weights the trainers push, loaded into the generators' shards and engine.
+    """The weights the trainers push, received into the generators' shards and engine.
 
     With ``trainer.partial_rollouts`` the engine calls :meth:`poll` before each token, so a push
     reaches the requests in flight (every generator rank polls in step: validation keeps partial
     rollouts to one replica, whose ranks run the same decode loop)."""
 
-    def __init__(self, bridge: Optional[Bridge], chunks: list, engine):
+    def __init__(self, bridge: Optional[Bridge], chunks: list, engine, group, trainers: int):
         self.bridge, self.chunks, self.engine = bridge, chunks, engine
+        self.group, self.trainers = group, trainers
         self.version: Optional[int] = None
+        self.last_refit = RefitStats(0.0, 0)
 
     def load(self, message: dict) -> None:
-        flat = self.bridge.receive_weights(message) if self.bridge is not None else None
-        load_canonical(self.chunks, _weights_on_every_generator(flat, message))
+        if self.bridge is not None:
+            self.bridge.receiving(message)
+        self.last_refit = refit_across_worlds(None, self.chunks[0], self.group, self.trainers)
         self.engine.load_from_chunks(self.chunks)
         self.version = int(message["version"])
 
@@ -98,13 +108,16 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     layout = generator_layout(cfg, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)
-    chunks = build_gpt_chunks(cfg.model, layout, device)
+    # The training model's vocabulary rows, so the embedding and output layer map row for row.
+    chunks = build_gpt_chunks(cfg.model, layout, device, initialize=False,
+                              vocab_rows=refit_vocab_rows(cfg.model, cfg.parallel.tp, layout.tp))
     engine = make_rollout_engine(on_active_layout(cfg.rollout), cfg.model, device)
-    bridge = Bridge(job_store(), "generator", cfg.distributed.timeout_s) if rank0 else None
+    bridge = Bridge(job_store()) if rank0 else None
+    group = joint_group(cfg.distributed.timeout_s)
     if rank0:
         log(f"generators: {dist.get_world_size()} rank(s), layout tp={layout.tp} pp={layout.pp} ep={layout.ep} "
             f"dp={layout.dp}, {type(engine).__name__}")
-    weights = PushedWeights(bridge, chunks, engine)
+    weights = PushedWeights(bridge, chunks, engine, group, job_placement().trainers)
     if cfg.trainer.partial_rollouts:
         engine.live_weights = weights
     rollout = wrap_engine(engine) if wrap_engine is not None else engine
@@ -129,6 +142,8 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
                 bridge.put_result(int(message["step"]), {
                     "rollout": rollout_to_json(batch), "version": version,
                     "generate_s": done - start, "idle_s": start - idle_since,
+                    "refit_s": weights.last_refit.seconds, "refit_bytes": weights.last_refit.bytes_received,
+                    "shard_bytes": weights.last_refit.shard_bytes,
                 })
             idle_since = done
         else:
@@ -137,8 +152,3 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     if rank0:
         bridge.stopped()
 
-
-def _weights_on_every_generator(flat: Optional[torch.Tensor], message: dict) -> dict[str, torch.Tensor]:
-    """Generator rank 0's received bytes, on every generator rank, as canonical tensors."""
-    flat = collectives.broadcast_host_tensor(flat, 0, int(message["bytes"]), torch.uint8)
-    return unflatten_weights(message["manifest"], flat)

@@ -83,6 +83,7 @@ def refit_vocab_rows(model_cfg: ModelConfig, train_tp: int, infer_tp: int) -> in
 class RefitStats:
     seconds: float
     bytes_received: int  # bytes this rank received into its inference shard (copies within the rank included)
+    shard_bytes: int = 0  # bytes of the shard it fills (every parameter and persistent buffer)
 
 
 def refit(train_chunks: list, infer_model, method: str) -> RefitStats:
@@ -99,6 +100,59 @@ def refit(train_chunks: list, infer_model, method: str) -> RefitStats:
         swap_model_weights([source], [target], refit_method=method)
     seconds = time.perf_counter() - start
     return RefitStats(seconds, received_bytes(source, target))
+
+
+def snapshot_for_push(train_chunks: list, group, trainers: int):
+    """This trainer rank's weights as a push after this update will send them: a copy of the
+    tensors the cross-world plan has this rank send (all of its tensors before the plan exists),
+    taken now so the trainers go on updating while the copy waits for the generators."""
+    from megatron.core.resharding.utils import named_refit_tensors
+
+    from megatron_rl.models.canonical import unwrap
+
+    chunks = [unwrap(c) for c in train_chunks]
+    plan = _cross_world_plan(_refit_view(chunks), None, group, trainers)
+    sent = None if plan is None else {op.param_name for op in plan.send_ops}
+    view = _RefitView(chunks)
+    with torch.no_grad():
+        tensors = {n: t.detach().clone() for n, t in named_refit_tensors(_refit_view(chunks))
+                   if sent is None or n in sent}
+    object.__setattr__(view, "_refit_tensor_cache", tensors)  # what megatron's executor reads from
+    return view
+
+
+def refit_across_worlds(source, infer_model, group, trainers: int) -> RefitStats:
+    """One push from the training world to the generating world with megatron-core's resharding:
+    trainer ranks pass ``source`` (a :func:`snapshot_for_push`) and ``infer_model=None``,
+    generator ranks ``None`` and their shard of the inference model; collective over ``group``
+    (:func:`megatron_rl.distributed.cross_world.joint_group`), whose first ``trainers`` ranks
+    train.  The plan is built at the first push and cached."""
+    from megatron.core.resharding.refit import swap_model_weights
+
+    from megatron_rl.distributed.cross_world import copy_service
+
+    target = _refit_view([infer_model]) if infer_model is not None else None
+    start = time.perf_counter()
+    with torch.no_grad():
+        swap_model_weights([source] if source is not None else None, [target] if target is not None else None,
+                           refit_method=copy_service(group), group=group, src_rank_offset=0,
+                           dst_rank_offset=trainers)
+    seconds = time.perf_counter() - start
+    if target is None:
+        return RefitStats(seconds, 0)
+    from megatron.core.resharding.utils import get_refit_tensor_dict
+
+    shard = sum(t.numel() * t.element_size() for t in get_refit_tensor_dict(target).values())
+    return RefitStats(seconds, _plan_received_bytes(_cross_world_plan(None, target, group, trainers), target), shard)
+
+
+def _cross_world_plan(source, target, group, trainers: int):
+    from megatron.core.resharding.refit import _build_plan_cache_key, _plan_cache, _unwrap_model_cores
+
+    src_core, tgt_core, experts = _unwrap_model_cores([source] if source is not None else None,
+                                                      [target] if target is not None else None)
+    return _plan_cache.get(_build_plan_cache_key(src_core, tgt_core, experts, group=group, src_rank_offset=0,
+                                                 dst_rank_offset=trainers))
 
 
 _PLANNED: list = []  # the (source, inference model) pair megatron's cached plans were built for
@@ -129,12 +183,15 @@ def _refit_view(chunks: list) -> "_RefitView":
 def received_bytes(source, infer_model) -> int:
     """Bytes the cached plan writes into this rank's inference shard per refit."""
     from megatron.core.resharding.refit import _build_plan_cache_key, _plan_cache, _unwrap_model_cores
-    from megatron.core.resharding.utils import get_refit_tensor_dict
 
     src_core, tgt_core, experts = _unwrap_model_cores([source], [infer_model])
     plan = _plan_cache.get(_build_plan_cache_key(src_core, tgt_core, experts))
-    if plan is None:
-        return 0
+    return _plan_received_bytes(plan, tgt_core) if plan is not None else 0
+
+
+def _plan_received_bytes(plan, tgt_core) -> int:
+    from megatron.core.resharding.utils import get_refit_tensor_dict
+
     tensors = get_refit_tensor_dict(tgt_core)
     total = 0
     for op in plan.recv_ops:

@@ -34,10 +34,11 @@ import torch.distributed as dist
 from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives
-from megatron_rl.distributed.bridge import REQUEST, SETTINGS, Bridge
-from megatron_rl.distributed.runtime import job_store
-from megatron_rl.models.canonical import gather_canonical
+from megatron_rl.distributed.bridge import REQUEST, SETTINGS, WEIGHTS, Bridge, WeightSender
+from megatron_rl.distributed.cross_world import joint_group
+from megatron_rl.distributed.runtime import job_placement, job_store
 from megatron_rl.rollout.generator_service import rollout_from_json
+from megatron_rl.rollout.refit import refit_across_worlds, snapshot_for_push
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.experience import Samples
 from megatron_rl.trainer.one_step_off import GeneratedBatch
@@ -59,11 +60,14 @@ class RemoteRollout:
         self.records_of = records_of
         self.bound, self.push_every = staleness_plan(cfg)
         self.rank0 = dist.get_rank() == 0
-        self.bridge = Bridge(job_store(), "trainer", cfg.distributed.timeout_s) if self.rank0 else None
+        self.bridge = Bridge(job_store()) if self.rank0 else None
+        self.group = joint_group(cfg.distributed.timeout_s)
+        self.trainers = job_placement().trainers
+        self.sender = WeightSender(job_store(), lambda snapshot: refit_across_worlds(snapshot, None, self.group,
+                                                                                     self.trainers))
         self.requested: dict[int, list[int]] = {}  # step -> dataset indices, requested and not yet taken
         self.next_request = 1
         self.pushed: Optional[int] = None
-        self.push_bytes = 0
         self.closed = False
 
     def start(self, step: int, buffered: list[int], chunks: list) -> None:
@@ -74,10 +78,13 @@ class RemoteRollout:
         self.push(step, chunks)
 
     def push(self, version: int, chunks: list) -> None:
-        """Send the actor's weights after ``version`` updates, then request what the bound allows."""
-        canonical = gather_canonical(chunks)  # a collective of the training world
+        """Send the actor's weights after ``version`` updates, then request what the bound allows.
+        The trainers only copy what they will send (:func:`snapshot_for_push`); the transfer runs
+        on their sender threads when the generators take it."""
+        snapshot = snapshot_for_push(chunks, self.group, self.trainers)
         if self.rank0:
-            self.push_bytes = self.bridge.push_weights(version, canonical)
+            self.bridge.post({"kind": WEIGHTS, "version": version})
+        self.sender.put(version, snapshot)
         self.pushed = version
         self._request()
 
@@ -117,7 +124,8 @@ class RemoteRollout:
         metrics = {"rollout/generate_s": result["generate_s"], "rollout/generator_idle_s": result["idle_s"],
                    "rollout/generator_tokens_per_s": tokens / max(result["generate_s"], 1e-9),
                    "rollout/trainer_wait_s": result["trainer_wait_s"],
-                   "rollout/weight_push_bytes": self.push_bytes}
+                   "rollout/refit_bytes": result["refit_bytes"], "rollout/generator_shard_bytes": result["shard_bytes"],
+                   "timing/refit_s": result["refit_s"]}
         return GeneratedBatch(samples, int(result["version"])), metrics
 
     def drain(self) -> dict[int, GeneratedBatch]:
@@ -126,6 +134,10 @@ class RemoteRollout:
 
     def close(self) -> None:
         """Stop the generators (after every push was delivered)."""
-        if self.rank0 and not self.closed:
-            self.bridge.close()
+        if not self.closed:
+            if self.rank0:
+                self.bridge.post_stop()
+            self.sender.close()
+            if self.rank0:
+                self.bridge.wait_stopped()
         self.closed = True
