@@ -342,3 +342,59 @@ def test_plan_shows_the_inference_layout_and_sets_it(capsys):
     assert any(line.startswith("rollout.layout: tp1 pp1 x 8 replicas: the smallest TP") for line in lines)
     overrides = next(line for line in lines if line.startswith("overrides:"))
     assert "rollout.engine=megatron" in overrides and "rollout.layout.tp=1 rollout.layout.pp=1" in overrides
+
+
+def test_plan_sizes_the_training_and_the_generator_gpus_apart(capsys):
+    """rollout.ranks: 16 GPUs, 8 of them generating.  The training layout is searched over the other
+    8 (no rollout phase there: its total is the training peak); the generator GPUs hold the
+    inference shard and its KV cache alone, so a replica holds more sequences than beside the
+    training state of a colocated plan on 8 GPUs; both sets' numbers and rollout.ranks are printed."""
+    cfg = preset("qwen2.5-7b")
+    kw = dict(prompt_len=1024, response_len=32768, gpus_per_node=8, gpu_memory_gib=80, with_critic=False,
+              with_reference=False)
+    apart = plan(cfg, nodes=2, generators=8, **kw)
+    colocated = plan(cfg, nodes=1, engines=("megatron",), **kw)
+    best, alone = apart.recommended, colocated.recommended
+    assert best.layout.world == 8 and best.layout.generators == 8 and best.layout.megatron_rollout
+    b = best.breakdown
+    assert b.total == b.train_peak  # the trainers never generate
+    g = b.rollout
+    assert g.resident == 0 and not g.shares and g.replicas == 8 // (g.layout.tp * g.layout.pp)
+    assert g.peak == pytest.approx(g.weights + g.kv) and g.peak <= 0.9 * 80 * memory.GiB
+    assert g.sequences > alone.breakdown.rollout.sequences
+    assert best.settings(with_critic=False)["rollout.ranks"] == 8
+    assert "rollout.ranks" not in alone.settings(with_critic=False)
+    rc, lines = _plan_output(capsys, "--model", "qwen2.5-7b", "--prompt-len", "1024", "--response-len", "32768",
+                             "--nodes", "2", "--no-critic", "--no-reference", "--generator-gpus", "8", "--show", "2")
+    assert rc == 0
+    assert any(line.startswith("rollout.layout: on the 8 generator rank(s): tp1 pp1 x 8 replicas") for line in lines)
+    sizes = next(line for line in lines if line.startswith("generator GPUs: 8, each "))
+    assert f"KV cache {g.kv / 2**30:.1f} for {g.sequences} sequences per replica" in sizes
+    assert "training GPUs: 8" in sizes
+    assert "rollout.ranks=8" in next(line for line in lines if line.startswith("overrides:"))
+    # One generator GPU cannot hold a 70B model's weights on any layout: nothing fits.
+    big = plan(preset("llama3-70b"), nodes=1, generators=1, search_nodes=0, **kw)
+    assert big.recommended is None
+
+
+def test_planned_rollout_layout_of_generator_ranks_counts_no_training_state():
+    """On CUDA an unset rollout.layout is the planner's choice; with rollout.ranks the generator
+    ranks hold nothing of training, so the choice is made for the whole of their memory (it was
+    made as if the actor's training state sat beside the inference copy)."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.planner.recipe import planned_rollout_layout
+
+    model = [f"model.{k}={v}" for k, v in dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
+                                                   num_attention_heads=28, num_query_groups=4, vocab_size=152064,
+                                                   max_position_embeddings=40000).items()]
+    common = [*model, "parallel.tp=4", "rollout.engine=megatron", "rollout.max_new_tokens=32768",
+              "data.max_prompt_tokens=1024", "algorithm.advantage=grpo", "algorithm.kl_coef=0"]
+    colocated, _ = planned_rollout_layout(load_config(None, common), 8, 80 * 2**30)
+    apart, why = planned_rollout_layout(load_config(None, [*common, "rollout.ranks=8"]), 8, 80 * 2**30)
+    assert colocated.resident > 0 and apart.resident == 0 and not apart.shares
+    # Beside the training state TP1 holds too few sequences, so it took two stages; alone, TP1 PP1
+    # holds them with 8 replicas, and more sequences at once over the ranks.
+    assert colocated.layout == memory.RolloutLayout(tp=1, pp=2)
+    assert apart.layout == memory.RolloutLayout(tp=1, pp=1) and apart.replicas == 8
+    assert apart.concurrency > colocated.concurrency
+    assert apart.peak == pytest.approx(apart.weights + apart.kv) and "KV cache for 16 sequences" in why

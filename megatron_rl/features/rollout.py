@@ -213,14 +213,17 @@ FEATURES = [
         "Generator ranks of their own (rollout.ranks; sync, one_step_off, async)", "rollout", TESTED_CPU,
         "rollout.ranks=G: the last G ranks generate on rollout.layout (CP 1, the rest data-parallel replicas), the "
         "others train; two torch.distributed worlds joined by the job's store (requests, samples) and a gloo group "
-        "(weights: a full canonical copy after an update, loaded into the generators' shards; the trainer's sender "
-        "thread overlaps the copy with training). The order of weight pushes and requests fixes each batch's "
-        "policy version: sync (no overlap), one_step_off (the colocated mode's batches, exactly, with generation of "
-        "step k+1 overlapping the update of step k), async (generators up to trainer.max_staleness versions ahead, "
-        "weights every trainer.push_weights_every updates; they wait rather than exceed the bound). A checkpoint "
-        "takes every requested batch first (rollout_buffer: generated, not yet trained), so a SIGKILLed job resumes "
-        "exactly; a dead generator rank ends the job with its name. Logged: staleness, policy version, generate "
-        "and idle seconds of the generators, the trainer's wait, push bytes. Evaluation runs on the training ranks.",
+        "over the whole job (weights: megatron-core's resharding, swap_model_weights across the two worlds, each "
+        "generator rank receiving exactly its shard from the trainer ranks that hold it; each trainer rank copies "
+        "what it sends and a sender thread overlaps the transfer with training). The order of weight pushes and "
+        "requests fixes each batch's policy version: sync (no overlap), one_step_off (the colocated mode's batches, "
+        "exactly, with generation of step k+1 overlapping the update of step k), async (generators up to "
+        "trainer.max_staleness versions ahead, weights every trainer.push_weights_every updates; they wait rather "
+        "than exceed the bound). A checkpoint takes every requested batch first (rollout_buffer: generated, not yet "
+        "trained), so a SIGKILLed job resumes exactly; a dead generator rank ends the job with its name. Logged: "
+        "staleness, policy version, generate and idle seconds of the generators, the trainer's wait, refit seconds "
+        "and bytes (rollout/refit_bytes equals rollout/generator_shard_bytes). Evaluation runs on the training "
+        "ranks. megatron-rl plan --generator-gpus (or rollout.ranks) sizes both sets.",
         ("tests/test_generator_ranks.py::test_one_step_off_on_generator_ranks_trains_what_the_colocated_mode_trains",
          "tests/test_generator_ranks.py::test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly",
          "tests/test_generator_ranks.py::test_two_training_ranks_and_a_tp2_generator_on_megatrons_engine",
@@ -229,7 +232,9 @@ FEATURES = [
          "tests/test_slurm.py::test_a_job_with_generator_ranks_runs_under_the_script",
          "tests/test_generator_ranks.py::test_a_dead_generator_rank_ends_the_job_with_its_name",
          "tests/test_generator_ranks.py::test_generator_ranks_refuse_what_they_cannot_run_before_launch",
-         "tests/test_generator_ranks.py::test_grpo_learns_the_demo_task_in_async_mode"),
+         "tests/test_generator_ranks.py::test_grpo_learns_the_demo_task_in_async_mode",
+         "tests/test_planner.py::test_plan_sizes_the_training_and_the_generator_gpus_apart",
+         "tests/test_planner.py::test_planned_rollout_layout_of_generator_ranks_counts_no_training_state"),
         constraints=(
             need("trainer.mode", lambda c, w: c.rollout.ranks > 0,
                  "trainer.mode=async needs generator ranks of their own", "set rollout.ranks (e.g. 1), or use "

@@ -61,6 +61,7 @@ class PlanOption:
     ep: int = 1  # MoE: expert parallel (planner/moe.py)
     etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
     rollout_layout: Optional["RolloutLayout"] = None  # megatron's engine: rollout.layout as set; None = chosen
+    generators: int = 0  # rollout.ranks: GPUs that only generate (on rollout.layout); the layout above trains
 
     @property
     def world(self) -> int:
@@ -82,6 +83,8 @@ class PlanOption:
         out["trainer.offload"] = self.offload
         out["rollout.engine"] = ("tp_sharded" if self.sharded_rollout else "megatron" if self.megatron_rollout
                                  else "torch")
+        if self.generators:
+            out["rollout.ranks"] = self.generators
         out.update(moe.settings(self))
         return out
 
@@ -431,6 +434,22 @@ def estimate(
     train_state = rollout_resident_bytes(models, layout.offload)
     paged = is_moe(cfg) or layout.megatron_rollout
     rollout_mem, why = None, ""
+    if layout.generators:  # generation on ranks of its own: the inference shard and its KV cache alone
+        seq_kw = dict(seq_len=seq_len, resident=0.0, budget_bytes=budget_bytes, param_bytes=param_bytes,
+                      generators=layout.generators)
+        if layout.rollout_layout is not None:
+            rollout_mem = rollout_memory(cfg, layout, layout.rollout_layout, max_sequences=max_rollout_batch, **seq_kw)
+            why = f"{layout.rollout_layout.name()} x {rollout_mem.replicas} replicas: as the config sets it"
+        else:
+            rollout_mem, why = choose_rollout_layout(cfg, layout, concurrency=rollout_concurrency,
+                                                     max_sequences=max_rollout_batch, **seq_kw)
+        why = f"on the {layout.generators} generator rank(s): {why}"
+        components = dict(models)
+        components.update({"activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
+                           "rollout (weights + KV cache)": 0.0})
+        # The trainers' peak is the training phase; the generators' is rollout_mem.peak (their own GPUs).
+        return Breakdown(components, train, rollout_mem.sequences, rollout_mem.kv, train, rollout_mem.peak,
+                         rollout_mem, why, rollout_mem.kv)
     if paged:  # megatron's engine on rollout.layout: the actor's shards, or a second copy refit from them
         seq_kw = dict(seq_len=seq_len, resident=train_state, budget_bytes=budget_bytes, param_bytes=param_bytes)
         if layout.rollout_layout is not None:
@@ -634,14 +653,15 @@ class RolloutMemory:
 
 def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *, seq_len: int, resident: float,
                    budget_bytes: float, max_sequences: int = 256, param_bytes: int = 2,
-                   block_tokens: int = KV_BLOCK_TOKENS) -> RolloutMemory:
+                   block_tokens: int = KV_BLOCK_TOKENS, generators: Optional[int] = None) -> RolloutMemory:
     """What generating with ``infer`` holds per rank: ``resident`` (the training state left on the
     GPU), the inference shard's weights unless it shares the actor's, and the paged KV cache of its
     stage's layers and KV heads / its TP for as many sequences as the rest of ``budget_bytes``
-    holds (up to ``max_sequences``)."""
-    world = train.world
+    holds (up to ``max_sequences``).  ``generators``: generation on that many ranks of its own
+    (``rollout.ranks``), which hold the inference shard and never the actor's."""
+    world = generators or train.world
     opt = infer.option(world)
-    shares = shares_training_weights(infer, train)
+    shares = not generators and shares_training_weights(infer, train)
     weights = params_per_gpu(cfg, opt) * param_bytes
     extra = 0.0 if shares else weights
     reserved = engine_kv_cache_bytes(cfg, opt, 0, seq_len, param_bytes, block_tokens)
@@ -653,32 +673,40 @@ def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *,
                          sequences, kv)
 
 
-def rollout_layout_options(cfg: ModelConfig, train: PlanOption) -> list[RolloutLayout]:
-    """Inference layouts worth trying beside ``train``: every TP and PP that divide what they
-    must, with the training layout's expert parallelism (expert-TP: the training one's)."""
+def rollout_layout_options(cfg: ModelConfig, train: PlanOption, generators: Optional[int] = None
+                           ) -> list[RolloutLayout]:
+    """Inference layouts worth trying beside ``train`` (or on ``generators`` ranks of their own):
+    every TP and PP that divide what they must, with the training layout's expert parallelism
+    (expert-TP: the training one's)."""
     out = []
     for tp in ROLLOUT_TP_SIZES:
         for pp in ROLLOUT_PP_SIZES:
             infer = RolloutLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
             if infer.etp == infer.tp:
                 infer = dataclasses.replace(infer, etp=None)
-            if not rollout_layout_problems(cfg, infer, train, train.world):
+            if generators and infer.ep > 1 and infer.pp > 1:  # never the actor's shards there
+                continue
+            if not rollout_layout_problems(cfg, infer, train, generators or train.world):
                 out.append(infer)
     return out
 
 
 def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, resident: float,
                           budget_bytes: float, concurrency: int = ROLLOUT_CONCURRENCY, max_sequences: int = 256,
-                          param_bytes: int = 2, block_tokens: int = KV_BLOCK_TOKENS) -> tuple[RolloutMemory, str]:
+                          param_bytes: int = 2, block_tokens: int = KV_BLOCK_TOKENS,
+                          generators: Optional[int] = None) -> tuple[RolloutMemory, str]:
     """``rollout.layout`` when the config leaves it unset: the smallest TP, then PP, whose weights
     and a KV cache for ``concurrency`` sequences per replica fit what the training state leaves of
     ``budget_bytes`` during rollout (smaller TP x PP: more replicas).  When none holds that many,
     the one that holds the most over the world (then the smaller).  Returns the layout's rollout
-    memory (its KV budget: what fits, up to ``max_sequences`` per replica) and one line saying why."""
+    memory (its KV budget: what fits, up to ``max_sequences`` per replica) and one line saying why.
+    ``generators``: the layout of that many generator ranks of their own (``rollout.ranks``)."""
     options = [rollout_memory(cfg, train, infer, seq_len=seq_len, resident=resident, budget_bytes=budget_bytes,
                               max_sequences=max(concurrency, max_sequences), param_bytes=param_bytes,
-                              block_tokens=block_tokens)
-               for infer in rollout_layout_options(cfg, train)]
+                              block_tokens=block_tokens, generators=generators)
+               for infer in rollout_layout_options(cfg, train, generators)]
+    if not options and generators:
+        raise ValueError(f"no rollout.layout divides this model over {generators} generator rank(s)")
     if not options:  # nothing else divides: the training layout
         mem = rollout_memory(cfg, train, RolloutLayout.of_training(train), seq_len=seq_len, resident=resident,
                              budget_bytes=budget_bytes, max_sequences=max_sequences, param_bytes=param_bytes,
@@ -693,7 +721,8 @@ def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, 
     else:
         mem = max(options, key=lambda m: (m.concurrency, -m.layout.tp, -m.layout.pp))
         why = (f"{mem.layout.name()} x {mem.replicas} replicas: no layout holds {concurrency} sequences per replica "
-               f"during rollout; this one holds the most over the world ({mem.concurrency})")
+               f"during rollout; this one holds the most over the {'generator ranks' if generators else 'world'} "
+               f"({mem.concurrency})")
     if mem.sequences > max_sequences:
         mem = dataclasses.replace(mem, sequences=max_sequences, kv=mem.reserved + max_sequences * mem.kv_per_sequence)
     return mem, why

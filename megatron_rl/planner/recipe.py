@@ -19,6 +19,7 @@ class PlanInputs:
     with_reference: bool
     rollout_concurrency: Optional[int] = None  # sequences per replica megatron's engine must hold (max_batch_size)
     rollout_layout: Optional[dict] = None  # the rollout.layout sizes the config sets (None: the plan chooses)
+    generators: int = 0  # rollout.ranks: GPUs that only generate
 
 
 def plan_inputs(cfg: Config) -> PlanInputs:
@@ -28,7 +29,8 @@ def plan_inputs(cfg: Config) -> PlanInputs:
     return PlanInputs(prompt_len=cfg.data.max_prompt_tokens, response_len=cfg.rollout.max_new_tokens,
                       with_critic=needs_critic(cfg.algorithm.advantage), with_reference=cfg.algorithm.kl_coef > 0,
                       rollout_concurrency=cfg.rollout.max_batch_size,
-                      rollout_layout=asked if any(v is not None for v in asked.values()) else None)
+                      rollout_layout=asked if any(v is not None for v in asked.values()) else None,
+                      generators=cfg.rollout.ranks)
 
 
 def _rollout_size(cfg: Config, key: str, value):
@@ -66,7 +68,9 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
     """``rollout.layout`` for a config that leaves it unset, on ``world`` GPUs of
     ``gpu_memory_bytes``: :func:`megatron_rl.planner.memory.choose_rollout_layout` with what the
     config's training state leaves during rollout, for rollout.max_batch_size sequences per replica
-    (default :data:`~megatron_rl.planner.memory.ROLLOUT_CONCURRENCY`).  Returns ``(RolloutMemory, why)``."""
+    (default :data:`~megatron_rl.planner.memory.ROLLOUT_CONCURRENCY`).  With ``rollout.ranks`` the
+    layout is the generator ranks' (``world``: the training ranks), which hold nothing else.
+    Returns ``(RolloutMemory, why)``."""
     from megatron_rl.planner.memory import (
         ROLLOUT_CONCURRENCY,
         PlanOption,
@@ -82,8 +86,10 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
                        distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, megatron_rollout=True,
                        ep=p.ep, etp=p.etp)
     models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes)
+    generators = cfg.rollout.ranks or None
     return choose_rollout_layout(cfg.model, train, seq_len=inputs.prompt_len + inputs.response_len,
-                                 resident=rollout_resident_bytes(models, train.offload),
+                                 resident=0.0 if generators else rollout_resident_bytes(models, train.offload),
                                  budget_bytes=HEADROOM * gpu_memory_bytes,
                                  concurrency=cfg.rollout.max_batch_size or ROLLOUT_CONCURRENCY,
-                                 param_bytes=param_bytes, block_tokens=cfg.rollout.kv_block_tokens)
+                                 param_bytes=param_bytes, block_tokens=cfg.rollout.kv_block_tokens,
+                                 generators=generators)

@@ -119,9 +119,13 @@ ENGINES = ("torch", "tp_sharded", "megatron")
 
 
 def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple = ENGINES,
-                rollout_layout: Optional[dict] = None):
+                rollout_layout: Optional[dict] = None, generators: int = 0):
     """Every layout to estimate; ``rollout_layout``: the sizes the config sets for megatron's
-    engine (None: chosen per layout by :func:`megatron_rl.planner.memory.choose_rollout_layout`)."""
+    engine (None: chosen per layout by :func:`megatron_rl.planner.memory.choose_rollout_layout`).
+    ``generators``: GPUs of the ``gpus`` that only generate (``rollout.ranks``, megatron's engine
+    on ``rollout.layout``); the layouts are the other GPUs'."""
+    if generators:
+        gpus, engines = gpus - generators, ("megatron",)
     heads, groups, _ = attention_dims(cfg)
     for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
         if heads % tp or groups % tp:
@@ -148,7 +152,7 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple 
                         yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
                                          distributed_optimizer=dist_opt, sharded_rollout=sharded,
                                          megatron_rollout=megatron, cp_comm_type=comm, hierarchical_cp=levels,
-                                         ep=ep, etp=etp, rollout_layout=infer)
+                                         ep=ep, etp=etp, rollout_layout=infer, generators=generators)
 
 
 _RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
@@ -180,16 +184,20 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
          gpu_memory_gib: float, max_tokens_per_rank: Optional[int] = None, rollout_batch: int = 256,
          with_critic: bool = True, with_reference: bool = True, search_nodes: int = MAX_SEARCH_NODES,
          engines: tuple = ENGINES, rollout_concurrency: Optional[int] = None,
-         rollout_layout: Optional[dict] = None) -> Plan:
+         rollout_layout: Optional[dict] = None, generators: int = 0) -> Plan:
     """``engines``: the rollout engines to plan for; ``rollout_concurrency``: the sequences per
     replica megatron's engine must hold when the plan chooses ``rollout.layout``;
-    ``rollout_layout``: the sizes a config sets (any set: no choice, unset sizes the training's)."""
+    ``rollout_layout``: the sizes a config sets (any set: no choice, unset sizes the training's);
+    ``generators``: GPUs that only generate (``rollout.ranks``): both sets are sized, the
+    training layout over the rest, ``rollout.layout`` over them."""
     gpus = nodes * gpus_per_node
+    if not 0 <= generators < gpus:
+        raise ValueError(f"{generators} generator GPUs leave no GPU to train on among {gpus}")
     seq = prompt_len + response_len
     if rollout_layout and not any(rollout_layout.values()):
         rollout_layout = None
     candidates = []
-    for lay in layouts_for(cfg, gpus, gpus_per_node, engines, rollout_layout):
+    for lay in layouts_for(cfg, gpus, gpus_per_node, engines, rollout_layout, generators):
         needed = align_to(seq, alignment(lay.cp, lay.tp, lay.sequence_parallel)) // lay.cp
         tokens = max(needed, max_tokens_per_rank or 0)
         budget = HEADROOM * gpu_memory_gib * GiB
@@ -205,7 +213,8 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
                           gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                           max_tokens_per_rank=max_tokens_per_rank, rollout_batch=rollout_batch,
                           with_critic=with_critic, with_reference=with_reference, search_nodes=0, engines=engines,
-                          rollout_concurrency=rollout_concurrency, rollout_layout=rollout_layout)
+                          rollout_concurrency=rollout_concurrency, rollout_layout=rollout_layout,
+                          generators=generators)
             if bigger.recommended is not None:
                 result.min_nodes = more
                 break

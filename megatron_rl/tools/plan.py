@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-concurrency", type=int,
                    help="megatron's engine: sequences each inference replica must hold when the plan chooses "
                         f"rollout.layout (default {ROLLOUT_CONCURRENCY}, or the recipe's rollout.max_batch_size)")
+    p.add_argument("--generator-gpus", type=int,
+                   help="GPUs that only generate (rollout.ranks; default 0, or the recipe's): the training layout "
+                        "is planned over the others and rollout.layout over these")
     p.add_argument("--no-critic", action="store_true", help="GRPO/RLOO: no critic")
     p.add_argument("--no-reference", action="store_true", help="no KL: no reference model")
     p.add_argument("--show", type=int, default=12, help="candidate layouts to print")
@@ -135,9 +138,10 @@ def _inputs(args) -> PlanInputs:
         from megatron_rl.config.loader import load_config
 
         base = plan_inputs(load_config(args.config))
+    generators = base.generators if args.generator_gpus is None else args.generator_gpus
     return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
                       base.with_critic and not args.no_critic, base.with_reference and not args.no_reference,
-                      args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout)
+                      args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout, generators)
 
 
 def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
@@ -148,7 +152,9 @@ def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
               "sit near the budget; train is the training peak, free = budget - total. megatron's engine generates "
               "on rollout.layout (infer: its TP/PP and replicas; i-wts: the second copy of its weights, 0 when it "
               "shares the actor's, freed after each rollout); kv: the KV cache per rank; roll: the rollout phase's "
-              "peak (the training state left resident, generation's weights and KV).")
+              "peak (the training state left resident, generation's weights and KV). With --generator-gpus the "
+              "layouts are the training GPUs' (total: their training peak) and gen, infer, i-wts, kv and roll the "
+              "generator GPUs'.")
     for line in textwrap.wrap(budget, 110, subsequent_indent="  ", break_on_hyphens=False) + ranking_lines():
         print(line)
     shown = [c for c in result.candidates if c.fits][: args.show]
@@ -165,6 +171,12 @@ def _recommendation(result: Plan, inputs: PlanInputs) -> list[str]:
              f"training peak {b.train_peak / 2**30:.1f}), {b.rollout_batch} sequences generated together"]
     if b.rollout is not None:
         lines.append(f"rollout.layout: {b.rollout_why}")
+    if best.layout.generators:
+        g = b.rollout
+        lines.append(f"generator GPUs: {best.layout.generators}, each {g.peak / 2**30:.1f} of {result.budget_gib:.1f} "
+                     f"GiB (weights {g.weights / 2**30:.1f}, KV cache {g.kv / 2**30:.1f} for {g.sequences} "
+                     f"sequences per replica, {g.concurrency} at once); training GPUs: "
+                     f"{result.gpus - best.layout.generators}, each {b.train_peak / 2**30:.1f} GiB")
     return lines + ["overrides:   " + " ".join(best.overrides(inputs.with_critic))]
 
 
@@ -195,7 +207,8 @@ def run_plan(args) -> int:
                   max_tokens_per_rank=args.max_tokens_per_rank, rollout_batch=args.rollout_batch,
                   with_critic=inputs.with_critic, with_reference=inputs.with_reference,
                   engines=(args.rollout_engine,) if args.rollout_engine else ENGINES,
-                  rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout)
+                  rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout,
+                  generators=inputs.generators)
     print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
           f"{inputs.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
     _print_table(args, result, inputs)
