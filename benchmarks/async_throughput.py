@@ -2,8 +2,8 @@
 ``async`` (with and without partial rollouts) on 1 generator rank and 1 training rank
 (``rollout.ranks=1``), same model, prompts, samples and steps.
 
-    python benchmarks/async_throughput.py                      # both regimes, about 10 min on 2 cores
-    python benchmarks/async_throughput.py --regimes floor --steps 12
+    python benchmarks/async_throughput.py                      # both regimes, 2 rounds, about 20 min on 2 cores
+    python benchmarks/async_throughput.py --regimes floor --steps 12 --rounds 3
 
 The workload is ``configs/grpo_cpu.yaml`` (the add_small task after its supervised warm-up, GRPO,
 16 prompts x 8 samples a step) with ``rollout.max_new_tokens=32`` and a long tail
@@ -24,7 +24,10 @@ Per mode: trained samples/s and generated tokens/s over the sum of the trainer's
 (rollout or the wait for it, reward, experience, update and weight push; not start-up, warm-up or
 the final checkpoint), each side's idle fraction (the trainer's wait for batches, the generators'
 wait for requests), the reward of the last 5 steps.  ``sync`` runs ``--seeds`` seeds in the cpu
-regime to show the spread of the reward.
+regime to show the spread of the reward.  Runs are interleaved (``--rounds``): each round runs
+every mode once, in an order rotated round by round, and each mode's speed-up is taken against the
+``sync`` run of its own round, so the machine's slow spells do not fall on one mode; the table
+prints medians over rounds and every round's ratio, then each target with PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ sys.path.insert(0, REPO)
 
 from megatron_rl.testing.workload import job_env  # noqa: E402  (the repo, also when not installed)
 
+FIRST_SEED = 1234
 SAMPLES_PER_STEP = 16 * 8  # configs/grpo_cpu.yaml: trainer.prompts_per_step x rollout.n
 MODES = {
     "sync": ["--nproc", "2"],
@@ -93,38 +97,108 @@ def _percent(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def interleaved(runs: list, rounds: int) -> list:
+    """``(round, mode, seed)`` in the order they run: every round runs each of ``runs`` once,
+    starting one further along each round, so a slow spell of the machine falls on different modes."""
+    out = []
+    for r in range(rounds):
+        k = r % len(runs)
+        out += [(r, *run) for run in runs[k:] + runs[:k]]
+    return out
+
+
+def summarise(results: list, regime: str) -> list[dict]:
+    """One row per (mode, seed) of ``regime``: medians over the rounds, and each round's ratio to
+    that round's ``sync`` run of the first seed."""
+    rows = [r for r in results if r["regime"] == regime]
+    base = {r["round"]: r["samples_per_s"] for r in rows if r["mode"] == "sync" and r["seed"] == FIRST_SEED}
+    out = []
+    for key in dict.fromkeys((r["mode"], r["seed"]) for r in rows):
+        runs = [r for r in rows if (r["mode"], r["seed"]) == key]
+        ratios = [r["samples_per_s"] / base[r["round"]] for r in runs if r["round"] in base]
+        out.append(dict(mode=key[0], seed=key[1], rounds=len(runs), ratios=ratios, vs_sync=_median(ratios),
+                        **{k: _median(r[k] for r in runs) for k in (
+                            "samples_per_s", "tokens_per_s", "trainer_idle", "generator_idle", "staleness_max",
+                            "token_staleness", "reward_last5", "length_mean", "stopped_frac")}))
+    return out
+
+
+def target_lines(summaries: dict) -> list[str]:
+    """The targets of the benchmark, each with what this run measured (medians over rounds)."""
+    lines = []
+
+    def check(ok, text):
+        lines.append(f"{'PASS' if ok else 'FAIL'}  {text}")
+
+    floor = {r["mode"]: r for r in summaries.get("floor", []) if r["seed"] == FIRST_SEED}
+    for mode, need in (("async", 1.5), ("one_step_off", 1.25)):
+        if mode in floor:
+            check(floor[mode]["vs_sync"] >= need, f"floor: {mode} {floor[mode]['vs_sync']:.2f}x sync (>= {need}x)")
+    cpu = summaries.get("cpu", [])
+    for r in (r for r in cpu if r["mode"] != "sync"):
+        check(r["vs_sync"] >= 0.9, f"cpu: {r['mode']} {r['vs_sync']:.2f}x sync (no more than 10% slower)")
+    for regime, rows in summaries.items():
+        for r in (r for r in rows if r["mode"] == "async"):
+            idle = max(r["trainer_idle"], r["generator_idle"])
+            check(idle <= 0.15, f"{regime}: async idle trainer {_percent(r['trainer_idle'])} / generator "
+                                f"{_percent(r['generator_idle'])} (each <= 15%)")
+    sync_rewards = [r["reward_last5"] for r in cpu if r["mode"] == "sync"]
+    if len(sync_rewards) > 1:
+        low, high = min(sync_rewards), max(sync_rewards)
+        for r in (r for r in cpu if r["mode"] != "sync"):
+            check(r["reward_last5"] >= low,
+                  f"cpu: {r['mode']} reward {r['reward_last5']:.3f} within the sync seeds' spread "
+                  f"{low:.3f}-{high:.3f} (or above it)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--regimes", default="cpu,floor")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seeds", type=int, default=3, help="sync seeds in the cpu regime (reward spread)")
+    parser.add_argument("--rounds", type=int, default=2, help="repeats of every run, interleaved round by round")
+    parser.add_argument("--modes", default=",".join(MODES), help="modes to run (sync always)")
     parser.add_argument("--floor-ms", type=float, default=25.0)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
+    modes = ["sync"] + [m for m in args.modes.split(",") if m in MODES and m != "sync"]
+    regimes = args.regimes.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="async_bench_") as work:
-        for regime in args.regimes.split(","):
-            runs = [(mode, 1234) for mode in MODES]
+        for regime in regimes:
+            runs = [(mode, FIRST_SEED) for mode in modes]
             if regime == "cpu":
-                runs += [("sync", 1234 + k) for k in range(1, args.seeds)]
-            for mode, seed in runs:
-                row = run_mode(mode, regime, seed, args.steps, args.floor_ms / 1000, work)
+                runs += [("sync", FIRST_SEED + k) for k in range(1, args.seeds)]
+            for rnd, mode, seed in interleaved(runs, args.rounds):
+                row = run_mode(mode, regime, seed, args.steps, args.floor_ms / 1000, os.path.join(work, str(rnd)))
+                row["round"] = rnd
                 results.append(row)
                 print(json.dumps(row), flush=True)
-    print(f"\n{args.steps} steps of 16 prompts x 8 samples, rollout.max_new_tokens=32; "
-          f"floor regime: {args.floor_ms:g} ms per decode step (an emulation of a memory-bound GPU decode)")
-    print("| regime | mode | ranks | trained samples/s | vs sync | generated tokens/s | trainer idle | "
+    summaries = {regime: summarise(results, regime) for regime in regimes}
+    print(f"\n{args.steps} steps of 16 prompts x 8 samples, rollout.max_new_tokens=32, {args.rounds} interleaved "
+          f"round(s), medians over rounds; floor regime: {args.floor_ms:g} ms per decode step (an emulation of a "
+          "memory-bound GPU decode)")
+    print("| regime | mode | ranks | trained samples/s | vs sync (each round) | generated tokens/s | trainer idle | "
           "generator idle | max staleness | token staleness | reward (last 5) | mean length | stopped |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for regime in args.regimes.split(","):
-        base = next(r for r in results if r["regime"] == regime and r["mode"] == "sync" and r["seed"] == 1234)
-        for r in (r for r in results if r["regime"] == regime):
+    for regime in regimes:
+        for r in summaries[regime]:
             ranks = "2 colocated" if r["mode"] == "sync" else "1 gen + 1 train"
+            each = " / ".join(f"{x:.2f}" for x in r["ratios"])
             print(f"| {regime} | {r['mode']} (seed {r['seed']}) | {ranks} | {r['samples_per_s']:.1f} | "
-                  f"{r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['tokens_per_s']:.0f} | "
-                  f"{_percent(r['trainer_idle'])} | {_percent(r['generator_idle'])} | {r['staleness_max']} | "
+                  f"{r['vs_sync']:.2f}x ({each}) | {r['tokens_per_s']:.0f} | "
+                  f"{_percent(r['trainer_idle'])} | {_percent(r['generator_idle'])} | {r['staleness_max']:g} | "
                   f"{r['token_staleness']:.2f} | "
                   f"{r['reward_last5']:.3f} | {r['length_mean']:.1f} | {100 * r['stopped_frac']:.0f}% |")
+    print()
+    for line in target_lines(summaries):
+        print(line)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -4,7 +4,9 @@ calls :func:`shape_from_env`).  Never imported by a training run.
 
 - ``MEGATRON_RL_LONG_TAIL=1``: a response whose first token id is 2 mod 5 (two of the ten digits
   the add_small answers start with) ignores EOS and runs to ``rollout.max_new_tokens``: most
-  responses stop after the answer, about a tenth run to the maximum.
+  responses stop after the answer, about a tenth run to the maximum.  The reward reads a response
+  up to its first EOS, so the tail costs generation and training what a long response costs and
+  leaves its reward what it would have been: a longer response is not a wrong one.
 - ``MEGATRON_RL_DECODE_FLOOR_S=x``: every single-token decode step of the KV-cache decoder takes
   at least ``x`` seconds whatever its rows -- an emulation of a memory-bound GPU decode, where a
   batch costs its longest response.
@@ -47,6 +49,15 @@ def install_long_tail() -> None:
         return stopped(response, params) and response[0] % 5 != 2
 
     engine.stopped = long_tail_stopped
+
+    from megatron_rl.trainer import ppo
+
+    def graded_up_to_eos(self, i: int) -> str:
+        ids = list(self.response_ids[i])
+        eos = self.tokenizer.eos_id
+        return self.tokenizer.decode(ids[:ids.index(eos)] if eos in ids else ids)
+
+    ppo._Decoded.__getitem__ = graded_up_to_eos
 
 
 def install_decode_floor(seconds: float) -> None:
