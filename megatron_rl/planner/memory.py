@@ -434,31 +434,22 @@ def estimate(
     train_state = rollout_resident_bytes(models, layout.offload)
     paged = is_moe(cfg) or layout.megatron_rollout
     rollout_mem, why = None, ""
-    if layout.generators:  # generation on ranks of its own: the inference shard and its KV cache alone
-        seq_kw = dict(seq_len=seq_len, resident=0.0, budget_bytes=budget_bytes, param_bytes=param_bytes,
-                      generators=layout.generators)
-        if layout.rollout_layout is not None:
-            rollout_mem = rollout_memory(cfg, layout, layout.rollout_layout, max_sequences=max_rollout_batch, **seq_kw)
-            why = f"{layout.rollout_layout.name()} x {rollout_mem.replicas} replicas: as the config sets it"
-        else:
-            rollout_mem, why = choose_rollout_layout(cfg, layout, concurrency=rollout_concurrency,
-                                                     max_sequences=max_rollout_batch, **seq_kw)
-        why = f"on the {layout.generators} generator rank(s): {why}"
-        components = dict(models)
-        components.update({"activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
-                           "rollout (weights + KV cache)": 0.0})
-        # The trainers' peak is the training phase; the generators' is rollout_mem.peak (their own GPUs).
-        return Breakdown(components, train, rollout_mem.sequences, rollout_mem.kv, train, rollout_mem.peak,
-                         rollout_mem, why, rollout_mem.kv)
-    if paged:  # megatron's engine on rollout.layout: the actor's shards, or a second copy refit from them
-        seq_kw = dict(seq_len=seq_len, resident=train_state, budget_bytes=budget_bytes, param_bytes=param_bytes)
+    # rollout.ranks: generation on GPUs of its own, which hold the inference shard and its KV cache
+    # alone; the trainers' peak is then the training phase's.
+    apart = layout.generators
+    if paged or apart:  # megatron's engine on rollout.layout: the actor's shards, or a second copy refit from them
+        seq_kw = dict(seq_len=seq_len, resident=0.0 if apart else train_state, budget_bytes=budget_bytes,
+                      param_bytes=param_bytes, generators=apart or None)
         if layout.rollout_layout is not None:
             rollout_mem = rollout_memory(cfg, layout, layout.rollout_layout, max_sequences=max_rollout_batch, **seq_kw)
             shared = "the actor's shards" if rollout_mem.shares else "a copy refit from the training shards"
-            why = f"{layout.rollout_layout.name()}: as the config sets it ({shared})"
+            why = (f"{layout.rollout_layout.name()} x {rollout_mem.replicas} replicas: as the config sets it" if apart
+                   else f"{layout.rollout_layout.name()}: as the config sets it ({shared})")
         else:
             rollout_mem, why = choose_rollout_layout(cfg, layout, concurrency=rollout_concurrency,
                                                      max_sequences=max_rollout_batch, **seq_kw)
+        if apart:
+            why = f"on the {apart} generator rank(s): {why}"
         batch, kv, full_weights = rollout_mem.sequences, rollout_mem.kv, rollout_mem.extra_weights
     else:
         gen_split = layout.tp if layout.sharded_rollout else 1
@@ -467,14 +458,15 @@ def estimate(
         room = budget_bytes - train_state - full_weights
         batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
         kv = max(batch, 1) * per_seq
-    rollout_peak = train_state + full_weights + kv
+    rollout_peak = rollout_mem.peak if apart else train_state + full_weights + kv
     components = dict(models)
     components.update({
         "activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
-        "rollout (weights + KV cache)": full_weights + kv,
+        "rollout (weights + KV cache)": 0.0 if apart else full_weights + kv,
     })
-    total = max(train, rollout_peak)
-    return Breakdown(components, total, batch, kv if paged else 0.0, train, rollout_peak, rollout_mem, why, kv)
+    total = train if apart else max(train, rollout_peak)
+    return Breakdown(components, total, batch, kv if paged or apart else 0.0, train, rollout_peak, rollout_mem, why,
+                     kv)
 
 
 # ----------------------------------------------------------------------------- rollout.layout
