@@ -19,35 +19,79 @@ JSON only through the store: nothing received from it is unpickled.
 
 from __future__ import annotations
 
+import datetime
 import json
 import queue
 import threading
-import time
 from typing import Optional
 
 import torch.distributed as dist
 
-MAX_POLL_S = 0.05  # longest pause between two looks at the store for a key
-
 WEIGHTS, REQUEST, SETTINGS, STOP = "weights", "request", "settings", "stop"
 
+WAIT_SLICE = datetime.timedelta(hours=1)  # one blocking wait; the store's socket logs a warning when it runs out
+WAKE_S = 0.5  # how often a waiting main thread lets Python run its signal handlers
 
-def wait_for_key(store, key: str) -> bytes:
-    """The value of ``key`` once some process sets it, however long that takes (a dead writer
-    ends the job through the launcher; a dead store host raises here).  Polled with ``check``:
-    a blocking ``wait`` past its timeout logs a warning from the store's socket layer each time."""
-    pause = 0.001
-    while not store.check([key]):
-        time.sleep(pause)
-        pause = min(2 * pause, MAX_POLL_S)
-    return store.get(key)
+
+class KeyWaiter:
+    """Waits for keys of ``store`` (under ``prefix``) and wakes the moment one is written.
+
+    Looking at the store again and again would notice a key only at the next look (up to the
+    pause between looks late, for every message of every step), so the wait blocks in the store
+    instead.  A blocking wait holds its connection's lock, so each waiting thread blocks on a
+    connection of its own, never on the one the rest of the process posts through; and it blocks
+    on a helper thread while the caller waits on an event, so a trainer's main thread still runs
+    its signal handlers (a second Ctrl-C aborts at once)."""
+
+    def __init__(self, store, prefix: str):
+        self.store = dist.PrefixStore(prefix, store)
+        self._base, self._prefix = store, prefix
+        self._local = threading.local()
+
+    def _connection(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            base = self._base
+            if isinstance(base, dist.TCPStore):
+                base = dist.TCPStore(base.host, base.port, is_master=False, timeout=base.timeout)
+            conn = self._local.conn = dist.PrefixStore(self._prefix, base)
+        return conn
+
+    def wait(self, key: str) -> bytes:
+        """The value of ``key`` once some process sets it, however long that takes (a dead writer
+        ends the job through the launcher; a dead store host raises here)."""
+        if self.store.check([key]):
+            return self.store.get(key)
+        conn, done, error = self._connection(), threading.Event(), []
+
+        def block():
+            try:
+                while True:
+                    try:
+                        conn.wait([key], WAIT_SLICE)
+                        return
+                    except dist.DistStoreError as err:
+                        if "timeout" not in str(err):
+                            raise
+            except BaseException as err:  # noqa: BLE001 -- raised on the waiting thread below
+                error.append(err)
+            finally:
+                done.set()
+
+        threading.Thread(target=block, name="store-wait", daemon=True).start()
+        while not done.wait(WAKE_S):
+            pass
+        if error:
+            raise error[0]
+        return self.store.get(key)
 
 
 class Bridge:
     """One side of the link (``trainer`` on trainer rank 0, ``generator`` on generator rank 0)."""
 
     def __init__(self, store):
-        self.store = dist.PrefixStore("bridge", store)
+        self.waiter = KeyWaiter(store, "bridge")
+        self.store = self.waiter.store
         self.posted = 0  # trainer: messages posted
         self.read = 0  # generator: messages read
         self._peeked: Optional[tuple[int, dict]] = None  # generator: (index, message) looked at ahead
@@ -60,7 +104,7 @@ class Bridge:
 
     def take_result(self, step: int) -> dict:
         key = f"result/{step}"
-        value = json.loads(wait_for_key(self.store, key))
+        value = json.loads(self.waiter.wait(key))
         self.store.delete_key(key)
         return value
 
@@ -70,14 +114,14 @@ class Bridge:
 
     def wait_stopped(self) -> None:
         """Wait until the generators have stopped (this process hosts the store they read)."""
-        wait_for_key(self.store, "stopped")
+        self.waiter.wait("stopped")
 
     # ---------------------------------------------------------------- generator side
 
     def next_message(self) -> dict:
         key = f"msg/{self.read}"
         peeked = self._peeked if self._peeked is not None and self._peeked[0] == self.read else None
-        message = peeked[1] if peeked is not None else json.loads(wait_for_key(self.store, key))
+        message = peeked[1] if peeked is not None else json.loads(self.waiter.wait(key))
         self.store.delete_key(key)
         self.read += 1
         return message
@@ -108,7 +152,7 @@ class WeightSender:
     once the generators are receiving push ``version`` (every trainer rank joins the copy)."""
 
     def __init__(self, store, send):
-        self.store = dist.PrefixStore("bridge", store)
+        self.waiter = KeyWaiter(store, "bridge")
         self.send = send
         self._queue: queue.Queue = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -128,7 +172,7 @@ class WeightSender:
                 return
             version, payload = item
             try:
-                wait_for_key(self.store, f"receiving/{version}")
+                self.waiter.wait(f"receiving/{version}")
                 self.send(payload)
             except (RuntimeError, ValueError, OSError, dist.DistError) as err:  # raised at the next push or close
                 self._error.append(err)

@@ -1,0 +1,60 @@
+"""The link between trainer rank 0 and generator rank 0 (:mod:`megatron_rl.distributed.bridge`):
+a side waiting for the other learns of its message as soon as it is written, not at its next look."""
+
+import socket
+import statistics
+import threading
+import time
+
+import torch.distributed as dist
+
+from megatron_rl.distributed.bridge import Bridge
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_waiting_trainer_takes_a_result_as_soon_as_the_generator_writes_it():
+    port = _free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    trainer = Bridge(host)
+    generator = Bridge(dist.TCPStore("127.0.0.1", port, is_master=False))
+    late = []
+    for step, after_s in enumerate((0.27, 0.31, 0.42, 0.23, 0.36), start=1):
+        written = []
+
+        def write(step=step, after_s=after_s):
+            time.sleep(after_s)
+            written.append(time.perf_counter())
+            generator.put_result(step, {"step": step})
+
+        threading.Thread(target=write).start()
+        assert trainer.take_result(step) == {"step": step}
+        late.append(time.perf_counter() - written[0])
+    # Looking again every 50 ms would take 25 ms on average to notice; a waiting side must not.
+    assert statistics.median(late) < 0.01, [f"{x * 1000:.1f} ms" for x in late]
+
+
+def test_a_weight_push_starts_as_soon_as_the_generators_say_they_receive_it():
+    from megatron_rl.distributed.bridge import WeightSender
+
+    port = _free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    generator = Bridge(dist.TCPStore("127.0.0.1", port, is_master=False))
+    sent = []
+    sender = WeightSender(host, lambda payload: sent.append((payload, time.perf_counter())))
+    late = []
+    for version, after_s in enumerate((0.27, 0.31, 0.42)):
+        sender.put(version, f"weights {version}")
+        time.sleep(after_s)
+        said = time.perf_counter()
+        generator.receiving({"version": version})
+        while len(sent) <= version:
+            time.sleep(0.0005)
+        late.append(sent[version][1] - said)
+    sender.close()
+    assert [p for p, _ in sent] == ["weights 0", "weights 1", "weights 2"]
+    assert statistics.median(late) < 0.01, [f"{x * 1000:.1f} ms" for x in late]
