@@ -67,8 +67,14 @@ class Resolution:
 def _replace(cfg: Config, key: str, value) -> Config:
     if key in NOT_IN_CONFIG:
         return cfg
-    section, name = key.split(".")
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+    return _replace_path(cfg, key.split("."), value)
+
+
+def _replace_path(node, path: list[str], value):
+    """``node`` (a dataclass) with the field at ``path`` (``["algorithm", "rollout_correction", "mode"]``)
+    set to ``value``."""
+    head, *rest = path
+    return dataclasses.replace(node, **{head: _replace_path(getattr(node, head), rest, value) if rest else value})
 
 
 # ----------------------------------------------------------------------------- the resolvers
@@ -146,6 +152,22 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     if None not in (asked.tp, asked.pp, asked.ep):
         return layout, SET, why
     return layout, DERIVED, "the training layout's sizes; " + why
+
+
+def _rollout_correction(cfg: Config, world: Optional[int], job: Job):
+    """``async`` trains on batches up to ``trainer.max_staleness`` versions old: there the default is
+    decoupled PPO (``is`` over the recomputed proximal policy), which the async benchmark's reward
+    needs (docs/algorithms.md); every other mode samples from the weights it trains (or one version
+    behind, ``one_step_off``) and needs no correction by default."""
+    from megatron_rl.config.choices import ASYNC
+
+    mode = cfg.algorithm.rollout_correction.mode
+    if mode != AUTO:
+        return mode, SET, ""
+    if cfg.trainer.mode == ASYNC and cfg.algorithm.old_logprobs != "rollout":
+        return "is", AUTO_ORIGIN, ("trainer.mode=async: decoupled PPO, the ratio clipped against the recomputed "
+                                   "proximal policy, weighted by proximal / behaviour")
+    return "off", AUTO_ORIGIN, f"trainer.mode={cfg.trainer.mode}"
 
 
 def _old_logprobs(cfg: Config, world: Optional[int], job: Job):
@@ -251,6 +273,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("model.transformer_impl", _transformer_impl),
     ("rollout.engine", _rollout_engine),
     ("rollout.layout", _rollout_layout),
+    ("algorithm.rollout_correction.mode", _rollout_correction),
     ("algorithm.old_logprobs", _old_logprobs),
     ("rollout.max_trajectory_tokens", _max_trajectory_tokens),
     ("rollout.max_batch_size", _rollout_batch),

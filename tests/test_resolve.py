@@ -84,3 +84,17 @@ def test_the_token_budget_is_resolved_before_launch_for_the_job():
     for setting in ("batch.micro_batch_size=2", "batch.max_tokens_per_rank=512"):
         fixed = resolve(load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), [setting]), 4)
         assert fixed.get("batch.token_budget").value is None and fixed.get("batch.token_budget").origin == SET
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.mode=async", "rollout.ranks=1"], "is"),
+    (["trainer.mode=one_step_off", "rollout.ranks=1"], "off"),
+    ([], "off"),
+    (["trainer.mode=async", "rollout.ranks=1", "algorithm.rollout_correction.mode=tis"], "tis"),
+    (["trainer.mode=async", "rollout.ranks=1", "algorithm.old_logprobs=rollout"], "off"),
+])
+def test_async_defaults_to_decoupled_ppo_and_other_modes_to_no_correction(overrides, expected):
+    cfg = resolve(load_config(os.path.join(ROOT, "configs", "grpo_cpu.yaml"), overrides), 2).config
+    assert cfg.algorithm.rollout_correction.mode == expected
+    if expected != "off":  # the correction weighs the recomputed (proximal) log-probs against the engine's
+        assert cfg.algorithm.old_logprobs == "recompute"

@@ -31,7 +31,7 @@ from megatron_rl.config.choices import ROLLOUT_CORRECTION_LEVELS as LEVELS  # no
 
 _LOG_LIMIT = 20.0
 CORRECTIONS: dict[str, Callable] = {}
-MODES: dict[str, Callable] = {"off": None}  # what algorithm.rollout_correction.mode accepts
+MODES: dict[str, Callable] = {"auto": None, "off": None}  # what algorithm.rollout_correction.mode accepts
 
 
 def register_correction(name: str, affected_metric: str):

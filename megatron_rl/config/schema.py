@@ -368,8 +368,9 @@ class EvalConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    mode: str = _f("off", "Correct for rollout-engine vs trainer log-prob mismatch: off, is (plain IS: with "
-                          "old_logprobs=recompute the decoupled PPO objective), tis (truncated IS), mis (masked IS).",
+    mode: str = _f("auto", "Correct for rollout-engine vs trainer log-prob mismatch: off, is (plain IS: with "
+                           "old_logprobs=recompute the decoupled PPO objective), tis (truncated IS), mis (masked IS); "
+                           "auto = is for trainer.mode=async (stale batches), off otherwise.",
                    choices="megatron_rl.algorithms.rollout_correction:MODES")
     level: Literal[ROLLOUT_CORRECTION_LEVELS] = _f(
         "token", "Importance weight per token, or per sequence (product over its tokens).")
