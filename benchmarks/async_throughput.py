@@ -2,8 +2,8 @@
 ``async`` (with and without partial rollouts) on 1 generator rank and 1 training rank
 (``rollout.ranks=1``), same model, prompts, samples and steps.
 
-    python benchmarks/async_throughput.py                      # both regimes, 2 rounds, about 20 min on 2 cores
-    python benchmarks/async_throughput.py --regimes floor --steps 12 --rounds 3
+    python benchmarks/async_throughput.py                      # both regimes, 2 rounds, about 8 min on 2 cores
+    python benchmarks/async_throughput.py --regimes floor --modes sync,one_step_off,async --floor-ms 8
 
 The workload is ``configs/grpo_cpu.yaml`` (the add_small task after its supervised warm-up, GRPO,
 16 prompts x 8 samples a step) with ``rollout.max_new_tokens=32`` and a long tail
@@ -18,12 +18,15 @@ Two cost regimes, each mode a subprocess of its own:
   early cost nothing and the long tail wastes little;
 * ``floor`` -- an emulation of a memory-bound GPU decode: the same module gives every decode step
   of the KV-cache decoder a floor of ``--floor-ms`` whatever its rows (prefill and training
-  untouched), so a batch costs its longest response, as on a GPU.
+  untouched), so a batch costs its longest response, as on a GPU.  The default, 3 ms, is where one
+  generating rank keeps pace with one training rank on this model; above it generation sets the
+  pace and the trainer waits (a job would give generation more ranks: ``megatron-rl plan
+  --generator-gpus``), which ``--floor-ms 8`` shows.
 
 Per mode: trained samples/s and generated tokens/s over the sum of the trainer's ``timing/step_s``
 (rollout or the wait for it, reward, experience, update and weight push; not start-up, warm-up or
 the final checkpoint), each side's idle fraction (the trainer's wait for batches, the generators'
-wait for requests), the reward of the last 5 steps.  ``sync`` runs ``--seeds`` seeds in the cpu
+wait for requests), the mean reward of the last ``REWARD_STEPS`` steps.  ``sync`` runs ``--seeds`` seeds in the cpu
 regime to show the spread of the reward.  Runs are interleaved (``--rounds``): each round runs
 every mode once, in an order rotated round by round, and each mode's speed-up is taken against the
 ``sync`` run of its own round, so the machine's slow spells do not fall on one mode; the table
@@ -48,6 +51,7 @@ sys.path.insert(0, REPO)
 from megatron_rl.testing.workload import job_env  # noqa: E402  (the repo, also when not installed)
 
 FIRST_SEED = 1234
+REWARD_STEPS = 10  # the reward reached: the mean over the last steps (one step's 128 samples are noisy)
 SAMPLES_PER_STEP = 16 * 8  # configs/grpo_cpu.yaml: trainer.prompts_per_step x rollout.n
 MODES = {
     "sync": ["--nproc", "2"],
@@ -84,13 +88,25 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
         if mode != "sync" else None,
         "generator_idle": sum(r.get("rollout/generator_idle_s", 0.0) for r in after_first) / late_wall
         if mode != "sync" else None,
-        "reward_last5": statistics.mean(r["reward/mean"] for r in rows[-5:]),
+        "reward_last": statistics.mean(r["reward/mean"] for r in rows[-REWARD_STEPS:]),
         "length_mean": statistics.mean(r["response_length/mean"] for r in rows),
         "stopped_frac": statistics.mean(r["response_length/stopped_frac"] for r in rows),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),
+        "staleness_shares": staleness_shares(rows),
         "token_staleness": statistics.mean(r.get("rollout/token_staleness_mean", r.get("rollout/staleness_max", 0))
                                            for r in rows),
     }
+
+
+def staleness_shares(rows: list[dict]) -> dict[int, float]:
+    """The share of trained samples at each staleness, from each step's samples: every sample of a
+    batch shares its version (without partial rollouts), so a step's median is each sample's;
+    with partial rollouts a sample counts at its step's median (its oldest token's version)."""
+    counts: dict[int, int] = {}
+    for r in rows:
+        s = int(r.get("rollout/staleness_p50", r.get("rollout/staleness_max", 0)))
+        counts[s] = counts.get(s, 0) + 1
+    return {s: counts[s] / len(rows) for s in sorted(counts)} if rows else {}
 
 
 def _percent(x) -> str:
@@ -124,7 +140,7 @@ def summarise(results: list, regime: str) -> list[dict]:
         out.append(dict(mode=key[0], seed=key[1], rounds=len(runs), ratios=ratios, vs_sync=_median(ratios),
                         **{k: _median(r[k] for r in runs) for k in (
                             "samples_per_s", "tokens_per_s", "trainer_idle", "generator_idle", "staleness_max",
-                            "token_staleness", "reward_last5", "length_mean", "stopped_frac")}))
+                            "token_staleness", "reward_last", "length_mean", "stopped_frac")}))
     return out
 
 
@@ -147,12 +163,12 @@ def target_lines(summaries: dict) -> list[str]:
             idle = max(r["trainer_idle"], r["generator_idle"])
             check(idle <= 0.15, f"{regime}: async idle trainer {_percent(r['trainer_idle'])} / generator "
                                 f"{_percent(r['generator_idle'])} (each <= 15%)")
-    sync_rewards = [r["reward_last5"] for r in cpu if r["mode"] == "sync"]
+    sync_rewards = [r["reward_last"] for r in cpu if r["mode"] == "sync"]
     if len(sync_rewards) > 1:
         low, high = min(sync_rewards), max(sync_rewards)
         for r in (r for r in cpu if r["mode"] != "sync"):
-            check(r["reward_last5"] >= low,
-                  f"cpu: {r['mode']} reward {r['reward_last5']:.3f} within the sync seeds' spread "
+            check(r["reward_last"] >= low,
+                  f"cpu: {r['mode']} reward {r['reward_last']:.3f} within the sync seeds' spread "
                   f"{low:.3f}-{high:.3f} (or above it)")
     return lines
 
@@ -160,11 +176,11 @@ def target_lines(summaries: dict) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--regimes", default="cpu,floor")
-    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seeds", type=int, default=3, help="sync seeds in the cpu regime (reward spread)")
     parser.add_argument("--rounds", type=int, default=2, help="repeats of every run, interleaved round by round")
     parser.add_argument("--modes", default=",".join(MODES), help="modes to run (sync always)")
-    parser.add_argument("--floor-ms", type=float, default=25.0)
+    parser.add_argument("--floor-ms", type=float, default=3.0)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     modes = ["sync"] + [m for m in args.modes.split(",") if m in MODES and m != "sync"]
@@ -185,7 +201,7 @@ def main() -> None:
           f"round(s), medians over rounds; floor regime: {args.floor_ms:g} ms per decode step (an emulation of a "
           "memory-bound GPU decode)")
     print("| regime | mode | ranks | trained samples/s | vs sync (each round) | generated tokens/s | trainer idle | "
-          "generator idle | max staleness | token staleness | reward (last 5) | mean length | stopped |")
+          f"generator idle | max staleness | token staleness | reward (last {REWARD_STEPS}) | mean length | stopped |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for regime in regimes:
         for r in summaries[regime]:
@@ -195,7 +211,12 @@ def main() -> None:
                   f"{r['vs_sync']:.2f}x ({each}) | {r['tokens_per_s']:.0f} | "
                   f"{_percent(r['trainer_idle'])} | {_percent(r['generator_idle'])} | {r['staleness_max']:g} | "
                   f"{r['token_staleness']:.2f} | "
-                  f"{r['reward_last5']:.3f} | {r['length_mean']:.1f} | {100 * r['stopped_frac']:.0f}% |")
+                  f"{r['reward_last']:.3f} | {r['length_mean']:.1f} | {100 * r['stopped_frac']:.0f}% |")
+    print("\nstaleness of the trained samples (share at each number of versions behind), first round:")
+    for r in results:
+        if r["round"] == 0 and r["mode"] != "sync":
+            shares = ", ".join(f"{s}: {_percent(x)}" for s, x in r["staleness_shares"].items())
+            print(f"  {r['regime']} {r['mode']}: {shares}")
     print()
     for line in target_lines(summaries):
         print(line)

@@ -22,7 +22,7 @@ def _row(bench, mode, rnd, samples_per_s, regime="floor", seed=None, reward=0.2,
     sync = mode == "sync"
     return dict(mode=mode, seed=seed or bench.FIRST_SEED, regime=regime, round=rnd, samples_per_s=samples_per_s,
                 tokens_per_s=1.0, trainer_idle=None if sync else idle, generator_idle=None if sync else idle,
-                staleness_max=0 if sync else 1, token_staleness=0.0, reward_last5=reward, length_mean=5.0,
+                staleness_max=0 if sync else 1, token_staleness=0.0, reward_last=reward, length_mean=5.0,
                 stopped_frac=0.9)
 
 
@@ -80,3 +80,10 @@ def test_the_long_tail_costs_length_not_reward():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["2799x", "27", "31", "False", "True"]
+
+
+def test_staleness_shares_count_each_steps_samples_at_their_staleness():
+    bench = _load()
+    rows = [{"rollout/staleness_p50": 0, "rollout/staleness_max": 0}, {"rollout/staleness_p50": 1},
+            {"rollout/staleness_p50": 2}, {"rollout/staleness_p50": 2, "rollout/staleness_max": 2}]
+    assert bench.staleness_shares(rows) == {0: 0.25, 1: 0.25, 2: 0.5}
