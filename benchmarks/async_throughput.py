@@ -26,11 +26,14 @@ Two cost regimes, each mode a subprocess of its own:
 Per mode: trained samples/s and generated tokens/s over the sum of the trainer's ``timing/step_s``
 (rollout or the wait for it, reward, experience, update and weight push; not start-up, warm-up or
 the final checkpoint), each side's idle fraction (the trainer's wait for batches, the generators'
-wait for requests), the mean reward of the last ``REWARD_STEPS`` steps.  ``sync`` runs ``--seeds`` seeds in the cpu
-regime to show the spread of the reward.  Runs are interleaved (``--rounds``): each round runs
-every mode once, in an order rotated round by round, and each mode's speed-up is taken against the
-``sync`` run of its own round, so the machine's slow spells do not fall on one mode; the table
-prints medians over rounds and every round's ratio, then each target with PASS or FAIL.
+wait for requests), the mean training reward of the last ``REWARD_STEPS`` steps, and in the cpu
+regime the reward of the policy each run ends with (an evaluation on the task's prompts after
+the last step, untimed: a stale mode's training reward is an older policy's).  ``sync`` runs
+``--seeds`` seeds in the cpu regime to show the spread of the reward.  Runs are interleaved
+(``--rounds``): each round runs every mode once, in an order rotated round by round, and each
+mode's speed-up is taken against the ``sync`` run of its own round, so the machine's slow spells
+do not fall on one mode; the table prints medians over rounds and every round's ratio, then each
+target with PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ sys.path.insert(0, REPO)
 from megatron_rl.testing.workload import job_env  # noqa: E402  (the repo, also when not installed)
 
 FIRST_SEED = 1234
-REWARD_STEPS = 10  # the reward reached: the mean over the last steps (one step's 128 samples are noisy)
+REWARD_STEPS = 10  # the training reward: the mean over the last steps (one step's 128 samples are noisy)
+# The final policy's reward: the task's 20 prompts x 32 samples at the training temperature.
+EVALUATION = ["data.val_path=task:add_small", "eval.n=32", "eval.temperature=1.0"]
 SAMPLES_PER_STEP = 16 * 8  # configs/grpo_cpu.yaml: trainer.prompts_per_step x rollout.n
 MODES = {
     "sync": ["--nproc", "2"],
@@ -66,15 +71,20 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
     env = job_env(long_tail=True, decode_floor_s=floor_s if regime == "floor" else 0.0)
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], REPO])
     env.pop("MEGATRON_RL_FAULT", None)
+    # The cpu regime also evaluates the policy every run ends with (after the same trained samples),
+    # outside the timed steps: the training reward of a stale mode is an older policy's.
+    evaluate = [f"trainer.eval_every={steps}", *EVALUATION] if regime == "cpu" else []
     cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config",
            os.path.join(REPO, "configs", "grpo_cpu.yaml"), *MODES[mode], "rollout.max_new_tokens=32",
-           f"trainer.steps={steps}", f"run.seed={seed}", f"run.dir={work}", f"run.name={name}", "trainer.plot=false"]
+           f"trainer.steps={steps}", f"run.seed={seed}", f"run.dir={work}", f"run.name={name}", "trainer.plot=false",
+           *evaluate]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     with open(os.path.join(work, name, "metrics.jsonl")) as fh:
         rows = [json.loads(line) for line in fh if '"step"' in line]
+    final = [r["eval/reward_mean"] for r in rows if r.get("step") == steps and "eval/reward_mean" in r]
     rows = [r for r in rows if r.get("step", 0) >= 1 and "timing/step_s" in r]
     wall = sum(r["timing/step_s"] for r in rows)
     samples = SAMPLES_PER_STEP * len(rows)
@@ -89,6 +99,7 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
         "generator_idle": sum(r.get("rollout/generator_idle_s", 0.0) for r in after_first) / late_wall
         if mode != "sync" else None,
         "reward_last": statistics.mean(r["reward/mean"] for r in rows[-REWARD_STEPS:]),
+        "reward_final": final[0] if final else None,
         "length_mean": statistics.mean(r["response_length/mean"] for r in rows),
         "stopped_frac": statistics.mean(r["response_length/stopped_frac"] for r in rows),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in rows),
@@ -107,6 +118,10 @@ def staleness_shares(rows: list[dict]) -> dict[int, float]:
         s = int(r.get("rollout/staleness_p50", r.get("rollout/staleness_max", 0)))
         counts[s] = counts.get(s, 0) + 1
     return {s: counts[s] / len(rows) for s in sorted(counts)} if rows else {}
+
+
+def _reward(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def _percent(x) -> str:
@@ -140,7 +155,7 @@ def summarise(results: list, regime: str) -> list[dict]:
         out.append(dict(mode=key[0], seed=key[1], rounds=len(runs), ratios=ratios, vs_sync=_median(ratios),
                         **{k: _median(r[k] for r in runs) for k in (
                             "samples_per_s", "tokens_per_s", "trainer_idle", "generator_idle", "staleness_max",
-                            "token_staleness", "reward_last", "length_mean", "stopped_frac")}))
+                            "token_staleness", "reward_last", "reward_final", "length_mean", "stopped_frac")}))
     return out
 
 
@@ -163,12 +178,12 @@ def target_lines(summaries: dict) -> list[str]:
             idle = max(r["trainer_idle"], r["generator_idle"])
             check(idle <= 0.15, f"{regime}: async idle trainer {_percent(r['trainer_idle'])} / generator "
                                 f"{_percent(r['generator_idle'])} (each <= 15%)")
-    sync_rewards = [r["reward_last"] for r in cpu if r["mode"] == "sync"]
+    sync_rewards = [r["reward_final"] for r in cpu if r["mode"] == "sync" and r["reward_final"] is not None]
     if len(sync_rewards) > 1:
         low, high = min(sync_rewards), max(sync_rewards)
-        for r in (r for r in cpu if r["mode"] != "sync"):
-            check(r["reward_last"] >= low,
-                  f"cpu: {r['mode']} reward {r['reward_last']:.3f} within the sync seeds' spread "
+        for r in (r for r in cpu if r["mode"] != "sync" and r["reward_final"] is not None):
+            check(r["reward_final"] >= low,
+                  f"cpu: {r['mode']} final policy's reward {r['reward_final']:.3f} within the sync seeds' spread "
                   f"{low:.3f}-{high:.3f} (or above it)")
     return lines
 
@@ -201,8 +216,9 @@ def main() -> None:
           f"round(s), medians over rounds; floor regime: {args.floor_ms:g} ms per decode step (an emulation of a "
           "memory-bound GPU decode)")
     print("| regime | mode | ranks | trained samples/s | vs sync (each round) | generated tokens/s | trainer idle | "
-          f"generator idle | max staleness | token staleness | reward (last {REWARD_STEPS}) | mean length | stopped |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"generator idle | max staleness | token staleness | reward (last {REWARD_STEPS}) | final policy's reward | "
+          "mean length | stopped |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for regime in regimes:
         for r in summaries[regime]:
             ranks = "2 colocated" if r["mode"] == "sync" else "1 gen + 1 train"
@@ -211,7 +227,8 @@ def main() -> None:
                   f"{r['vs_sync']:.2f}x ({each}) | {r['tokens_per_s']:.0f} | "
                   f"{_percent(r['trainer_idle'])} | {_percent(r['generator_idle'])} | {r['staleness_max']:g} | "
                   f"{r['token_staleness']:.2f} | "
-                  f"{r['reward_last']:.3f} | {r['length_mean']:.1f} | {100 * r['stopped_frac']:.0f}% |")
+                  f"{r['reward_last']:.3f} | {_reward(r['reward_final'])} | {r['length_mean']:.1f} | "
+                  f"{100 * r['stopped_frac']:.0f}% |")
     print("\nstaleness of the trained samples (share at each number of versions behind), first round:")
     for r in results:
         if r["round"] == 0 and r["mode"] != "sync":

@@ -22,8 +22,8 @@ def _row(bench, mode, rnd, samples_per_s, regime="floor", seed=None, reward=0.2,
     sync = mode == "sync"
     return dict(mode=mode, seed=seed or bench.FIRST_SEED, regime=regime, round=rnd, samples_per_s=samples_per_s,
                 tokens_per_s=1.0, trainer_idle=None if sync else idle, generator_idle=None if sync else idle,
-                staleness_max=0 if sync else 1, token_staleness=0.0, reward_last=reward, length_mean=5.0,
-                stopped_frac=0.9)
+                staleness_max=0 if sync else 1, token_staleness=0.0, reward_last=reward, reward_final=reward,
+                length_mean=5.0, stopped_frac=0.9)
 
 
 def test_rounds_rotate_the_order_and_each_ratio_is_against_its_own_rounds_sync():
@@ -53,9 +53,9 @@ def test_cpu_verdicts_name_a_slow_mode_and_a_reward_below_the_sync_seeds():
     assert "FAIL  cpu: async 0.85x sync (no more than 10% slower)" in lines
     assert "PASS  cpu: one_step_off 0.95x sync (no more than 10% slower)" in lines
     assert "FAIL  cpu: async idle trainer 30% / generator 30% (each <= 15%)" in lines
-    spread = "FAIL  cpu: async reward 0.100 within the sync seeds' spread 0.200-0.300"
+    spread = "FAIL  cpu: async final policy's reward 0.100 within the sync seeds' spread 0.200-0.300"
     assert any(line.startswith(spread) for line in lines)
-    assert any(line.startswith("PASS  cpu: one_step_off reward 0.220") for line in lines)
+    assert any(line.startswith("PASS  cpu: one_step_off final policy's reward 0.220") for line in lines)
 
 
 def test_the_long_tail_costs_length_not_reward():
