@@ -28,7 +28,8 @@ Per mode: trained samples/s and generated tokens/s over the sum of the trainer's
 the final checkpoint), each side's idle fraction (the trainer's wait for batches, the generators'
 wait for requests), the mean training reward of the last ``REWARD_STEPS`` steps, and in the cpu
 regime the reward of the policy each run ends with (an evaluation on the task's prompts after
-the last step, untimed: a stale mode's training reward is an older policy's).  ``sync`` runs
+the last step, untimed: a stale mode's training reward is an older policy's; one policy's reward
+swings from step to step here, so the target reads the training reward of the last steps).  ``sync`` runs
 ``--seeds`` seeds in the cpu regime to show the spread of the reward.  Runs are interleaved
 (``--rounds``): each round runs every mode once, in an order rotated round by round, and each
 mode's speed-up is taken against the ``sync`` run of its own round, so the machine's slow spells
@@ -72,7 +73,7 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], REPO])
     env.pop("MEGATRON_RL_FAULT", None)
     # The cpu regime also evaluates the policy every run ends with (after the same trained samples),
-    # outside the timed steps: the training reward of a stale mode is an older policy's.
+    # outside the timed steps.
     evaluate = [f"trainer.eval_every={steps}", *EVALUATION] if regime == "cpu" else []
     cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config",
            os.path.join(REPO, "configs", "grpo_cpu.yaml"), *MODES[mode], "rollout.max_new_tokens=32",
@@ -178,13 +179,16 @@ def target_lines(summaries: dict) -> list[str]:
             idle = max(r["trainer_idle"], r["generator_idle"])
             check(idle <= 0.15, f"{regime}: async idle trainer {_percent(r['trainer_idle'])} / generator "
                                 f"{_percent(r['generator_idle'])} (each <= 15%)")
-    sync_rewards = [r["reward_final"] for r in cpu if r["mode"] == "sync" and r["reward_final"] is not None]
+    # The training reward of the last steps: it averages ten policies (one policy's own reward swings
+    # by 0.1 from step to step on this task), and a stale mode's is its older policies', which only
+    # makes the check harder for it to pass.
+    sync_rewards = [r["reward_last"] for r in cpu if r["mode"] == "sync"]
     if len(sync_rewards) > 1:
         low, high = min(sync_rewards), max(sync_rewards)
-        for r in (r for r in cpu if r["mode"] != "sync" and r["reward_final"] is not None):
-            check(r["reward_final"] >= low,
-                  f"cpu: {r['mode']} final policy's reward {r['reward_final']:.3f} within the sync seeds' spread "
-                  f"{low:.3f}-{high:.3f} (or above it)")
+        for r in (r for r in cpu if r["mode"] != "sync"):
+            check(r["reward_last"] >= low,
+                  f"cpu: {r['mode']} reward {r['reward_last']:.3f} (last {REWARD_STEPS} steps) within the sync "
+                  f"seeds' spread {low:.3f}-{high:.3f} (or above it)")
     return lines
 
 
