@@ -200,6 +200,7 @@ def test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it()
     from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source
     from megatron_rl.config.loader import load_config
     from megatron_rl.errors import ConfigError
+    from megatron_rl.resolve import resolve
     from megatron_rl.validation import validate
 
     cases = [
@@ -215,7 +216,9 @@ def test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it()
     for overrides, want in cases:
         cfg = load_config(None, overrides)
         validate(cfg, 1)
-        assert resolve_old_logprob_source(cfg.algorithm) == want, overrides
+        resolved = resolve(cfg, 1).config  # rollout_correction.mode=auto depends on trainer.mode
+        assert resolve_old_logprob_source(resolved.algorithm) == want, overrides
+        assert resolved.algorithm.old_logprobs == want, overrides
     for overrides in (["algorithm.old_logprobs=training_forward", "algorithm.mini_batches=2"],
                       ["algorithm.old_logprobs=training_forward", "algorithm.rollout_correction.mode=mis"],
                       ["algorithm.old_logprobs=rollout", "algorithm.rollout_correction.mode=tis"]):
