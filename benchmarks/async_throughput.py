@@ -17,11 +17,12 @@ Two cost regimes, each mode a subprocess of its own:
 * ``cpu``   -- this CPU as it is: a decode step's cost grows with its rows, so rows that finished
   early cost nothing and the long tail wastes little;
 * ``floor`` -- an emulation of a memory-bound GPU decode: the same module gives every decode step
-  of the KV-cache decoder a floor of ``--floor-ms`` whatever its rows (prefill and training
-  untouched), so a batch costs its longest response, as on a GPU.  The default, 3 ms, is where one
-  generating rank keeps pace with one training rank on this model; above it generation sets the
-  pace and the trainer waits (a job would give generation more ranks: ``megatron-rl plan
-  --generator-gpus``), which ``--floor-ms 8`` shows.
+  (of the KV-cache decoder, or of megatron's engine with ``--engine megatron``) a floor of
+  ``--floor-ms`` whatever its rows (prefill and training untouched), so a batch costs its longest
+  response, as on a GPU.  The default, 3 ms, is where one generating rank of the decoder keeps
+  pace with one training rank on this model; above it generation sets the pace and the trainer
+  waits (a job would give generation more ranks: ``megatron-rl plan --generator-gpus``), which
+  ``--floor-ms 8`` shows.
 
 Per mode: trained samples/s and generated tokens/s over the sum of the trainer's ``timing/step_s``
 (rollout or the wait for it, reward, experience, update and weight push; not start-up, warm-up or
@@ -67,7 +68,7 @@ MODES = {
                       "trainer.partial_rollouts=true"],
 }
 
-def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work: str) -> dict:
+def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work: str, engine: str = "auto") -> dict:
     name = f"{mode}_{regime}_{seed}"
     env = job_env(long_tail=True, decode_floor_s=floor_s if regime == "floor" else 0.0)
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], REPO])
@@ -78,7 +79,7 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
     cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config",
            os.path.join(REPO, "configs", "grpo_cpu.yaml"), *MODES[mode], "rollout.max_new_tokens=32",
            f"trainer.steps={steps}", f"run.seed={seed}", f"run.dir={work}", f"run.name={name}", "trainer.plot=false",
-           *evaluate]
+           f"rollout.engine={engine}", *evaluate]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -200,6 +201,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="repeats of every run, interleaved round by round")
     parser.add_argument("--modes", default=",".join(MODES), help="modes to run (sync always)")
     parser.add_argument("--floor-ms", type=float, default=3.0)
+    parser.add_argument("--engine", default="auto", help="rollout.engine of every run (auto: the KV-cache decoder "
+                        "on the CPU; megatron: megatron-core's engine, partial rollouts included)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     modes = ["sync"] + [m for m in args.modes.split(",") if m in MODES and m != "sync"]
@@ -211,14 +214,15 @@ def main() -> None:
             if regime == "cpu":
                 runs += [("sync", FIRST_SEED + k) for k in range(1, args.seeds)]
             for rnd, mode, seed in interleaved(runs, args.rounds):
-                row = run_mode(mode, regime, seed, args.steps, args.floor_ms / 1000, os.path.join(work, str(rnd)))
+                row = run_mode(mode, regime, seed, args.steps, args.floor_ms / 1000, os.path.join(work, str(rnd)),
+                               args.engine)
                 row["round"] = rnd
                 results.append(row)
                 print(json.dumps(row), flush=True)
     summaries = {regime: summarise(results, regime) for regime in regimes}
     print(f"\n{args.steps} steps of 16 prompts x 8 samples, rollout.max_new_tokens=32, {args.rounds} interleaved "
-          f"round(s), medians over rounds; floor regime: {args.floor_ms:g} ms per decode step (an emulation of a "
-          "memory-bound GPU decode)")
+          f"round(s), rollout.engine={args.engine}, medians over rounds; floor regime: {args.floor_ms:g} ms per "
+          "decode step (an emulation of a memory-bound GPU decode)")
     print("| regime | mode | ranks | trained samples/s | vs sync (each round) | generated tokens/s | trainer idle | "
           f"generator idle | max staleness | token staleness | reward (last {REWARD_STEPS}) | final policy's reward | "
           "mean length | stopped |")

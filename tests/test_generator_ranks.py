@@ -78,52 +78,81 @@ def test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly(tmp_path
     assert [b["version"] for b in state["rollout_buffer"]] == [2, 4]
 
 
-def test_a_push_during_a_rollout_continues_it_with_the_new_weights():
-    """A push before token 3 (partial rollouts): tokens 0-2 are the old policy's (the same tokens
-    and log-probs as a rollout without the push), tokens 3-7 the new one's, and every token's
-    log-prob is what the version it records gives it after the whole sample so far (the running
-    samples' KV cache is recomputed with the new weights)."""
-    import torch
+PUSH_CFG = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                vocab_size=50, params_dtype="float32", transformer_impl="local", max_position_embeddings=64)
+PUSH_PROMPTS = [[5, 17, 3], [9, 2, 44, 30, 7]]
 
+
+def push_during_rollout_body(engine_name: str, at: int) -> tuple:
+    """``(straight, pushed, swaps)``: the same seed's rollout without and with version 1's weights
+    arriving before token ``at`` (``swaps``: pushes the engine took mid-rollout)."""
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.rollout.decoder import random_canonical
-    from megatron_rl.rollout.engine import TorchRolloutEngine
+    from megatron_rl.rollout.engine import make_engine
     from megatron_rl.rollout.sampling import SamplingParams
 
-    cfg = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                      vocab_size=50, params_dtype="float32", transformer_impl="local")
-    weights = {0: random_canonical(cfg, 0, std=0.2), 1: random_canonical(cfg, 1, std=0.2)}
+    cfg = ModelConfig(**PUSH_CFG)
+    weights = {v: random_canonical(cfg, v, std=0.2) for v in (0, 1)}
     params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2)
-    prompts = [[5, 17, 3], [9, 2, 44, 30, 7]]
 
     class PushBefore:
         """Weights of version 1 arrive before token ``at`` is drawn."""
 
-        def __init__(self, engine, at: int):
-            self.engine, self.at, self.polls, self.version = engine, at, 0, 0
+        def __init__(self, engine):
+            self.engine, self.polls, self.version = engine, 0, 0
 
         def poll(self) -> bool:
             self.polls += 1
-            if self.polls != self.at + 1:
+            if self.polls != at + 1:
                 return False
             self.engine.load_weights(weights[1])
             self.version = 1
             return True
 
-    engine = TorchRolloutEngine(cfg, "cpu", max_batch_size=8)
+    if engine_name == "megatron":
+        from megatron_rl.testing.layouts import use_layout
+
+        use_layout()
+        engine = make_engine("megatron", cfg, "cpu", max_batch_size=8, kv_cache_memory=2**22,
+                             prefill_chunk_tokens=64, kv_block_tokens=16)
+    else:
+        engine = make_engine("torch", cfg, "cpu", max_batch_size=8)
     engine.load_weights(weights[0])
-    straight = engine.generate(prompts, params, seed=3)
-    engine.live_weights = PushBefore(engine, 3)
-    pushed = engine.generate(prompts, params, seed=3)
+    straight = engine.generate(PUSH_PROMPTS, params, seed=3)
+    engine.live_weights = PushBefore(engine)
+    pushed = engine.generate(PUSH_PROMPTS, params, seed=3)
+    return straight, pushed, getattr(engine, "weight_swaps", None)
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "megatron"])
+def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
+    """A push before token 3 (partial rollouts): tokens 0-2 are the old policy's (the same tokens
+    and log-probs as a rollout without the push), tokens 3-7 the new one's, and every token's
+    log-prob is what the version it records gives it after the whole sample so far (the running
+    samples' KV cache is recomputed with the new weights) -- on the KV-cache decoder and on
+    megatron's engine (whose requests are suspended and re-prefilled), both scored by the decoder."""
+    import torch
+
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.rollout.decoder import random_canonical
+    from megatron_rl.rollout.engine import TorchRolloutEngine
+    from megatron_rl.testing.harness import run_distributed
+
+    if engine_name == "megatron":
+        straight, pushed, swaps = run_distributed(1, push_during_rollout_body, engine_name, 3)[0]
+        assert swaps == 1
+    else:
+        straight, pushed, _ = push_during_rollout_body(engine_name, 3)
     assert straight.token_versions is None
     assert pushed.token_versions == [[0, 0, 0, 1, 1, 1, 1, 1]] * 4
     for k in range(4):
         assert pushed.response_ids[k][:3] == straight.response_ids[k][:3]
         assert pushed.response_logprobs[k][:3] == straight.response_logprobs[k][:3]
+    cfg = ModelConfig(**PUSH_CFG)
     scorers = {}
-    for version, state in weights.items():
+    for version in (0, 1):
         scorers[version] = TorchRolloutEngine(cfg, "cpu")
-        scorers[version].load_weights(state)
+        scorers[version].load_weights(random_canonical(cfg, version, std=0.2))
 
     def logprob(version: int, k: int, t: int) -> float:
         prefix = pushed.prompt_ids[k] + pushed.response_ids[k][:t]
@@ -137,22 +166,24 @@ def test_a_push_during_a_rollout_continues_it_with_the_new_weights():
             worst = max(worst, abs(pushed.response_logprobs[k][t] - logprob(version, k, t)))
             if version == 1:
                 moved = max(moved, abs(pushed.response_logprobs[k][t] - logprob(0, k, t)))
-    print(f"behaviour log-prob vs its version's: max {worst:.2g}; vs the old version after the push: {moved:.2g}")
+    print(f"{engine_name}: behaviour log-prob vs its version's: max {worst:.2g}; "
+          f"vs the old version after the push: {moved:.2g}")
     assert worst < 1e-5
     assert moved > 1e-2
 
 
 @pytest.mark.slow
-def test_partial_rollouts_mix_versions_within_the_bound_in_an_async_job(tmp_path):
+@pytest.mark.parametrize("engine_name", ["torch", "megatron"])
+def test_partial_rollouts_mix_versions_within_the_bound_in_an_async_job(tmp_path, engine_name):
     """Decode slowed to 50 ms a token (the test's own workload shaping) so every push lands while
     the generator is mid-batch: samples then hold tokens of two versions, each sample's staleness
     (its oldest token's) stays within max_staleness, and its newer tokens make the token-mean
-    staleness lower than the sample maximum."""
+    staleness lower than the sample maximum -- on the KV-cache decoder and on megatron's engine."""
     from megatron_rl.testing.workload import job_env
 
     proc = _train(tmp_path, "partial", 2, "trainer.mode=async", "trainer.max_staleness=1",
                   "trainer.partial_rollouts=true", "rollout.ranks=1", "rollout.max_new_tokens=16", "trainer.steps=5",
-                  env=job_env(decode_floor_s=0.05))
+                  f"rollout.engine={engine_name}", env=job_env(decode_floor_s=0.05))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "partial")
     print("partial share per step:", [r["rollout/partial_frac"] for r in rows],

@@ -258,8 +258,9 @@ FEATURES = [
         "when one has come, the samples in flight go on with the new weights (their KV cache recomputed, so every "
         "later token is drawn from the new policy and its log-prob is that policy's) and each token records the "
         "version that drew it; staleness per sample is its oldest token's, rollout/staleness_p50, "
-        "rollout/token_staleness_mean and rollout/partial_frac logged. On the KV-cache decoder (torch, tp_sharded) "
-        "with one generator replica.",
+        "rollout/token_staleness_mean and rollout/partial_frac logged. Every engine (megatron's takes the push "
+        "between two steps and re-prefills its requests in flight through its own suspend / resume in RECOMPUTE "
+        "mode), one generator replica.",
         ("tests/test_generator_ranks.py::test_a_push_during_a_rollout_continues_it_with_the_new_weights",
          "tests/test_generator_ranks.py::test_partial_rollouts_mix_versions_within_the_bound_in_an_async_job"),
         constraints=(
@@ -267,10 +268,6 @@ FEATURES = [
                  "partial rollouts change weights under requests in flight, which only trainer.mode=async with "
                  "generator ranks has", "set trainer.mode=async and rollout.ranks, or trainer.partial_rollouts=false",
                  "partial rollouts need async generator ranks", when=lambda c: c.trainer.partial_rollouts),
-            need("rollout.engine", lambda c, w: rollout_engine(c) != MEGATRON,
-                 "partial rollouts swap weights between two tokens of the KV-cache decoder; megatron's engine does "
-                 "not take new weights mid-request", "set rollout.engine=torch, or trainer.partial_rollouts=false",
-                 "partial rollouts on the KV-cache decoder", when=lambda c: c.trainer.partial_rollouts),
             need("rollout.ranks", lambda c, w: c.rollout.ranks == _filled(c).tp * _filled(c).pp,
                  "partial rollouts poll for weights before every token on every generator rank in step, which holds "
                  "for one replica (rollout.ranks = rollout.layout tp x pp)",

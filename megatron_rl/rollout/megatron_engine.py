@@ -32,6 +32,11 @@ What this module adds around megatron's engine, so its samples mean what the tra
   (the stop token kept), through the engine's own termination path; ``n`` samples per prompt are
   ``n`` requests.
 
+* **Partial rollouts** (``live_weights``, async generator ranks).  Before every step the engine
+  asks whether newer weights were pushed; when they were, they are already in the shards it runs
+  on, and megatron's own suspend / resume (``RECOMPUTE``) re-prefills every request in flight, so
+  later tokens are the new policy's given the sample so far; each token records its version.
+
 Layouts: TP, PP, SP, EP (with PP too) and CP -- each context-parallel rank generates on its own
 as a replica of the TP/PP shards (megatron's inference has no context parallelism, so the model's
 CP group is swapped for a one-rank group while it generates).  With VPP the engine generates on a
@@ -61,7 +66,7 @@ import torch.distributed as dist
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.arch import max_positions
-from megatron_rl.rollout.engine import RolloutBatch, stopped
+from megatron_rl.rollout.engine import LiveWeights, RolloutBatch, stopped
 from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample, sample_key
 from megatron_rl.utils.seeds import derive_seed
 
@@ -256,6 +261,11 @@ def _make_controller_class():
             self.params, self.true_vocab, self.keys = params, true_vocab, keys
             self.responses: dict[int, list[int]] = {rid: [] for rid in keys}
             self.logprobs: dict[int, list[float]] = {rid: [] for rid in keys}
+            # Partial rollouts: the policy version of the weights each token is drawn with.
+            # (megatron stamps its own epochs only through its inference coordinator's messages,
+            # which this adapter does not run.)
+            self.version: Optional[int] = None
+            self.versions: dict[int, list[int]] = {rid: [] for rid in keys}
             self._stops = None
 
         def _dynamic_step_sample_logits(self):
@@ -278,6 +288,8 @@ def _make_controller_class():
                     continue
                 self.responses[rid].append(token)
                 self.logprobs[rid].append(lp)
+                if self.version is not None:
+                    self.versions[rid].append(self.version)
                 stops.append(stopped(self.responses[rid], self.params))
             self._stops = torch.tensor(stops, dtype=torch.bool)
 
@@ -366,6 +378,9 @@ class MegatronRolloutEngine:
         # one (compat: inference.routing_indices_incomplete), so ``RolloutBatch.routing`` stays ours.
         self.megatron_routing = False
         self.megatron_routing_indices: dict = {}  # request id -> [tokens - 1, layers, topk] or None
+        # Partial rollouts: weights that may change between two steps (generator ranks, async).
+        self.live_weights: Optional[LiveWeights] = None
+        self.weight_swaps = 0  # pushes the last generate took mid-rollout
 
     # -- weights -------------------------------------------------------------------------------
     def inference_layout(self):
@@ -545,21 +560,44 @@ class MegatronRolloutEngine:
 
         groups = self._model.pg_collection
         done = []
-        self.idle_steps = 0
+        self.idle_steps = self.weight_swaps = 0
         if groups.ep.size() == 1:
             while engine.has_unfinished_requests():
-                done += engine.step_modern()["finished_request_records"]
+                self._take_pushed_weights(engine)
+                done += self._step(engine)
             return done
         group = groups.ep
         while True:
             busy = engine.has_unfinished_requests()
             if not collectives.agree_any(busy, group=group):
                 return done
+            self._take_pushed_weights(engine)
             if busy:
-                done += engine.step_modern()["finished_request_records"]
+                done += self._step(engine)
             else:
                 engine.controller.dummy_forward()
                 self.idle_steps += 1
+
+    @staticmethod
+    def _step(engine) -> list:
+        """One engine step (a prefill chunk and / or one token per decoding request); the requests
+        it finished."""
+        return engine.step_modern()["finished_request_records"]
+
+    def _take_pushed_weights(self, engine) -> None:
+        """Partial rollouts: before every step, newer weights that have arrived are loaded (in place,
+        into the shards the engine runs on) and the requests in flight go on with them.  Their KV
+        cache is recomputed under the new weights by megatron's own suspend / resume in ``RECOMPUTE``
+        mode (each request's prompt and tokens so far re-prefilled), so every later token is drawn
+        from the new policy given the sample so far, and its log-prob is that policy's."""
+        live = self.live_weights
+        if live is None:
+            return
+        if live.poll():
+            engine.suspend()
+            engine.resume()
+            self.weight_swaps += 1
+        engine.controller.version = live.version
 
     @property
     def max_sequence_length(self) -> int:
@@ -657,4 +695,6 @@ class MegatronRolloutEngine:
             response_logprobs=[controller.logprobs[rid] for rid in range(len(samples))],
             finish_reason=["stop" if stopped(r, params) else "length" for r in responses],
             routing=recorded,
+            token_versions=([controller.versions[rid] for rid in range(len(samples))]
+                            if self.live_weights is not None else None),
         )

@@ -7,9 +7,10 @@ calls :func:`shape_from_env`).  Never imported by a training run.
   responses stop after the answer, about a tenth run to the maximum.  The reward reads a response
   up to its first EOS, so the tail costs generation and training what a long response costs and
   leaves its reward what it would have been: a longer response is not a wrong one.
-- ``MEGATRON_RL_DECODE_FLOOR_S=x``: every single-token decode step of the KV-cache decoder takes
-  at least ``x`` seconds whatever its rows -- an emulation of a memory-bound GPU decode, where a
-  batch costs its longest response.
+- ``MEGATRON_RL_DECODE_FLOOR_S=x``: every decode step (one token per running sample, no prompt
+  computed) takes at least ``x`` seconds whatever its rows, on the KV-cache decoder and on
+  megatron's engine -- an emulation of a memory-bound GPU decode, where a batch costs its longest
+  response.
 """
 
 from __future__ import annotations
@@ -41,14 +42,14 @@ def shape_from_env() -> None:
 
 
 def install_long_tail() -> None:
-    from megatron_rl.rollout import engine
+    from megatron_rl.rollout import engine, megatron_engine
 
     stopped = engine.stopped
 
     def long_tail_stopped(response, params):
         return stopped(response, params) and response[0] % 5 != 2
 
-    engine.stopped = long_tail_stopped
+    engine.stopped = megatron_engine.stopped = long_tail_stopped
 
     from megatron_rl.trainer import ppo
 
@@ -75,3 +76,19 @@ def install_decode_floor(seconds: float) -> None:
         return out
 
     decoder.TorchDecoder.forward = floored
+
+    from megatron_rl.rollout.megatron_engine import MegatronRolloutEngine
+
+    step = MegatronRolloutEngine._step
+
+    def floored_step(engine):
+        wrapper = engine.controller.inference_wrapped_model
+        start, prefilled = time.perf_counter(), wrapper.prefill_tokens
+        out = step(engine)
+        if wrapper.prefill_tokens == prefilled:  # a decode step: no prompt token computed
+            left = seconds - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+        return out
+
+    MegatronRolloutEngine._step = staticmethod(floored_step)
