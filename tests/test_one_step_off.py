@@ -21,7 +21,10 @@ def _stable(rows: list[dict]) -> list[dict]:
 def test_with_frozen_weights_one_step_off_trains_on_the_sync_batches(tmp_path):
     """With nothing learning, staleness cannot matter: the same prompts, samples, rewards and
     losses as a synchronous run, step by step (the batch order and seeds are the same)."""
-    frozen = ["actor.optim.lr=0", "critic.optim.lr=0", "trainer.steps=3", f"run.dir={tmp_path}"]
+    # No re-weighting either (one_step_off's default, decoupled PPO, weighs the behaviour log-probs
+    # against the recomputed ones, which differ from them by the last bits).
+    frozen = ["actor.optim.lr=0", "critic.optim.lr=0", "trainer.steps=3", f"run.dir={tmp_path}",
+              "algorithm.rollout_correction.mode=off"]
     run_distributed(2, ppo_body, frozen + ["run.name=sync"])
     run_distributed(2, ppo_body, frozen + ["run.name=off", OFF])
     sync, off = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "off")
@@ -74,8 +77,9 @@ def test_one_step_off_resumes_exactly_with_the_waiting_batch_from_the_checkpoint
 def test_a_sync_run_resumed_from_one_step_off_trains_the_waiting_batch_first(tmp_path):
     """Switching to sync at a resume loses no prompts: the batch generated ahead is trained first
     (staleness 1 once), then each step generates what it trains; the prompts are the straight
-    run's, which draws the same batches in the same order."""
-    common = ["actor.optim.lr=0.01", "trainer.steps=4", f"run.dir={tmp_path}"]
+    run's, which draws the same batches in the same order.  The correction is pinned: ``auto``
+    resolves it from trainer.mode, which the resume changes."""
+    common = ["actor.optim.lr=0.01", "trainer.steps=4", f"run.dir={tmp_path}", "algorithm.rollout_correction.mode=is"]
     run_distributed(1, preempted_ppo_body, common + [OFF, "run.name=switched"], "sigterm@rank=0:step=2")
     run_distributed(1, ppo_body, common + ["run.name=switched"])
     run_distributed(1, ppo_body, common + [OFF, "run.name=straight"])

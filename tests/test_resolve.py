@@ -88,12 +88,14 @@ def test_the_token_budget_is_resolved_before_launch_for_the_job():
 
 @pytest.mark.parametrize("overrides, expected", [
     (["trainer.mode=async", "rollout.ranks=1"], "is"),
-    (["trainer.mode=one_step_off", "rollout.ranks=1"], "off"),
+    (["trainer.mode=one_step_off", "rollout.ranks=1"], "is"),
+    (["trainer.mode=one_step_off"], "is"),
+    (["trainer.mode=one_step_off", "algorithm.rollout_correction.mode=off"], "off"),
     ([], "off"),
     (["trainer.mode=async", "rollout.ranks=1", "algorithm.rollout_correction.mode=tis"], "tis"),
     (["trainer.mode=async", "rollout.ranks=1", "algorithm.old_logprobs=rollout"], "off"),
 ])
-def test_async_defaults_to_decoupled_ppo_and_other_modes_to_no_correction(overrides, expected):
+def test_stale_modes_default_to_decoupled_ppo_and_sync_to_no_correction(overrides, expected):
     cfg = resolve(load_config(os.path.join(ROOT, "configs", "grpo_cpu.yaml"), overrides), 2).config
     assert cfg.algorithm.rollout_correction.mode == expected
     if expected != "off":  # the correction weighs the recomputed (proximal) log-probs against the engine's

@@ -219,7 +219,8 @@ FEATURES = [
         "requests fixes each batch's policy version: sync (no overlap), one_step_off (the colocated mode's batches, "
         "exactly, with generation of step k+1 overlapping the update of step k), async (generators up to "
         "trainer.max_staleness versions ahead, weights every trainer.push_weights_every updates; they wait rather "
-        "than exceed the bound; by default decoupled PPO, algorithm.rollout_correction.mode=auto -> is). "
+        "than exceed the bound). one_step_off and async default to decoupled PPO "
+        "(algorithm.rollout_correction.mode=auto -> is). "
         "A checkpoint takes every requested batch first (rollout_buffer: generated, not yet "
         "trained), so a SIGKILLed job resumes exactly; a dead generator rank ends the job with its name. Logged: "
         "staleness, policy version, generate and idle seconds of the generators, the trainer's wait, refit seconds "
@@ -234,7 +235,7 @@ FEATURES = [
          "tests/test_generator_ranks.py::test_a_dead_generator_rank_ends_the_job_with_its_name",
          "tests/test_generator_ranks.py::test_generator_ranks_refuse_what_they_cannot_run_before_launch",
          "tests/test_generator_ranks.py::test_grpo_learns_the_demo_task_in_async_mode",
-         "tests/test_resolve.py::test_async_defaults_to_decoupled_ppo_and_other_modes_to_no_correction",
+         "tests/test_resolve.py::test_stale_modes_default_to_decoupled_ppo_and_sync_to_no_correction",
          "tests/test_planner.py::test_plan_sizes_the_training_and_the_generator_gpus_apart",
          "tests/test_planner.py::test_planned_rollout_layout_of_generator_ranks_counts_no_training_state"),
         constraints=(
