@@ -7,7 +7,9 @@ receives exactly the slices of its own shard from the trainer ranks that hold th
 full copy through one rank.
 
 :func:`joint_group` is that group (gloo, over the job's TCP store, ranks numbered as in the job:
-trainers first).  :class:`CrossWorldCopyService` is the copy service megatron's plan runs on over it.
+trainers first): megatron builds its plan over it.  The bytes travel on :func:`data_group`: on GPUs
+a second group over the same ranks with NCCL, device to device; on the CPU the gloo group itself.
+:class:`CrossWorldCopyService` is the copy service megatron's plan runs on.
 megatron's own services cannot: its gloo and NCCL services post ``torch.distributed.P2POp``\\ s,
 whose constructor resolves the peer through the default world's table of groups, which a group
 spanning two worlds is not in (``ValueError: Group ... is not registered``), and its executor's
@@ -41,9 +43,32 @@ def _joint_group(store, rank: int, world_size: int, timeout_s: float):
                                  datetime.timedelta(seconds=timeout_s))
 
 
-def copy_service(group):
-    """The copy service megatron's ``swap_model_weights`` runs on over ``group``."""
+def data_group(group, timeout_s: float, device: torch.device):
+    """The group the weights' bytes travel on between the two worlds: NCCL over the same ranks when
+    they run on GPUs (device to device; its communicators are made at the first transfer between
+    two ranks, so making the group is no rendezvous), else ``group`` itself (gloo, through the host)."""
+    if device.type != "cuda":
+        return group
+    from megatron_rl.distributed.runtime import job_placement, job_store
+
+    where = job_placement()
+    return _nccl_joint_group(job_store(), where.global_rank, where.trainers + where.generators, timeout_s)
+
+
+@functools.lru_cache(maxsize=None)
+def _nccl_joint_group(store, rank: int, world_size: int, timeout_s: float):
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupNCCL(dist.PrefixStore("joint_nccl", store), rank, world_size, options)
+
+
+def copy_service(group, data=None):
+    """The copy service megatron's ``swap_model_weights`` runs on: its plan is made over ``group``
+    (gloo), the bytes go over ``data`` (:func:`data_group`; ``group`` when None)."""
     from megatron.core.resharding.copy_services.base import CopyService
+
+    data = group if data is None else data
+    on_device = data is not group  # NCCL: packed and received on the GPU
 
     class CrossWorldCopyService(CopyService):
         # run() returns only when every message this rank sends or receives is through.
@@ -63,11 +88,13 @@ def copy_service(group):
         def run(self):
             works, landing = [], []
             for peer, ops in self.sends.items():
-                works.append(self.group.send([_packed(ops)], peer, 0))
+                works.append(data.send([_packed(ops, to_host=not on_device)], peer, 0))
             for peer, ops in self.recvs.items():
                 ops.sort(key=lambda op: op[0])
-                buffer = torch.empty(sum(t.numel() * t.element_size() for _, t in ops), dtype=torch.uint8)
-                works.append(self.group.recv([buffer], peer, 0))
+                where = ops[0][1].device if on_device else torch.device("cpu")
+                buffer = torch.empty(sum(t.numel() * t.element_size() for _, t in ops), dtype=torch.uint8,
+                                     device=where)
+                works.append(data.recv([buffer], peer, 0))
                 landing.append((buffer, ops))
             for work in works:
                 work.wait()
@@ -79,10 +106,12 @@ def copy_service(group):
     return CrossWorldCopyService()
 
 
-def _packed(ops: list) -> torch.Tensor:
-    """The bytes of every tensor in ``ops`` (``(task id, tensor)``), in task-id order, on the host."""
+def _packed(ops: list, to_host: bool = True) -> torch.Tensor:
+    """The bytes of every tensor in ``ops`` (``(task id, tensor)``), in task-id order, on the host
+    (``to_host``) or where the tensors are."""
     ops = sorted(ops, key=lambda op: op[0])
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for _, t in ops])
+    pieces = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in ops]
+    return torch.cat([p.cpu() for p in pieces] if to_host else pieces)
 
 
 def _unpack(buffer: torch.Tensor, ops: list) -> None:
@@ -91,6 +120,9 @@ def _unpack(buffer: torch.Tensor, ops: list) -> None:
     with torch.no_grad():
         for _, target in ops:
             nbytes = target.numel() * target.element_size()
-            chunk = buffer[offset:offset + nbytes].view(target.dtype).reshape(target.shape)
+            chunk = buffer[offset:offset + nbytes]
+            if offset % target.element_size():  # after a piece of odd length: viewing needs alignment
+                chunk = chunk.clone()
+            chunk = chunk.view(target.dtype).reshape(target.shape)
             target.copy_(chunk.to(target.device))
             offset += nbytes

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
-from megatron_rl.features.base import TESTED_CPU, Feature, Measured, _old_logprob_source, need
+from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, Measured, _old_logprob_source, need
 from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
@@ -214,18 +214,17 @@ FEATURES = [
         "rollout.ranks=G: the last G ranks generate on rollout.layout (CP 1, the rest data-parallel replicas), the "
         "others train; two torch.distributed worlds joined by the job's store (requests, samples) and a gloo group "
         "over the whole job (weights: megatron-core's resharding, swap_model_weights across the two worlds, each "
-        "generator rank receiving exactly its shard from the trainer ranks that hold it; each trainer rank copies "
-        "what it sends and a sender thread overlaps the transfer with training). The order of weight pushes and "
-        "requests fixes each batch's policy version: sync (no overlap), one_step_off (the colocated mode's batches, "
-        "exactly, with generation of step k+1 overlapping the update of step k), async (generators up to "
-        "trainer.max_staleness versions ahead, weights every trainer.push_weights_every updates; they wait rather "
+        "generator rank receiving exactly its shard from the trainer ranks that hold it, over NCCL between GPUs; each "
+        "trainer rank copies what it sends and a sender thread overlaps the transfer with training). The order of "
+        "weight pushes and requests fixes each batch's policy version: sync (no overlap), one_step_off (the colocated "
+        "mode's batches, exactly, with generation of step k+1 overlapping the update of step k), async (generators up "
+        "to trainer.max_staleness versions ahead, weights every trainer.push_weights_every updates; they wait rather "
         "than exceed the bound). one_step_off and async default to decoupled PPO "
-        "(algorithm.rollout_correction.mode=auto -> is). "
-        "A checkpoint takes every requested batch first (rollout_buffer: generated, not yet "
-        "trained), so a SIGKILLed job resumes exactly; a dead generator rank ends the job with its name. Logged: "
-        "staleness, policy version, generate and idle seconds of the generators, the trainer's wait, refit seconds "
-        "and bytes (rollout/refit_bytes equals rollout/generator_shard_bytes). Evaluation runs on the training "
-        "ranks. megatron-rl plan --generator-gpus (or rollout.ranks) sizes both sets.",
+        "(algorithm.rollout_correction.mode=auto -> is). A checkpoint takes every requested batch first "
+        "(rollout_buffer: generated, not yet trained), so a SIGKILLed job resumes exactly; a dead generator rank ends "
+        "the job with its name. Logged: staleness, policy version, generate and idle seconds of the generators, the "
+        "trainer's wait, refit seconds and bytes (rollout/refit_bytes equals rollout/generator_shard_bytes). "
+        "Evaluation runs on the training ranks. megatron-rl plan --generator-gpus (or rollout.ranks) sizes both sets.",
         ("tests/test_generator_ranks.py::test_one_step_off_on_generator_ranks_trains_what_the_colocated_mode_trains",
          "tests/test_generator_ranks.py::test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly",
          "tests/test_generator_ranks.py::test_two_training_ranks_and_a_tp2_generator_on_megatrons_engine",
@@ -252,6 +251,17 @@ FEATURES = [
                  "generator ranks without routing replay", when=lambda c: c.rollout.ranks > 0),
         ),
         config="rollout.ranks=1 trainer.mode=async",
+    ),
+    Feature(
+        "Weights between the two worlds over NCCL (generator ranks on GPUs)", "rollout", GPU_UNTESTED,
+        "With rollout.ranks on GPUs, megatron-core's resharding plan is made over the job-wide gloo group and the "
+        "weights' bytes go device to device over a second group of the same ranks with NCCL (communicators made "
+        "at the first push between two ranks), one packed message per pair of ranks; on the CPU they go over the "
+        "gloo group. The packing and the plan-over-one-group, bytes-over-another path are tested on the CPU with "
+        "gloo; NCCL itself needs a GPU per rank.",
+        ("tests/test_cross_world.py::test_packed_weights_land_bit_for_bit",
+         "tests/test_cross_world.py::test_weights_travel_over_nccl_between_gpus"),
+        config="rollout.ranks=1 (on GPUs)",
     ),
     Feature(
         "Partial rollouts (weights pushed into requests in flight)", "rollout", TESTED_CPU,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives, faults
 from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge
-from megatron_rl.distributed.cross_world import joint_group
+from megatron_rl.distributed.cross_world import data_group, joint_group
 from megatron_rl.distributed.placement import GENERATOR
 from megatron_rl.distributed.runtime import (
     ParallelLayout,
@@ -74,16 +74,16 @@ class PushedWeights:
     reaches the requests in flight (every generator rank polls in step: validation keeps partial
     rollouts to one replica, whose ranks run the same decode loop)."""
 
-    def __init__(self, bridge: Optional[Bridge], chunks: list, engine, group, trainers: int):
+    def __init__(self, bridge: Optional[Bridge], chunks: list, engine, group, trainers: int, data=None):
         self.bridge, self.chunks, self.engine = bridge, chunks, engine
-        self.group, self.trainers = group, trainers
+        self.group, self.trainers, self.data = group, trainers, data
         self.version: Optional[int] = None
         self.last_refit = RefitStats(0.0, 0)
 
     def load(self, message: dict) -> None:
         if self.bridge is not None:
             self.bridge.receiving(message)
-        self.last_refit = refit_across_worlds(None, self.chunks[0], self.group, self.trainers)
+        self.last_refit = refit_across_worlds(None, self.chunks[0], self.group, self.trainers, self.data)
         self.engine.load_from_chunks(self.chunks)
         self.version = int(message["version"])
 
@@ -117,7 +117,8 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     if rank0:
         log(f"generators: {dist.get_world_size()} rank(s), layout tp={layout.tp} pp={layout.pp} ep={layout.ep} "
             f"dp={layout.dp}, {type(engine).__name__}")
-    weights = PushedWeights(bridge, chunks, engine, group, job_placement().trainers)
+    weights = PushedWeights(bridge, chunks, engine, group, job_placement().trainers,
+                            data_group(group, cfg.distributed.timeout_s, device))
     if cfg.trainer.partial_rollouts:
         engine.live_weights = weights
     rollout = wrap_engine(engine) if wrap_engine is not None else engine

@@ -121,12 +121,13 @@ def snapshot_for_push(train_chunks: list, group, trainers: int):
     return view
 
 
-def refit_across_worlds(source, infer_model, group, trainers: int) -> RefitStats:
+def refit_across_worlds(source, infer_model, group, trainers: int, data=None) -> RefitStats:
     """One push from the training world to the generating world with megatron-core's resharding:
     trainer ranks pass ``source`` (a :func:`snapshot_for_push`) and ``infer_model=None``,
     generator ranks ``None`` and their shard of the inference model; collective over ``group``
     (:func:`megatron_rl.distributed.cross_world.joint_group`), whose first ``trainers`` ranks
-    train.  The plan is built at the first push and cached."""
+    train.  The plan is built at the first push and cached; the bytes travel on ``data``
+    (:func:`~megatron_rl.distributed.cross_world.data_group`: NCCL on GPUs; ``group`` when None)."""
     from megatron.core.resharding.refit import swap_model_weights
 
     from megatron_rl.distributed.cross_world import copy_service
@@ -135,7 +136,7 @@ def refit_across_worlds(source, infer_model, group, trainers: int) -> RefitStats
     start = time.perf_counter()
     with torch.no_grad():
         swap_model_weights([source] if source is not None else None, [target] if target is not None else None,
-                           refit_method=copy_service(group), group=group, src_rank_offset=0,
+                           refit_method=copy_service(group, data), group=group, src_rank_offset=0,
                            dst_rank_offset=trainers)
     seconds = time.perf_counter() - start
     if target is None:

@@ -35,8 +35,8 @@ from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives
 from megatron_rl.distributed.bridge import REQUEST, SETTINGS, WEIGHTS, Bridge, WeightSender
-from megatron_rl.distributed.cross_world import joint_group
-from megatron_rl.distributed.runtime import job_placement, job_store
+from megatron_rl.distributed.cross_world import data_group, joint_group
+from megatron_rl.distributed.runtime import job_placement, job_store, resolve_device
 from megatron_rl.rollout.generator_service import rollout_from_json
 from megatron_rl.rollout.refit import refit_across_worlds, snapshot_for_push
 from megatron_rl.rollout.sampling import SamplingParams
@@ -62,9 +62,10 @@ class RemoteRollout:
         self.rank0 = dist.get_rank() == 0
         self.bridge = Bridge(job_store()) if self.rank0 else None
         self.group = joint_group(cfg.distributed.timeout_s)
+        self.data = data_group(self.group, cfg.distributed.timeout_s, resolve_device(cfg.distributed))
         self.trainers = job_placement().trainers
         self.sender = WeightSender(job_store(), lambda snapshot: refit_across_worlds(snapshot, None, self.group,
-                                                                                     self.trainers))
+                                                                                     self.trainers, self.data))
         self.requested: dict[int, list[int]] = {}  # step -> dataset indices, requested and not yet taken
         self.next_request = 1
         self.pushed: Optional[int] = None
