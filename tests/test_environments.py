@@ -568,14 +568,15 @@ def test_multi_turn_on_a_generator_rank_trains_what_the_colocated_mode_trains(tm
     """rollout.env with one generator and one trainer rank in one_step_off mode: the generator runs the
     environments, and every step trains what the colocated one_step_off run trains.  The engine's
     log-probs may differ in the last bits (trajectories share engine calls as they become ready, so
-    the batches differ), which only the rollout/trainer log-prob gap shows."""
+    the batches differ), which only the rollout/trainer log-prob gap shows -- and the re-weighting
+    by them, so the correction one_step_off defaults to is off here."""
     from tests.support.helpers import TINY, read_metrics
     from tests.test_cli import cli
     from tests.test_generator_ranks import _stable
 
     common = (*TINY, "rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.turns=2", "rollout.max_turns=3",
               "rollout.max_new_tokens=4", "trainer.mode=one_step_off", "trainer.steps=3", "actor.optim.lr=0.01",
-              f"run.dir={tmp_path}")
+              "algorithm.rollout_correction.mode=off", f"run.dir={tmp_path}")
     colocated, _ = cli("train", "--nproc", "1", *common, "run.name=colocated")
     assert colocated.returncode == 0, colocated.stderr[-3000:]
     separate, _ = cli("train", "--nproc", "2", *common, "rollout.ranks=1", "run.name=separate")
