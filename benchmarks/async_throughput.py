@@ -175,10 +175,11 @@ def target_lines(summaries: dict) -> list[str]:
         if mode in floor:
             check(floor[mode]["vs_sync"] >= need, f"floor: {mode} {floor[mode]['vs_sync']:.2f}x sync (>= {need}x)")
     cpu = summaries.get("cpu", [])
-    for r in (r for r in cpu if r["mode"] != "sync"):
+    # Speed and idle: the first seed's interleaved rounds (the other seeds run once, for the reward).
+    for r in (r for r in cpu if r["mode"] != "sync" and r["seed"] == FIRST_SEED):
         check(r["vs_sync"] >= 0.9, f"cpu: {r['mode']} {r['vs_sync']:.2f}x sync (no more than 10% slower)")
     for regime, rows in summaries.items():
-        for r in (r for r in rows if r["mode"] == "async"):
+        for r in (r for r in rows if r["mode"] == "async" and r["seed"] == FIRST_SEED):
             idle = max(r["trainer_idle"], r["generator_idle"])
             check(idle <= 0.15, f"{regime}: async idle trainer {_percent(r['trainer_idle'])} / generator "
                                 f"{_percent(r['generator_idle'])} (each <= 15%)")
@@ -251,7 +252,7 @@ def main() -> None:
                   f"{100 * r['stopped_frac']:.0f}% |")
     print("\nstaleness of the trained samples (share at each number of versions behind), first round:")
     for r in results:
-        if r["round"] == 0 and r["mode"] != "sync":
+        if r["round"] == 0 and r["mode"] != "sync" and r["seed"] == FIRST_SEED:
             shares = ", ".join(f"{s}: {_percent(x)}" for s, x in r["staleness_shares"].items())
             print(f"  {r['regime']} {r['mode']}: {shares}")
     print()

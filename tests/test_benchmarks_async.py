@@ -68,6 +68,9 @@ def test_a_stale_modes_reward_is_the_mean_of_its_seeds():
     rows += [_row(bench, "one_step_off", 0, 12.0, "cpu", 1234 + k, reward)
              for k, reward in enumerate((0.15, 0.19, 0.20))]
     lines = bench.target_lines({"cpu": bench.summarise(rows, "cpu")})
+    # Speed and idle read the first seed only: one line each, not one per seed.
+    assert sum(line.startswith(("PASS  cpu: async 1.20x", "FAIL  cpu: async 1.20x")) for line in lines) == 1, lines
+    assert sum("cpu: async idle" in line for line in lines) == 1, lines
     assert any(line.startswith("PASS  cpu: async reward 0.233 (last 10 steps, mean of 3 seed(s): 0.100 / 0.260 / "
                                "0.340) within the sync seeds' spread 0.200-0.300") for line in lines), lines
     assert any(line.startswith("FAIL  cpu: one_step_off reward 0.180") for line in lines), lines
