@@ -220,11 +220,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="async_bench_") as work:
         for regime in regimes:
             runs = [(mode, FIRST_SEED) for mode in modes]
-            order = interleaved(runs, args.rounds)
             if regime == "cpu":
                 runs += [("sync", FIRST_SEED + k) for k in range(1, args.seeds)]
-                order = interleaved(runs, args.rounds)
-                # The other modes' seeds, for the reward only (the speed-ups read the first seed's rounds).
+            order = interleaved(runs, args.rounds)
+            if regime == "cpu":  # the other modes' seeds, once, for the reward (speed reads the first seed's rounds)
                 order += [(0, mode, FIRST_SEED + k) for mode in modes[1:] for k in range(1, args.seeds)]
             for rnd, mode, seed in order:
                 row = run_mode(mode, regime, seed, args.steps, args.floor_ms / 1000, os.path.join(work, str(rnd)),
