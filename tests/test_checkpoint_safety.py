@@ -194,3 +194,27 @@ def test_resuming_with_another_model_shape_names_the_setting(two_checkpoints, tm
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("checkpoint error: model.hidden_size=64: the checkpoint's actor was saved with "
                            "model.hidden_size=32"), last
+
+
+def test_a_single_process_job_that_fails_on_its_checkpoint_tears_its_process_groups_down(two_checkpoints, tmp_path):
+    """A one-process job (no launcher) that stops on bad input returns with its process groups
+    destroyed: left alive, their gloo threads race the interpreter's teardown, and the process can
+    abort after printing its one line (exit -6, "terminate called without an active exception")."""
+    run = tmp_path / "r"
+    shutil.copytree(two_checkpoints, run)
+    newest = run / "checkpoints" / "step_00000002"
+    corrupt_same_size(newest / "rng" / "rank_00000.pt")
+    argv = ["train", *TINY, "trainer.steps=3", f"run.dir={tmp_path}", "run.name=r", f"trainer.resume={newest}"]
+    script = (
+        "import torch.distributed as dist\n"
+        "from megatron.core import parallel_state as ps\n"
+        "from megatron_rl.tools.cli import main\n"
+        f"code = main({argv!r})\n"
+        "print('code', code, 'initialized', dist.is_initialized(), "
+        "'model_parallel', ps.model_parallel_is_initialized())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "code 2 initialized False model_parallel False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

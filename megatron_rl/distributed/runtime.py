@@ -155,6 +155,24 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
     return where
 
 
+def shutdown_distributed() -> None:
+    """Destroy megatron's process groups and the default one, if this process started them.
+
+    A process that returns to the interpreter (one rank, no launcher) must not leave gloo groups
+    alive: their threads race the interpreter's teardown, and the process can abort after its last
+    line with "terminate called without an active exception".  Launched ranks leave with
+    ``os._exit`` (:mod:`megatron_rl.distributed.guard`) and need none of this."""
+    global _CURRENT, _PLACEMENT
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        destroy_model_parallel_groups()
+    _CURRENT = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _PLACEMENT = None
+
+
 _JOB_STORE = None
 _PLACEMENT: Placement | None = None
 

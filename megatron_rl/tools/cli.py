@@ -168,11 +168,19 @@ def _rank_main(args) -> int:
 
     if launch.world_size > 1 or os.environ.get("MEGATRON_RL_LAUNCHER"):
         run_guarded(work)  # never returns
+    import torch.distributed as dist
+
+    from megatron_rl.distributed.runtime import shutdown_distributed
+
+    started_here = not dist.is_initialized()  # a caller's own process groups (a test worker) are its to keep
     try:
         return work() or 0
     except KeyboardInterrupt:  # Ctrl-C before training started, or twice during it
         print("aborted (Ctrl-C); no checkpoint of the current step", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
+    finally:
+        if started_here:
+            shutdown_distributed()  # back to the interpreter: no gloo thread may outlive the groups
 
 
 def _serve_generation(cfg, where) -> int:
