@@ -87,7 +87,8 @@ def test_the_token_budget_is_resolved_before_launch_for_the_job():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["trainer.mode=async", "rollout.ranks=1"], "is"),
+    (["trainer.mode=async", "rollout.ranks=1"], "tis"),  # max_staleness 2: the weights spread, truncated at 2
+    (["trainer.mode=async", "rollout.ranks=1", "trainer.max_staleness=1"], "is"),
     (["trainer.mode=one_step_off", "rollout.ranks=1"], "is"),
     (["trainer.mode=one_step_off"], "is"),
     (["trainer.mode=one_step_off", "algorithm.rollout_correction.mode=off"], "off"),

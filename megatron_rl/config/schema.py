@@ -370,7 +370,8 @@ class EvalConfig:
 class RolloutCorrectionConfig:
     mode: str = _f("auto", "Correct for rollout-engine vs trainer log-prob mismatch: off, is (plain IS: with "
                            "old_logprobs=recompute the decoupled PPO objective), tis (truncated IS), mis (masked IS); "
-                           "auto = is for trainer.mode=one_step_off and async (stale batches), off for sync.",
+                           "auto = decoupled PPO for stale batches: is for trainer.mode=one_step_off (and async "
+                           "with max_staleness 1), tis for async with max_staleness > 1; off for sync.",
                    choices="megatron_rl.algorithms.rollout_correction:MODES")
     level: Literal[ROLLOUT_CORRECTION_LEVELS] = _f(
         "token", "Importance weight per token, or per sequence (product over its tokens).")
