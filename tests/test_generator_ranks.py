@@ -4,6 +4,7 @@ line (two torch.distributed worlds joined by the job's store)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 
@@ -54,9 +55,10 @@ def test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly(tmp_path
     """trainer.mode=async, max_staleness=2, weights pushed every 2 updates: batch k is requested as
     soon as its staleness cannot exceed 2, so the versions follow the push schedule exactly.  The
     job SIGKILLed during step 5 (checkpoint after step 4, which holds batches 5 and 6, generated
-    and not yet trained) and resumed logs every step once, with what the straight job logged."""
+    and not yet trained) and resumed logs every step once, with what the straight job logged, and
+    trains every sample id once: the same samples, under the same ids, as the straight job."""
     common = ("trainer.mode=async", "trainer.max_staleness=2", "trainer.push_weights_every=2", "trainer.steps=6",
-              "trainer.save_every=2", "rollout.ranks=1")
+              "trainer.save_every=2", "rollout.ranks=1", "trainer.log_samples=true")
     straight = _train(tmp_path, "straight", 2, *common)
     assert straight.returncode == 0, straight.stderr[-3000:]
     killed = _train(tmp_path, "resumed", 2, *common, env={"MEGATRON_RL_FAULT": "kill@rank=0:step=5"})
@@ -76,6 +78,23 @@ def test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly(tmp_path
     state = load_trainer_state(str(tmp_path / "resumed" / "checkpoints" / "step_00000004"))
     assert [b["step"] for b in state["rollout_buffer"]] == [5, 6]
     assert [b["version"] for b in state["rollout_buffer"]] == [2, 4]
+    # Every sample once, under its id: the resumed job's trained samples are the straight job's, and
+    # those of steps 5 and 6 are the batches the checkpoint held, ids included.
+    trained, straight_samples = _trained_samples(tmp_path / "resumed"), _trained_samples(tmp_path / "straight")
+    ids, per_step = [r["id"] for r in trained], collections.Counter(r["step"] for r in trained)
+    assert len(ids) == len(set(ids)) and sorted(per_step) == [1, 2, 3, 4, 5, 6] and len(set(per_step.values())) == 1
+    assert trained == straight_samples
+    assert sorted({r["step"]: r["version"] for r in trained}.items()) == list(enumerate([0, 0, 0, 2, 2, 4], 1))
+    buffered = [i for b in state["rollout_buffer"] for i in b["samples"]["sample_id"]]
+    assert buffered == [r["id"] for r in trained if r["step"] in (5, 6)] and buffered[0] == "5-0"
+
+
+def _trained_samples(run_dir) -> list[dict]:
+    """The samples a run trained (trainer.log_samples), in step order."""
+    rows = []
+    for path in sorted((run_dir / "samples").glob("step_*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
 
 
 PUSH_CFG = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -478,6 +478,8 @@ class TrainerConfig:
     plot: bool = _f(True, "Write plot.png (reward, KL, losses) at the end; needs matplotlib.")
     offload: bool = _f(False, "Keep models not used by the running phase (weights, grads, optimizer) in host memory.")
     tensorboard: bool = _f(False, "Also log to TensorBoard (<run_dir>/tb).")
+    log_samples: bool = _f(False, "Write every trained sample (id, step, policy version, prompt, response, reward, "
+                                  "advantage) to <run_dir>/samples/step_<k>.jsonl.")
     wandb: bool = _f(False, "Also log to Weights & Biases.")
 
 

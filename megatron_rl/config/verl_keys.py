@@ -242,6 +242,8 @@ VERL = {
     "trainer.total_training_steps": same("trainer.steps"),
     "trainer.experiment_name": same("run.name"),
     "trainer.project_name": differs("run.dir", "runs are grouped under run.dir"),
+    "trainer.rollout_data_dir": differs("trainer.log_samples", "a switch: every trained sample goes to <run "
+                                                               "dir>/samples/step_<k>.jsonl, with its id and version"),
     "trainer.logger": differs("trainer.tensorboard", "the console always; trainer.tensorboard and trainer.wandb "
                                                      "add the others"),
     "trainer.nnodes": differs("distributed.nproc", "processes on this machine; for several machines launch with "
@@ -266,7 +268,7 @@ _NONE = {
            algorithm.rollout_correction.loss_type algorithm.rollout_correction.rollout_is_batch_normalize
            algorithm.use_pf_ppo algorithm.pf_ppo.reweight_method algorithm.pf_ppo.weight_pow
            trainer.balance_batch trainer.critic_warmup trainer.esi_redundant_time trainer.del_local_ckpt_after_load
-           trainer.default_hdfs_dir trainer.rollout_data_dir trainer.use_legacy_worker_impl
+           trainer.default_hdfs_dir trainer.use_legacy_worker_impl
            trainer.ray_wait_register_center_timeout data.use_shm model.use_shm""",
     "megatron-core's own kernels are used (model.transformer_impl)": """actor.use_torch_compile
            actor.use_fused_kernels ref.use_torch_compile model.use_liger model.use_fused_kernels

@@ -189,6 +189,16 @@ FEATURES = [
         config="trainer.tensorboard, trainer.wandb, trainer.plot",
     ),
     Feature(
+        "Trained-sample log (trainer.log_samples)", "runtime", TESTED_CPU,
+        "Every trained sample as one JSON line in <run dir>/samples/step_<k>.jsonl: its id (<batch>-<row>, kept by a "
+        "batch generated ahead and held in a checkpoint), the step that trained it, the policy version that "
+        "generated it (its oldest token's with partial rollouts, and the versions of its tokens), prompt, response, "
+        "reward, mean advantage; verl's trainer.rollout_data_dir. A resumed run rewrites the steps it redoes, so an "
+        "async job killed and resumed holds every sample id once.",
+        ("tests/test_generator_ranks.py::test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly",),
+        config="trainer.log_samples=true",
+    ),
+    Feature(
         "CPU demo that learns", "runtime", TESTED_CPU,
         "./run_ppo.sh without a GPU: PPO (GAE + KL) on add_small, TP2xPP2 on 4 gloo ranks; reward rises by more than "
         "0.3 in about 5 minutes on 2 cores.",

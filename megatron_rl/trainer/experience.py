@@ -43,11 +43,16 @@ class Samples:
     # the environment reported per sample (EnvironmentRollout); empty for single-turn samples.
     loss_mask: list = dataclasses.field(default_factory=list)
     env_info: list = dataclasses.field(default_factory=list)
+    # One id per sample, ``<batch>-<row>`` (trainer.log_samples writes them); empty for samples
+    # made outside a training run.
+    sample_id: list = dataclasses.field(default_factory=list)
 
     @classmethod
-    def from_rollout(cls, rollout: RolloutBatch, dataset_index: list[int]) -> "Samples":
-        """Samples of a rollout over the prompts ``dataset_index`` (PromptSet indices, in rollout order)."""
+    def from_rollout(cls, rollout: RolloutBatch, dataset_index: list[int], batch_id: str | None = None) -> "Samples":
+        """Samples of a rollout over the prompts ``dataset_index`` (PromptSet indices, in rollout
+        order); ``batch_id`` names the batch (the step it is generated for) in each sample's id."""
         return cls(
+            sample_id=[f"{batch_id}-{row}" for row in range(len(rollout.response_ids))] if batch_id is not None else [],
             prompt_index=list(rollout.prompt_index), dataset_index=[dataset_index[i] for i in rollout.prompt_index],
             prompt_ids=rollout.prompt_ids, response_ids=rollout.response_ids,
             rollout_logprob=rollout.response_logprobs, finish_reason=rollout.finish_reason,
@@ -72,6 +77,7 @@ class Samples:
             token_versions=[self.token_versions[i] for i in rows] if self.token_versions else [],
             loss_mask=[self.loss_mask[i] for i in rows] if self.loss_mask else [],
             env_info=[self.env_info[i] for i in rows] if self.env_info else [],
+            sample_id=[self.sample_id[i] for i in rows] if self.sample_id else [],
         )
 
     def groups(self) -> dict[int, list[int]]:

@@ -48,7 +48,7 @@ def set_aside_previous_run(run_dir: str) -> str | None:
     A fresh run must neither resume from nor delete another run's checkpoints: left in place, the
     old run's higher step numbers would outrank the new checkpoints (retention would delete the new
     ones) and a later ``trainer.resume=auto`` would continue the old run.  Nothing is deleted."""
-    names = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(run_dir, n))]
+    names = [n for n in ("checkpoints", "metrics.jsonl", "samples") if os.path.exists(os.path.join(run_dir, n))]
     if not names:
         return None
     import time

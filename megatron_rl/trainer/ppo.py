@@ -83,6 +83,7 @@ from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
 from megatron_rl.trainer.one_step_off import GeneratedBatch, buffered_batches, staleness_metrics
 from megatron_rl.trainer.remote_rollout import RemoteRollout
 from megatron_rl.trainer.reward_signal import RewardSignal
+from megatron_rl.trainer.sample_log import SampleLog
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.update import (
@@ -188,6 +189,7 @@ class PPOTrainer:
                                    self.log)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
+        self.sample_log = SampleLog(self.run_dir, _rank0() and cfg.trainer.log_samples, self.tokenizer)
         self.start_step = self._resume_or_init()
         if cfg.rollout.ranks:
             self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling,
@@ -271,6 +273,7 @@ class PPOTrainer:
         if loaded is None:
             self._init_weights()
             self.metrics.truncate_after(-1)  # a fresh start: no line survives, not even a step-0 evaluation
+            self.sample_log.truncate_after(-1)
             return 0
         path, meta, state = loaded
         if "sampler" in state:
@@ -280,6 +283,7 @@ class PPOTrainer:
         step = int(meta["step"])
         self.buffer = buffered_batches(state, step)
         self.metrics.truncate_after(step)
+        self.sample_log.truncate_after(step)
         self.log(f"resumed after step {step} from {path}")
         return step
 
@@ -363,6 +367,8 @@ class PPOTrainer:
             with timed("experience", timings):
                 exp = self._experience(samples, scores, timings)
             metrics, policy = self._update(exp, step, timings)
+            self.sample_log.write(step, exp.samples, exp.scores, exp.advantages, exp.mask,
+                                  int(sampling_metrics.get("rollout/policy_version", step - 1)))
             metrics.update(self._update_kl_coef(exp, policy))
             metrics.update(experience_metrics(exp, policy))
             metrics.update(sampling_metrics)
@@ -452,7 +458,7 @@ class PPOTrainer:
         records = self.prompts.records(batch) if self.cfg.rollout.multi_turn else None
         rollout = generate_data_parallel(self.engine, [self.prompts.prompt_ids[i] for i in batch], self.sampling,
                                          seed=derive_seed(self.cfg.run.seed, *tags), records=records)
-        return Samples.from_rollout(rollout, batch)
+        return Samples.from_rollout(rollout, batch, batch_id=str(step) if round_ == 0 else f"{step}.{round_}")
 
     def _score(self, samples: Samples) -> Graded:
         """The reward function on this step's samples, every rank grading a share (a collective);

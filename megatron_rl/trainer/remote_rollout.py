@@ -120,7 +120,7 @@ class RemoteRollout:
             result["trainer_wait_s"] = time.perf_counter() - start
         result = collectives.broadcast_object(result, src=0)
         rollout = rollout_from_json(result["rollout"], [self.prompt_ids[i] for i in batch])
-        samples = Samples.from_rollout(rollout, batch)
+        samples = Samples.from_rollout(rollout, batch, batch_id=str(step))
         tokens = sum(len(r) for r in samples.response_ids)
         metrics = {"rollout/generate_s": result["generate_s"], "rollout/generator_idle_s": result["idle_s"],
                    "rollout/generator_tokens_per_s": tokens / max(result["generate_s"], 1e-9),
