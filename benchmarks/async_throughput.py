@@ -70,7 +70,7 @@ REWARD_STEPS = 10  # the training reward: the mean over the last steps (one step
 # The final policy's reward: the task's 20 prompts x 32 samples at the training temperature.
 EVALUATION = ["data.val_path=task:add_small", "eval.n=32", "eval.temperature=1.0"]
 # The floor at which one generating rank keeps pace with one training rank on this workload (measured:
-# async idle 5-9% trainer / 6% generator on megatron's engine at 2.5 ms, 14-23% trainer at 3 ms).
+# async idle 2-9% trainer / 6-10% generator on megatron's engine at 2.5 ms, 7-23% trainer at 3 ms).
 BALANCED_FLOOR_MS = {"megatron": 2.5, "auto": 3.0, "torch": 3.0}
 SAMPLES_PER_STEP = 16 * 8  # configs/grpo_cpu.yaml: trainer.prompts_per_step x rollout.n
 MODES = {
