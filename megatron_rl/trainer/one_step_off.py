@@ -51,6 +51,13 @@ def buffered_batches(state: dict, step: int) -> dict[int, GeneratedBatch]:
     return {step + 1: pending} if pending is not None else {}
 
 
+def generating_versions(samples: Samples, batch_version: int) -> list[int]:
+    """The policy version that generated each sample: its oldest token's where tokens record
+    theirs (partial rollouts), else the version the batch was generated with."""
+    versions = samples.token_versions
+    return [min(v) if v else batch_version for v in versions] if versions else [batch_version] * len(samples)
+
+
 def staleness_metrics(trained_version: int, batch: GeneratedBatch | None = None) -> dict:
     """How many updates the weights a batch trains from are ahead of the ones that generated it:
     per sample (its oldest token's version), and per token where tokens record their version
@@ -58,7 +65,7 @@ def staleness_metrics(trained_version: int, batch: GeneratedBatch | None = None)
     if batch is None:
         return {"rollout/staleness_max": 0, "rollout/staleness_p50": 0, "rollout/policy_version": trained_version}
     versions = batch.samples.token_versions
-    per_sample = [trained_version - (min(v) if v else batch.version) for v in versions] or [
+    per_sample = [trained_version - v for v in generating_versions(batch.samples, batch.version)] or [
         trained_version - batch.version]
     out = {"rollout/staleness_max": max(per_sample), "rollout/staleness_p50": statistics.median(per_sample),
            "rollout/policy_version": batch.version}

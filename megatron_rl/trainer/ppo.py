@@ -367,8 +367,6 @@ class PPOTrainer:
             with timed("experience", timings):
                 exp = self._experience(samples, scores, timings)
             metrics, policy = self._update(exp, step, timings)
-            self.sample_log.write(step, exp.samples, exp.scores, exp.advantages, exp.mask,
-                                  int(sampling_metrics.get("rollout/policy_version", step - 1)))
             metrics.update(self._update_kl_coef(exp, policy))
             metrics.update(experience_metrics(exp, policy))
             metrics.update(sampling_metrics)
@@ -377,6 +375,9 @@ class PPOTrainer:
                 with timed("weight_push", timings):
                     self.remote.after_update(step, self.actor.chunks)
         metrics.update(timings)
+        # Written outside the timed step: the log's decoding and I/O are not training time.
+        self.sample_log.write(step, exp.samples, exp.scores, exp.advantages, exp.mask,
+                              int(sampling_metrics["rollout/policy_version"]))
         metrics.update(memory_metrics())
         metrics["rollout/weights_gb"] = self.engine.weight_bytes() / 2**30
         refit = getattr(self.engine, "last_refit", None)  # rollout.layout of its own: the copy into it

@@ -18,6 +18,7 @@ import re
 import torch
 
 from megatron_rl.trainer.experience import Samples
+from megatron_rl.trainer.one_step_off import generating_versions
 
 STEP_FILE = "step_{:08d}.jsonl"
 
@@ -39,12 +40,14 @@ class SampleLog:
     def write(self, step: int, samples: Samples, rewards: torch.Tensor, advantages: torch.Tensor,
               response_mask: torch.Tensor, version: int) -> None:
         """``rewards`` [B] (as trained, shaping included), ``advantages`` and ``response_mask`` [B, T]
-        (each sample's mean advantage over its response tokens is written)."""
+        (each sample's mean advantage over its response tokens is written); ``version``: the one the
+        batch was generated with."""
         if not self.enabled:
             return
         os.makedirs(self.dir, exist_ok=True)
         mask = response_mask.float()
         mean_advantage = (advantages.float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        generated_by = generating_versions(samples, version)
         path = os.path.join(self.dir, STEP_FILE.format(step))
         with open(path + ".tmp", "w") as fh:
             for i in range(len(samples)):
@@ -52,7 +55,7 @@ class SampleLog:
                 record = {
                     "id": samples.sample_id[i] if samples.sample_id else f"{step}-{i}",
                     "step": step,
-                    "version": min(versions) if versions else version,
+                    "version": generated_by[i],
                     "dataset_index": samples.dataset_index[i],
                     "prompt": self.tokenizer.decode(samples.prompt_ids[i]),
                     "response": self.tokenizer.decode(samples.response_ids[i]),
