@@ -153,13 +153,16 @@ FEATURES = [
         "Importance weights exp(logp_trainer - logp_rollout) per token or per sequence, plain (is), truncated (tis) "
         "or masked (mis) at a threshold, multiply the policy loss; is with old_logprobs=recompute is the decoupled "
         "PPO objective (ratio clipped against the proximal policy, weighted by proximal / behaviour); logged: "
-        "rollout_correction/weight_mean, weight_max, truncated_frac, masked_frac or above_threshold_frac. Off by "
-        "default; for bf16, external or asynchronous engines.",
+        "rollout_correction/weight_mean, weight_max, truncated_frac, masked_frac or above_threshold_frac. The "
+        "default, auto, is resolved before launch: off for trainer.mode=sync, decoupled PPO for stale batches (is "
+        "for one_step_off and async with max_staleness 1, tis for async with max_staleness > 1); set it for bf16 "
+        "or external engines.",
         ("tests/test_estimators_and_losses.py::test_rollout_correction_tis_and_mis_token_and_sequence",
          "tests/test_estimators_and_losses.py::test_decoupled_ppo_is_ppo_against_the_proximal_policy_times_the_"
          "behaviour_weight",
          "tests/test_estimators_and_losses.py::test_loss_gradients_do_not_depend_on_how_the_batch_is_cut",
-         "tests/test_recipes.py::test_rollout_correction_and_overlong_shaping_in_a_run"),
+         "tests/test_recipes.py::test_rollout_correction_and_overlong_shaping_in_a_run",
+         "tests/test_resolve.py::test_stale_modes_default_to_decoupled_ppo_and_sync_to_no_correction"),
         config="algorithm.rollout_correction.mode, level, threshold",
     ),
     Feature(
