@@ -276,6 +276,7 @@ SDPA_OPS = {
     "_scaled_dot_product_efficient_attention": "efficient",
     "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
     "_scaled_dot_product_fused_attention_overrideable": "fused (overrideable)",
+    "_flash_attention_forward": "varlen flash",  # packed rows on CUDA (torch.nn.attention.varlen)
 }
 
 

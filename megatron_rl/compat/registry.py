@@ -54,6 +54,7 @@ def _load_records() -> None:
         parallel_state,
         rope_host_seqlens,
         safe_unpickling,
+        torch_varlen,
         warning_filters,
         yarn,
     )

@@ -73,10 +73,14 @@ def _cuda_flash_forward(q, k, v, causal, scale):
 
 
 def _cuda_flash_backward(do, q, k, v, out, lse, causal, scale):
-    no_offsets = torch.empty(0, dtype=torch.int32, device=q.device)
+    # No sequence offsets: None is the undefined tensor the dense forward returns for them (what
+    # torch's own autograd passes back).  An empty tensor is a defined one, which the kernel reads
+    # as variable-length offsets of -1 sequences ("batch size must be positive", torch 2.11 CUDA).
+    # The kernel reads ``lse`` as a contiguous [b, heads, rows] block whatever its strides: a CP
+    # block's rows of the accumulator (a slice along rows) gave other heads' values (H200).
     no_rng = torch.zeros((), dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        do.contiguous(), q, k, v, out, lse, no_offsets, no_offsets, q.size(2), k.size(2), 0.0, causal,
+        do.contiguous(), q, k, v, out.contiguous(), lse.contiguous(), None, None, q.size(2), k.size(2), 0.0, causal,
         no_rng, no_rng, scale=scale,
     )
 

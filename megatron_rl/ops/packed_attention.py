@@ -88,10 +88,10 @@ def packed_causal_attention(q, k, v, cu: tuple[int, ...], scale: float) -> torch
 
 def _varlen_cuda(q, k, v, cu, scale, gqa):
     """One variable-length flash call (CUDA, half precision)."""
-    from torch.nn.attention.varlen import varlen_attn
+    from megatron_rl.ops.torch_varlen import causal_varlen_attention
 
     offsets = torch.tensor(cu, dtype=torch.int32).pin_memory().to(q.device, non_blocking=True)
     longest = max(e - s for s, e in zip(cu[:-1], cu[1:]))
-    out = varlen_attn(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), offsets, offsets,
-                      longest, longest, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+    out = causal_varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), offsets,
+                                  longest, scale)
     return out.transpose(0, 1).unsqueeze(0)
