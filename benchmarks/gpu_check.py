@@ -365,8 +365,15 @@ def _lse_merge_error(heads: int, kv: int, d: int, dtype, dev) -> str:
     do = torch.randn(1, heads, 128, d, generator=g).to(dev, dtype)
     scale = d**-0.5
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*leaves, scale=scale, enable_gqa=heads != kv)
-    ref.backward(do)
+    # The reference in full fp32: the PPO runs before this turned TF32 on for matrix products
+    # (models/builder.py::allow_tf32), which made the fp32 row read 5.9e-4 on an H200 (1.4e-6 without).
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ref = F.scaled_dot_product_attention(*leaves, scale=scale, enable_gqa=heads != kv)
+        ref.backward(do)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     out, lse = attention_forward(q, k[:, :, :128], v[:, :, :128], False, scale)
     acc_out, acc_lse = out.float(), lse.float().clone()
     merge_into(acc_out, acc_lse, *attention_forward(q, k[:, :, 128:], v[:, :, 128:], False, scale))
