@@ -302,6 +302,55 @@ def test_virtual_pipeline_training_generates_with_the_engine_on_a_layout_of_its_
         assert r["greedy"] == hf_greedy
 
 
+def static_context_body(layout_kw: dict, cfg: ModelConfig) -> list:
+    """Per position, the log-prob of the next token and the argmax, from megatron's static-batching
+    inference (a prefill of the prompt, then one token a step against the cached keys) and from
+    one full forward."""
+    import types
+
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+    from megatron.core.inference.utils import InferenceMode
+
+    from megatron_rl.rollout.megatron_engine import _make_wrapper_class
+
+    chunks = _actor(layout_kw, cfg, 3)
+    rows = [list(range(5, 17)), [40, 41, 42, 43, 2, 9, 77, 1, 3, 8, 50, 60]]
+    prompt = 4
+    batch = types.SimpleNamespace(prompt_ids=[r[:prompt] for r in rows], response_ids=[r[prompt:] for r in rows])
+    full = _trainer_view(chunks, batch, 1.0)
+    tokens = torch.tensor(rows)
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    context = StaticInferenceContext(len(rows), tokens.size(1))
+    wrapper = _make_wrapper_class()(chunks[0], context)
+    chunks[0].eval()
+    steps = []
+    with torch.inference_mode(), InferenceMode.active():
+        start, end = 0, prompt
+        while end < tokens.size(1):
+            if start:
+                context.enable_decode_mode()
+            window = {"tokens": tokens[:, start:end], "position_ids": positions[:, start:end], "attention_mask": None}
+            logits = wrapper.run_one_forward_step(window)
+            logp = torch.log_softmax(logits[:, -1, : cfg.vocab_size].float(), -1)
+            steps.append((logp.argmax(-1), logp.gather(1, tokens[:, end : end + 1]).squeeze(1)))
+            start, end = end, end + 1
+    InferenceMode.unset_active()
+    static = [([int(a[i]) for a, _ in steps], [float(lp[i]) for _, lp in steps]) for i in range(len(rows))]
+    return [full, static]
+
+
+@pytest.mark.parametrize("layout_kw", [{}, {"tp": 2}], ids=["one_process", "tp2"])
+def test_static_batching_inference_on_the_local_spec_equals_the_full_forward(layout_kw):
+    """megatron-core's static-batching inference API (``StaticInferenceContext``: the layer gets
+    the cached keys with each step's new token) on the local layer spec: causal alignment to the
+    end of the keys, so a step's logits are the full forward's at that position."""
+    world = layout_kw.get("tp", 1)
+    for full, static in run_distributed(world, static_context_body, layout_kw, _cfg()):
+        for (argmax, logp), (s_argmax, s_logp) in zip(full, static):
+            assert s_argmax == argmax
+            assert max(abs(a - b) for a, b in zip(logp, s_logp)) < 1e-5
+
+
 def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict]) -> list:
     chunks = _actor({}, cfg, 4)
     out = []

@@ -8,6 +8,9 @@ refuses context parallelism and packed sequences.  It handles:
 * context parallelism with the zigzag layout, through :mod:`megatron_rl.ops.cp_attention`
   (``p2p`` ring, ``all_gather``, ``a2a`` and ``a2a+p2p``), on fused kernels;
 * packed rows at CP=1 through :mod:`megatron_rl.ops.packed_attention` (no per-sequence loop);
+* queries that continue cached keys (megatron-core's static-batching inference context), causal
+  from the end of the keys, or under the boolean ``attention_mask`` megatron passes (True where a
+  query may not see a key: left-padded rows of different prompt lengths);
 * GQA without materialising repeated K/V heads.
 
 Dropout inside attention is not supported: RL needs deterministic log-probs, so the model
@@ -93,7 +96,15 @@ class LocalCoreAttention(MegatronModule):
             # [s, b, n, d] -> [b, n, s, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
 
-        if cp_size == 1 and not packed:
+        if attention_mask is not None:
+            if packed or cp_size > 1:
+                raise NotImplementedError("LocalCoreAttention takes an attention mask on unpacked rows at CP=1 only")
+            # megatron's convention: True where a query may not see a key
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, scale=self.softmax_scale,
+                                                 enable_gqa=q.size(1) != k.size(1))
+        elif cp_size == 1 and not packed and q.size(2) != k.size(2):
+            out = _attention_to_cached_keys(q, k, v, self.softmax_scale)
+        elif cp_size == 1 and not packed:
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1)
             )
@@ -112,6 +123,20 @@ class LocalCoreAttention(MegatronModule):
         # [b, n, s, d] -> [s, b, n*d]
         b, n, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+
+def _attention_to_cached_keys(q, k, v, scale: float) -> torch.Tensor:
+    """Queries that are the last ``sq`` positions of ``sk`` keys: megatron-core's static-batching
+    inference (``StaticInferenceContext``) hands the layer the cached keys and values with each
+    step's new tokens.  Causal alignment is to the end of the keys (bottom right), not the start
+    as ``is_causal`` would take it; one new token sees every key."""
+    gqa = q.size(1) != k.size(1)
+    if q.size(2) == 1:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.size(2), k.size(2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def _padded_cu_seqlens(params: PackedSeqParams) -> tuple[int, ...]:

@@ -225,7 +225,8 @@ def _make_wrapper_class():
                 tokens = inference_token_map(self.inference_context, state.rollout_lengths)
                 for router in state.routers:
                     router.tokens = tokens
-            if not dummy:  # the prompt tokens this step computes (a decode request runs one token)
+            if not dummy and self.inference_context.is_dynamic_batching():
+                # the prompt tokens this step computes (a decode request runs one token)
                 ctx = self.inference_context
                 self.prefill_tokens += int(ctx.active_token_count) - int(ctx.num_decode_requests)
             try:
