@@ -3,19 +3,10 @@ and the long-tail workload it runs (long responses graded as their answer)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import subprocess
 import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("async_throughput", os.path.join(BENCH, "async_throughput.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from megatron_rl.testing.benchmarks import load_benchmark
 
 
 def _row(bench, mode, rnd, samples_per_s, regime="floor", seed=None, reward=0.2, idle=0.1):
@@ -27,7 +18,7 @@ def _row(bench, mode, rnd, samples_per_s, regime="floor", seed=None, reward=0.2,
 
 
 def test_rounds_rotate_the_order_and_each_ratio_is_against_its_own_rounds_sync():
-    bench = _load()
+    bench = load_benchmark("async_throughput")
     order = bench.interleaved([("sync", 1), ("one_step_off", 1), ("async", 1)], 3)
     assert [(r, m) for r, m, _ in order] == [
         (0, "sync"), (0, "one_step_off"), (0, "async"), (1, "one_step_off"), (1, "async"), (1, "sync"),
@@ -45,7 +36,7 @@ def test_rounds_rotate_the_order_and_each_ratio_is_against_its_own_rounds_sync()
 
 
 def test_cpu_verdicts_name_a_slow_mode_and_a_reward_below_the_sync_seeds():
-    bench = _load()
+    bench = load_benchmark("async_throughput")
     rows = [_row(bench, "sync", 0, 10.0, "cpu", reward=0.20), _row(bench, "sync", 0, 10.0, "cpu", 1235, 0.25),
             _row(bench, "sync", 0, 10.0, "cpu", 1236, 0.30), _row(bench, "async", 0, 8.5, "cpu", reward=0.10, idle=0.3),
             _row(bench, "one_step_off", 0, 9.5, "cpu", reward=0.22)]
@@ -62,7 +53,7 @@ def test_cpu_verdicts_name_a_slow_mode_and_a_reward_below_the_sync_seeds():
 def test_a_stale_modes_reward_is_the_mean_of_its_seeds():
     """One unlucky seed does not decide: async's seeds 0.10 / 0.26 / 0.34 average 0.233, inside
     sync's 0.20-0.30; one_step_off's 0.15 / 0.19 / 0.20 average 0.180, below it."""
-    bench = _load()
+    bench = load_benchmark("async_throughput")
     rows = [_row(bench, "sync", 0, 10.0, "cpu", 1234 + k, reward) for k, reward in enumerate((0.20, 0.25, 0.30))]
     rows += [_row(bench, "async", 0, 12.0, "cpu", 1234 + k, reward) for k, reward in enumerate((0.10, 0.26, 0.34))]
     rows += [_row(bench, "one_step_off", 0, 12.0, "cpu", 1234 + k, reward)
@@ -101,7 +92,7 @@ def test_the_long_tail_costs_length_not_reward():
 
 
 def test_staleness_shares_count_each_steps_samples_at_their_staleness():
-    bench = _load()
+    bench = load_benchmark("async_throughput")
     rows = [{"rollout/staleness_p50": 0, "rollout/staleness_max": 0}, {"rollout/staleness_p50": 1},
             {"rollout/staleness_p50": 2}, {"rollout/staleness_p50": 2, "rollout/staleness_max": 2}]
     assert bench.staleness_shares(rows) == {0: 0.25, 1: 0.25, 2: 0.5}

@@ -2,29 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
+from megatron_rl.testing.benchmarks import load_benchmark
 from megatron_rl.testing.harness import run_distributed
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 TINY = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
             vocab_size=64, make_vocab_size_divisible_by=32, params_dtype="float32")
 
 
-def _load():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)  # the workers unpickle measure_pair as rollout_refit.measure_pair
-    spec = importlib.util.spec_from_file_location("rollout_refit", os.path.join(BENCH, "rollout_refit.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rollout_refit"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tp2_into_tp1_receives_the_whole_model_half_of_it_from_the_other_rank():
-    bench = _load()
+    bench = load_benchmark("rollout_refit")
     ranks = run_distributed(4, bench.measure_pair, TINY, dict(tp=2), dict(tp=1), 1)
     # The vocabulary pads to 64 rows at TP1 and TP2, so a TP1 shard is exactly the canonical model.
     full = ranks[0]["gather_bytes"]
@@ -37,7 +23,7 @@ def test_tp2_into_tp1_receives_the_whole_model_half_of_it_from_the_other_rank():
 
 
 def test_table_and_verdict():
-    bench = _load()
+    bench = load_benchmark("rollout_refit")
     rank = dict(refit_s=[3.0, 1.0, 2.0, 1.0], gather_s=[5.0, 4.0, 4.0, 6.0], refit_bytes=[4 * 2**20] * 4,
                 remote_bytes=2**20, shard_bytes=4 * 2**20, gather_bytes=8 * 2**20)
     slow = dict(rank, refit_s=[3.0, 1.5, 2.0, 1.5])

@@ -4,28 +4,12 @@ samples, and every way it times runs."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
+from megatron_rl.testing.benchmarks import load_benchmark
 from megatron_rl.testing.harness import run_distributed
-
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
-
-def _load():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)  # the workers unpickle measure as rollout_static_batch.measure
-    spec = importlib.util.spec_from_file_location("rollout_static_batch",
-                                                  os.path.join(BENCH, "rollout_static_batch.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["rollout_static_batch"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_static_batching_gives_the_dynamic_engines_samples_and_each_way_is_timed():
-    bench = _load()
+    bench = load_benchmark("rollout_static_batch")
     result = run_distributed(1, bench.measure, 1)[0]
     checks = result["checks"]
     for way in ("static", "padded"):

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
-import sys
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from megatron_rl.testing.benchmarks import load_benchmark
+
 pytest.importorskip("transformers")
-
-
-def _load(name: str):
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_workload_builder_writes_model_tokenizer_and_prompts(tmp_path):
     import transformers
 
-    workload = _load("trl_workload")
+    workload = load_benchmark("trl_workload")
     info = workload.build_workload(str(tmp_path), num_prompts=32)
     with open(info["prompts"]) as fh:
         rows = [json.loads(line) for line in fh]
@@ -44,7 +33,7 @@ def test_workload_builder_writes_model_tokenizer_and_prompts(tmp_path):
 
 
 def test_table_ratio_against_trl():
-    bench = _load("vs_trl")
+    bench = load_benchmark("vs_trl")
     base = {"step_s": [9.0, 2.0, 2.0], "gen_tok_s": [1.0, 200.0, 200.0], "reward": [0.1, 0.2, 0.3],
             "peak_rss_bytes": 2**30, "peak_pss_bytes": 2**29, "wall_s": 10.0, "load_after": 1.0}
     mega = bench.summarise([dict(base, row="default", label="megatron_rl defaults, nproc 1",
@@ -68,7 +57,7 @@ def test_table_ratio_against_trl():
 @pytest.mark.slow
 def test_two_megatron_steps_fill_the_table(tmp_path, capsys, monkeypatch):
     """The whole path of one megatron_rl row: build, launch, read metrics.jsonl, peak RSS, table."""
-    bench = _load("vs_trl")
+    bench = load_benchmark("vs_trl")
     monkeypatch.setattr(bench, "have_trl", lambda: False)
     rc = bench.main(["--rows", "tuned,trl", "--steps", "2", "--warmup", "1", "--rounds", "1", "--timeout", "120",
                      "--workdir", str(tmp_path), "--json", str(tmp_path / "out.json")])
