@@ -35,9 +35,9 @@ def attention_forward(q, k, v, causal: bool, scale: float):
         out, lse = _CPU_FORWARD(q, k, v, 0.0, causal, scale=scale)
         return out, lse
     if q.device.type == "cuda" and q.dtype in _HALF:
-        return _cuda_flash_forward(q, _repeat_kv(k, q), _repeat_kv(v, q), causal, scale)
+        return _cuda_flash_forward(q, repeat_kv(k, q), repeat_kv(v, q), causal, scale)
     if q.device.type == "cuda":
-        return _cuda_efficient_forward(q, _repeat_kv(k, q), _repeat_kv(v, q), causal, scale)
+        return _cuda_efficient_forward(q, repeat_kv(k, q), repeat_kv(v, q), causal, scale)
     raise NotImplementedError(f"no fused attention kernel for {q.device.type} tensors")
 
 
@@ -45,7 +45,7 @@ def attention_backward(do, q, k, v, out, lse, causal: bool, scale: float):
     """``(dq, dk, dv)`` of the block, given the *merged* ``out`` and ``lse`` of its rows."""
     if q.device.type == "cpu":
         return _CPU_BACKWARD(do, q, k, v, out.to(q.dtype), lse, 0.0, causal, scale=scale)
-    kr, vr = _repeat_kv(k, q), _repeat_kv(v, q)
+    kr, vr = repeat_kv(k, q), repeat_kv(v, q)
     if q.dtype in _HALF:
         dq, dk, dv = _cuda_flash_backward(do, q, kr, vr, out.to(q.dtype), lse, causal, scale)
     else:
@@ -53,8 +53,9 @@ def attention_backward(do, q, k, v, out, lse, causal: bool, scale: float):
     return dq, _sum_kv_groups(dk, k), _sum_kv_groups(dv, v)
 
 
-def _repeat_kv(x, q):
-    """K/V heads repeated to the query heads (the CUDA kernels called here take equal heads)."""
+def repeat_kv(x, q):
+    """K/V heads repeated to the query heads, dimension 1 of both (``[b, heads, s, d]`` or packed
+    ``[t, heads, d]``): the CUDA kernels called here take equal heads."""
     groups = q.size(1) // x.size(1)
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
@@ -131,7 +132,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, sc
     kv_heads, d]``, block ``i`` = rows ``cu_q[i]:cu_q[i+1]`` over ``cu_k[i]:cu_k[i+1]`` (int32 on
     the device); ``lse`` ``[heads, total_q]`` float32 (flash-attention's varlen layout)."""
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, _repeat_kv_packed(k, q), _repeat_kv_packed(v, q), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        q, repeat_kv(k, q), repeat_kv(v, q), cu_q, cu_k, max_q, max_k, 0.0, causal, False,
         scale=scale,
     )
     return out, lse
@@ -142,7 +143,7 @@ def varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, c
     no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty(0, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        do.contiguous(), q, _repeat_kv_packed(k, q), _repeat_kv_packed(v, q), out.to(q.dtype), lse.contiguous(),
+        do.contiguous(), q, repeat_kv(k, q), repeat_kv(v, q), out.to(q.dtype), lse.contiguous(),
         cu_q, cu_k, max_q, max_k, 0.0, causal, no_rng, unused, scale=scale,
     )
     groups = q.size(1) // k.size(1)
@@ -150,11 +151,6 @@ def varlen_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, c
         dk = dk.view(dk.size(0), k.size(1), groups, dk.size(-1)).sum(2)
         dv = dv.view(dv.size(0), k.size(1), groups, dv.size(-1)).sum(2)
     return dq, dk, dv
-
-
-def _repeat_kv_packed(x, q):
-    groups = q.size(1) // x.size(1)
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def merge_into(acc_out, acc_lse, out, lse) -> None:

@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from megatron_rl.ops.attention_kernels import repeat_kv
+
 
 @functools.lru_cache(maxsize=None)
 def _parameters(fn) -> frozenset:
@@ -56,8 +58,7 @@ def causal_varlen_attention(q, k, v, offsets, longest: int, scale: float) -> tor
 
     kwargs, repeat, q_factor = varlen_call(_parameters(varlen_attn), scale, q.size(-1), q.size(1) != k.size(1))
     if repeat:
-        groups = q.size(1) // k.size(1)
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        k, v = repeat_kv(k, q), repeat_kv(v, q)
     if q_factor != 1.0:
         q = q * q_factor
     return varlen_attn(q, k, v, offsets, offsets, longest, longest, **kwargs)
