@@ -143,9 +143,11 @@ FEATURES = [
         "Packed attention without a per-sequence loop (CP=1)", "long context", TESTED_CPU,
         "Sequences of similar length share one fused causal SDPA call on a padded batch (padding at each sequence's "
         "end, hidden by the causal mask); short sequences always share one call; on CUDA in half precision one "
-        "variable-length flash call (torch.nn.attention.varlen). The ring at CP>1 still calls the kernels per sequence "
-        "of a packed row.",
-        ("tests/test_packed_attention.py::test_packed_attention_matches_attention_per_sequence",),
+        "variable-length flash call (torch.nn.attention.varlen, called with the keywords the installed torch takes: "
+        "2.11 has no enable_gqa; ran on an H200). The ring at CP>1 still calls the kernels per sequence of a packed "
+        "row.",
+        ("tests/test_packed_attention.py::test_packed_attention_matches_attention_per_sequence",
+         "tests/test_torch_varlen.py::test_the_packed_flash_call_fits_each_signature_and_equals_the_cpu_path"),
         config="batch.packing=true (default)",
         measured=(Measured("attention fwd+bwd of 128 sequences of 12-19 tokens: 35 ms bucketed vs 34 ms padded rows vs "
                            "400 ms one call per sequence (2 CPU cores)",

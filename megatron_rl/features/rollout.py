@@ -163,6 +163,8 @@ FEATURES = [
         "attention mask, gives the dynamic engine's samples token for token at 1.5-1.6x the decoder's time; as the "
         "engine's CPU path it would let the hand-written decoder leave the package. The local spec's core attention "
         "already takes what that API hands it (cached keys, megatron's boolean mask).",
+        ("tests/test_rollout_megatron_engine.py::test_static_batching_inference_on_the_local_spec_equals_the_full_forward",
+         "tests/test_benchmarks_static_batch.py::test_static_batching_gives_the_dynamic_engines_samples_and_each_way_is_timed"),
         measured=(Measured("CPU ms per rollout on vs_trl's shape, median / fastest: decoder 17.5 / 13.0, dynamic "
                            "engine 68.7 / 51.4, static left-padded 27.6 / 19.6, static from the shortest prompt "
                            "30.6 / 23.6", "python benchmarks/rollout_static_batch.py --rounds 20"),),
