@@ -429,7 +429,7 @@ def section_sdpa(check: Check):
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.ops import cp_attention
-    from megatron_rl.rollout.engine import TorchRolloutEngine
+    from megatron_rl.rollout.engine import make_engine
     from megatron_rl.rollout.sampling import SamplingParams
 
     init_model_parallel(ParallelLayout())
@@ -466,15 +466,16 @@ def section_sdpa(check: Check):
     for comm in ("p2p", "all_gather", "a2a"):
         yield (f"(c) {comm} CP path (fused kernels; CP=1 here)", _probe(lambda: cp_path(comm)))
 
-    engine = TorchRolloutEngine(model_cfg, device=dev, max_batch_size=8)
+    engine = make_engine("megatron", model_cfg, dev, max_batch_size=8)  # rollout.batching=auto
     engine.load_from_chunks([chunk])
     recorder = sdpa_recorder()
     with _SdpaCounter() as counter, recorder:
         engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]] * 4, SamplingParams(max_new_tokens=4), seed=0)
     prefill = [c for c in recorder.calls if c[1] > 1]
     decode = [c for c in recorder.calls if c[1] == 1]
-    yield ("(c) SDPA: rollout prefill (mask + GQA)", backends_seen(prefill, counter.count(decode=False)))
-    yield ("(c) SDPA: rollout decode (KV cache, mask + GQA)", backends_seen(decode, counter.count(decode=True)))
+    how = f"megatron engine, {engine.last_batching} batching"
+    yield (f"(c) SDPA: rollout prefill ({how})", backends_seen(prefill, counter.count(decode=False)))
+    yield (f"(c) SDPA: rollout decode (KV cache, {how})", backends_seen(decode, counter.count(decode=True)))
 
 
 # ----------------------------------------------------------------------------- (d) MFU
@@ -590,11 +591,14 @@ def section_generation(check: Check):
     samples = check.run["prompts"] * check.run["n"]
     generated = float(row["response_length/mean"]) * samples
     seconds = float(row["timing/rollout_s"])
-    from megatron_rl.rollout.choice import AUTO, engine_facts, pick_engine
+    from megatron_rl.rollout.choice import AUTO, pick_batching
+    from megatron_rl.rollout.megatron_engine import flash_attention_ready
 
-    # The PPO runs leave rollout.engine at its default, auto.
-    engine = pick_engine(AUTO, **engine_facts(_model_config(check), check.device.type == "cuda"))
-    yield (f"(f) generation, {engine} engine (auto), {samples} samples x <= {check.run['new_tokens']} tokens",
+    # The PPO runs leave rollout.batching at its default, auto (a dense model, no partial rollouts or SP).
+    batching = pick_batching(AUTO, moe=False, partial=False, sequence_parallel=False,
+                             paged_kernels=check.device.type == "cuda" and flash_attention_ready())
+    yield (f"(f) generation, megatron engine, {batching} batching (auto), {samples} samples x <= "
+           f"{check.run['new_tokens']} tokens",
            f"{generated / seconds:.0f} tokens/s ({generated:.0f} tokens in {seconds:.2f} s, prefill included)")
 
 

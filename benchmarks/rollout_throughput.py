@@ -1,11 +1,12 @@
-"""Rollout throughput and KV-cache sizing: megatron's dynamic engine, the torch decoder, HF ``generate``.
+"""Rollout throughput and KV-cache sizing: megatron's engine batching statically and dynamically, HF ``generate``.
 
 The same random model and prompts, on the CPU, one fresh process per engine and workload:
 
-* ``torch``    -- the project's KV-cache decoder: static batches of ``--batch`` rows, each batch's
-                  cache preallocated for its longest prompt + ``max_new_tokens``; once half of a
-                  batch has stopped, the finished rows are dropped;
-* ``megatron`` -- megatron-core's dynamic inference engine on the actor's megatron model (paged KV
+* ``static``   -- megatron-core's static-batching inference (``rollout.batching=static``, the CPU
+                  default): chunks of ``--batch`` rows, each chunk's KV cache preallocated for its
+                  longest prompt + ``max_new_tokens``, a group's prompt prefilled once; once half
+                  of a chunk has stopped, the finished rows are dropped;
+* ``dynamic``  -- megatron-core's dynamic inference engine (``rollout.batching=dynamic``: paged KV
                   cache, continuous batching of ``--batch`` requests, chunked prefill), through
                   the CPU shims of ``megatron_rl/compat/inference_cpu.py``;
 * ``hf``       -- Hugging Face ``generate`` on the same weights (a ``LlamaForCausalLM``): batches of
@@ -26,7 +27,7 @@ Three workloads:
                   and each other sample computes the tokens after its last whole page (>= 2:
                   a prompt ending on a page boundary recomputes its last page).
 
-megatron's cache is ``--uniform-kv-fraction`` / ``--kv-fraction`` of the planner's budget for
+The dynamic engine's cache is ``--uniform-kv-fraction`` / ``--kv-fraction`` of the planner's budget for
 ``--batch`` whole sequences of the longest prompt + ``max_new_tokens`` in pages of
 ``--kv-block-tokens`` (:func:`megatron_rl.planner.memory.engine_kv_cache_bytes`): all of it for
 the uniform workload, 0.3 of it for the long tail, whose requests mostly end early.
@@ -34,8 +35,8 @@ the uniform workload, 0.3 of it for the long tail, whose requests mostly end ear
 Prompts are 16..96 tokens.  Throughput is tokens per CPU-second of the generating process (one
 thread; the figure to compare on a shared machine), the wall-clock rate beside it.
 
-KV cache, per engine: *allocated* is the most cache memory it holds at once (megatron: its whole
-paged buffer, ``rollout.kv_cache_memory``; torch: the largest static batch's preallocation; HF:
+KV cache, per engine: *allocated* is the most cache memory it holds at once (dynamic: its whole
+paged buffer, ``rollout.kv_cache_memory``; static: the largest chunk's preallocation; HF:
 the largest batch's grown cache, batch x (longest prompt + longest response)).  *Needed* is the
 KV of the tokens actually live at the busiest step of that engine's own run: the sum, over the
 sequences in flight that have not finished, of (prompt + tokens so far), times the per-token KV
@@ -43,17 +44,17 @@ bytes (2 x layers x KV heads x head dim x dtype bytes).  ``allocated / needed`` 
 overhead of the engine's allocation policy (1.0: nothing held for finished or not-yet-written
 tokens).
 
-Targets (PASS/FAIL printed for each): long tail, megatron >= 2x the torch decoder's tokens per
-CPU-second and >= 1.5x HF ``generate``'s; uniform, megatron >= 1x HF ``generate``'s; every engine's
-KV allocated <= 1.25x needed; prefix, caching on computes <= 1/n of the group's prompt tokens
-(also judged with one page per extra sample allowed, the least megatron computes) and >= 1.5x the
-tokens per second of caching off.
+Targets (PASS/FAIL printed for each, per batching): long tail >= 1.5x HF ``generate``'s tokens per
+CPU-second; uniform >= 1x HF ``generate``'s; every engine's KV allocated <= 1.25x needed; prefix,
+caching on computes <= 1/n of the group's prompt tokens (the dynamic engine also judged with one
+page per extra sample allowed, the least it computes) and >= 1.5x the tokens per second of caching
+off.
 
     python benchmarks/rollout_throughput.py        # 32 prompts x 2, about 2 minutes on 2 idle cores
-    python benchmarks/rollout_throughput.py --samples 32 --max-new 256 --engines torch megatron
+    python benchmarks/rollout_throughput.py --samples 32 --max-new 256 --engines static dynamic
     python benchmarks/rollout_throughput.py --workloads prefix    # 4 prompts of 512 tokens x 8
 
-On a 2-core CPU the megatron engine's per-step host work (scheduling, bookkeeping, the SDPA
+On a 2-core CPU the dynamic engine's per-step host work (scheduling, bookkeeping, the SDPA
 stand-in for flash-attn's paged kernels) dominates; the figures say nothing about a GPU.
 """
 
@@ -69,10 +70,10 @@ import torch
 from megatron_rl.config.schema import ModelConfig
 
 MiB = 2**20
-TARGETS = {"longtail_vs_torch": 2.0, "longtail_vs_hf": 1.5, "uniform_vs_hf": 1.0,
-           "kv_allocated_over_needed": 1.25, "prefix_speedup": 1.5}
-# The prefix workload's two runs of the megatron engine: (label, rollout.prefix_caching).
-PREFIX_ENGINES = (("megatron-cache-off", False), ("megatron-cache-on", True))
+TARGETS = {"longtail_vs_hf": 1.5, "uniform_vs_hf": 1.0, "kv_allocated_over_needed": 1.25, "prefix_speedup": 1.5}
+BATCHINGS = ("static", "dynamic")  # megatron's engine, rollout.batching
+# The prefix workload's runs of megatron's engine: (label, rollout.batching, rollout.prefix_caching).
+PREFIX_ENGINES = tuple((f"{b}-cache-{'on' if on else 'off'}", b, on) for b in BATCHINGS for on in (False, True))
 
 
 def workload(vocab: int, samples: int, n: int, seed: int = 0) -> list[list[int]]:
@@ -127,15 +128,17 @@ def _hf_model(cfg: ModelConfig, canonical: dict):
 
 def _hf_generate(model, prompts, params, batch: int, pad_id: int):
     """HF ``generate`` in batches of ``batch`` left-padded rows; responses cut after their stop id."""
-    from megatron_rl.rollout.decoder import left_pad
-
     rows = [p for p in prompts for _ in range(params.n)]
     responses = []
     stop_ids = list(params.stop_token_ids) or None
     for start in range(0, len(rows), batch):
         chunk = rows[start : start + batch]
-        ids, mask, _ = left_pad(chunk)
-        ids = ids.masked_fill(~mask, pad_id)
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), longest, dtype=torch.bool)
+        for r, p in enumerate(chunk):  # left-padded: every row's last token is real
+            ids[r, longest - len(p):] = torch.tensor(p)
+            mask[r, longest - len(p):] = True
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask.long(), do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, max_new_tokens=params.max_new_tokens,
@@ -167,9 +170,9 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
     from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
-    from megatron_rl.rollout.decoder import random_canonical
     from megatron_rl.rollout.engine import make_engine
     from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.testing.weights import random_canonical
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -183,13 +186,12 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
     else:
         chunks = build_gpt_chunks(cfg, use_layout(), torch.device("cpu"))
         load_canonical(chunks, canonical)
-        options = {}
-        if name == "megatron":
-            options = dict(kv_cache_memory=float(max(int(kv_fraction * full_kv), 2)), prefill_chunk_tokens=512,
-                           kv_block_tokens=block_tokens, prefix_caching=prefix_caching)
-        engine = make_engine(name, cfg, "cpu", max_batch_size=batch, **options)
+        kv = float(max(int(kv_fraction * full_kv), 2)) if name == "dynamic" else float(2**40)
+        engine = make_engine("megatron", cfg, "cpu", max_batch_size=batch, kv_cache_memory=kv,
+                             prefill_chunk_tokens=512, kv_block_tokens=block_tokens, prefix_caching=prefix_caching,
+                             batching=name)
         engine.load_from_chunks(chunks)
-        if name == "megatron":
+        if name == "dynamic":
             engine._build()  # now, so the step hook is in place before the first step
             live_peak = _watch_live_tokens(engine)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -208,7 +210,8 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
                evictions=0, prompt_tokens=sum(prompt_lens), prefill_tokens=None)
     # A static batch decodes until its longest sample ends.
     out["steps"] = sum(max(r for _, r in rows) for rows in batches)
-    if name == "torch":
+    if name == "static":
+        out["prefill_tokens"] = engine.prefill_tokens
         out["kv_allocated"] = max(len(rows) * (max(p for p, _ in rows) + params.max_new_tokens)
                                   for rows in batches) * per_token
         out["kv_needed"] = live_tokens_peak(batches) * per_token
@@ -244,27 +247,30 @@ def verdicts(results: dict) -> list[str]:
     def rate(workload, engine):
         return results.get(workload, {}).get(engine, {}).get("tokens_per_cpu_s")
 
-    for workload, other, key in (("longtail", "torch", "longtail_vs_torch"), ("longtail", "hf", "longtail_vs_hf"),
-                                 ("uniform", "hf", "uniform_vs_hf")):
-        mine, theirs = rate(workload, "megatron"), rate(workload, other)
-        if mine and theirs:
-            ratio, target = mine / theirs, TARGETS[key]
-            lines.append(f"{workload}: megatron / {other} tokens per CPU-s = {ratio:.2f}x (target >= {target:g}x) "
-                         f"{_verdict(ratio >= target)}")
+    for batching in BATCHINGS:
+        for workload, other, key in (("longtail", "hf", "longtail_vs_hf"), ("uniform", "hf", "uniform_vs_hf")):
+            mine, theirs = rate(workload, batching), rate(workload, other)
+            if mine and theirs:
+                ratio, target = mine / theirs, TARGETS[key]
+                lines.append(f"{workload}: {batching} / {other} tokens per CPU-s = {ratio:.2f}x (target >= "
+                             f"{target:g}x) {_verdict(ratio >= target)}")
     prefix = results.get("prefix", {})
-    off, on = (prefix.get(label) for label, _ in PREFIX_ENGINES)
-    if off and on:
+    for batching in BATCHINGS:
+        off, on = (prefix.get(f"{batching}-cache-{state}") for state in ("off", "on"))
+        if not (off and on):
+            continue
         n, prompts = on["n"], on["prompt_tokens"]
         share = on["prefill_tokens"] / prompts
-        lines.append(f"prefix: cache on computes {on['prefill_tokens']} of {prompts} prompt tokens = {share:.3f} "
-                     f"(target <= 1/n = {1 / n:.3f}) {_verdict(share <= 1 / n)}")
-        allowed = prompts / n + (n - 1) * on["block_tokens"] * on["prompts"]
-        lines.append(f"prefix: ... with one page per extra sample allowed (<= {allowed:.0f} tokens, the least megatron "
-                     f"computes) {_verdict(on['prefill_tokens'] <= allowed)}")
+        lines.append(f"prefix: {batching} cache on computes {on['prefill_tokens']} of {prompts} prompt tokens = "
+                     f"{share:.3f} (target <= 1/n = {1 / n:.3f}) {_verdict(share <= 1 / n)}")
+        if batching == "dynamic":
+            allowed = prompts / n + (n - 1) * on["block_tokens"] * on["prompts"]
+            lines.append(f"prefix: ... with one page per extra sample allowed (<= {allowed:.0f} tokens, the least "
+                         f"the dynamic engine computes) {_verdict(on['prefill_tokens'] <= allowed)}")
         target = TARGETS["prefix_speedup"]
         for key, what in (("tokens_per_s", "tokens / s (wall)"), ("tokens_per_cpu_s", "tokens / CPU-s")):
             ratio = on[key] / off[key]
-            lines.append(f"prefix: cache on / off {what} = {ratio:.2f}x (target >= {target:g}x) "
+            lines.append(f"prefix: {batching} cache on / off {what} = {ratio:.2f}x (target >= {target:g}x) "
                          f"{_verdict(ratio >= target)}")
     target = TARGETS["kv_allocated_over_needed"]
     for workload, rows in results.items():
@@ -277,21 +283,25 @@ def verdicts(results: dict) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", nargs="+", default=["torch", "megatron", "hf"])
+    parser.add_argument("--engines", nargs="+", default=["static", "dynamic", "hf"],
+                        choices=["static", "dynamic", "hf"])
     parser.add_argument("--workloads", nargs="+", default=["uniform", "longtail"],
                         choices=["uniform", "longtail", "prefix"])
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--n", type=int, default=2, help="samples per prompt")
-    parser.add_argument("--batch", type=int, default=16, help="rows (torch, hf) or requests in flight (megatron)")
+    parser.add_argument("--batch", type=int, default=16, help="rows (static, hf) or requests in flight (dynamic)")
     parser.add_argument("--max-new", type=int, default=512, help="long tail: the length cap")
     parser.add_argument("--uniform-max-new", type=int, default=128, help="uniform: every response's length")
     parser.add_argument("--stop-ids", type=int, default=12, help="long tail: how many token ids stop a response")
     parser.add_argument("--kv-fraction", type=float, default=0.3,
-                        help="long tail: megatron's KV cache as a fraction of what --batch whole sequences need")
+                        help="long tail: the dynamic engine's KV cache as a fraction of what --batch whole "
+                             "sequences need")
     parser.add_argument("--uniform-kv-fraction", type=float, default=1.0,
-                        help="uniform: megatron's KV cache as a fraction of what --batch whole sequences need")
+                        help="uniform: the dynamic engine's KV cache as a fraction of what --batch whole "
+                             "sequences need")
     parser.add_argument("--kv-block-tokens", type=int, default=16,
-                        help="megatron's page size (tokens): small pages waste less of each sequence's last page")
+                        help="the dynamic engine's page size (tokens): small pages waste less of each "
+                             "sequence's last page")
     parser.add_argument("--prefix-prompts", type=int, default=4, help="prefix: prompts (GRPO groups)")
     parser.add_argument("--prefix-len", type=int, default=512, help="prefix: tokens per prompt")
     parser.add_argument("--prefix-n", type=int, default=8, help="prefix: samples per prompt")
@@ -321,17 +331,17 @@ def main() -> None:
     print(f"model: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_query_groups} KV heads, vocab "
           f"{cfg.vocab_size}, fp32 ({kv_bytes_per_token(cfg)} KV bytes per token); {len(prompts)} prompts x "
           f"n={args.n}, prompts 16-96 tokens; batch {args.batch}; {args.threads} thread(s)")
-    print(f"uniform: {args.uniform_max_new} new tokens each, megatron KV = {args.uniform_kv_fraction:g} x what "
+    print(f"uniform: {args.uniform_max_new} new tokens each, dynamic KV = {args.uniform_kv_fraction:g} x what "
           f"{args.batch} whole sequences need; longtail: up to {args.max_new} new tokens, {args.stop_ids} stop ids, "
-          f"megatron KV = {args.kv_fraction:g} x that")
+          f"dynamic KV = {args.kv_fraction:g} x that")
     if "prefix" in args.workloads:
         print(f"prefix: {args.prefix_prompts} prompts of {args.prefix_len} tokens x n={args.prefix_n}, "
-              f"{args.prefix_max_new} new tokens each, megatron with prefix caching off / on, pages of "
+              f"{args.prefix_max_new} new tokens each, static and dynamic with prefix caching off / on, pages of "
               f"{args.kv_block_tokens} tokens")
 
     def runs(workload_name):
         if workload_name == "prefix":
-            return [(label, "megatron", on) for label, on in PREFIX_ENGINES]
+            return list(PREFIX_ENGINES)
         return [(name, name, False) for name in args.engines]
 
     results: dict = {}
@@ -346,7 +356,7 @@ def main() -> None:
         best = results.setdefault(workload_name, {}).get(name)
         if best is None or r["tokens_per_cpu_s"] > best["tokens_per_cpu_s"]:
             results[workload_name][name] = r
-        extra = f", {r['evictions']} evictions" if engine == "megatron" else ""
+        extra = f", {r['evictions']} evictions" if engine == "dynamic" else ""
         if r["prefill_tokens"] is not None:
             extra += f", {r['prefill_tokens']} of {r['prompt_tokens']} prompt tokens computed"
         print(f"run {repeat + 1}/{args.repeats} {workload_name:8s} {name:9s} {r['tokens_per_cpu_s']:7.1f} tokens/CPU-s "

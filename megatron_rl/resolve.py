@@ -114,13 +114,21 @@ def _transformer_impl(cfg: Config, world: Optional[int], job: Job):
 
 
 def _rollout_engine(cfg: Config, world: Optional[int], job: Job):
-    from megatron_rl.rollout.choice import auto_reason, engine_facts, pick_engine
+    from megatron_rl.rollout.choice import pick_engine
 
     if cfg.rollout.engine != AUTO:
         return cfg.rollout.engine, SET, ""
-    facts = engine_facts(cfg.model, cfg.distributed.device == "cuda")
-    engine = pick_engine(AUTO, **facts)
-    return engine, AUTO_ORIGIN, auto_reason(engine, **facts)
+    return pick_engine(AUTO), AUTO_ORIGIN, "megatron-core's inference generates on every layout"
+
+
+def _rollout_batching(cfg: Config, world: Optional[int], job: Job):
+    from megatron_rl.rollout.choice import batching_facts, batching_reason, pick_batching
+
+    if cfg.rollout.batching != AUTO:
+        return cfg.rollout.batching, SET, ""
+    facts = batching_facts(cfg, cfg.distributed.device == "cuda")
+    batching = pick_batching(AUTO, **facts)
+    return batching, AUTO_ORIGIN, batching_reason(batching, **facts)
 
 
 def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
@@ -281,6 +289,7 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("model.params_dtype", _params_dtype),
     ("model.transformer_impl", _transformer_impl),
     ("rollout.engine", _rollout_engine),
+    ("rollout.batching", _rollout_batching),
     ("rollout.layout", _rollout_layout),
     ("algorithm.rollout_correction.mode", _rollout_correction),
     ("algorithm.old_logprobs", _old_logprobs),

@@ -18,10 +18,10 @@ from megatron_rl.envs.tool_env import ToolCallingEnv
 from megatron_rl.envs.tools import ToolTimeout, calculator, call_tool
 from megatron_rl.envs.trajectories import MAX_TOKENS, MAX_TURNS, EnvironmentRollout, TrajectoryLimits, env_metrics
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.decoder import random_canonical
-from megatron_rl.rollout.engine import make_engine
 from megatron_rl.rollout.sampling import SamplingParams
+from megatron_rl.testing.weights import random_canonical
 from megatron_rl.trainer.experience import Samples, token_rewards_from_scores
+from tests.support.decoder import TorchRolloutEngine
 from tests.support.envs import OBSERVATION, ScriptedEnv
 
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -32,7 +32,7 @@ EOS = 1
 
 def _engine():
     cfg = ModelConfig(**MODEL)
-    engine = make_engine("torch", cfg, "cpu")
+    engine = TorchRolloutEngine(cfg, "cpu")  # the test oracle: multi-turn logic without process groups
     engine.load_weights(random_canonical(cfg, 0, std=0.2))
     return engine
 

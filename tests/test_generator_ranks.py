@@ -106,9 +106,9 @@ def push_during_rollout_body(engine_name: str, at: int) -> tuple:
     """``(straight, pushed, swaps)``: the same seed's rollout without and with version 1's weights
     arriving before token ``at`` (``swaps``: pushes the engine took mid-rollout)."""
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.rollout.decoder import random_canonical
     from megatron_rl.rollout.engine import make_engine
     from megatron_rl.rollout.sampling import SamplingParams
+    from megatron_rl.testing.weights import random_canonical
 
     cfg = ModelConfig(**PUSH_CFG)
     weights = {v: random_canonical(cfg, v, std=0.2) for v in (0, 1)}
@@ -128,14 +128,12 @@ def push_during_rollout_body(engine_name: str, at: int) -> tuple:
             self.version = 1
             return True
 
-    if engine_name == "megatron":
-        from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.testing.layouts import use_layout
 
-        use_layout()
-        engine = make_engine("megatron", cfg, "cpu", max_batch_size=8, kv_cache_memory=2**22,
-                             prefill_chunk_tokens=64, kv_block_tokens=16)
-    else:
-        engine = make_engine("torch", cfg, "cpu", max_batch_size=8)
+    use_layout()
+    # dynamic: what rollout.batching=auto runs for partial rollouts, here for the straight rollout too
+    engine = make_engine(engine_name, cfg, "cpu", max_batch_size=8, kv_cache_memory=2**22,
+                         prefill_chunk_tokens=64, kv_block_tokens=16, batching="dynamic")
     engine.load_weights(weights[0])
     straight = engine.generate(PUSH_PROMPTS, params, seed=3)
     engine.live_weights = PushBefore(engine)
@@ -143,7 +141,7 @@ def push_during_rollout_body(engine_name: str, at: int) -> tuple:
     return straight, pushed, getattr(engine, "weight_swaps", None)
 
 
-@pytest.mark.parametrize("engine_name", ["torch", "megatron"])
+@pytest.mark.parametrize("engine_name", ["megatron"])
 def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
     """A push before token 3 (partial rollouts): tokens 0-2 are the old policy's (the same tokens
     and log-probs as a rollout without the push), tokens 3-7 the new one's, and every token's
@@ -153,15 +151,12 @@ def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
     import torch
 
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.rollout.decoder import random_canonical
-    from megatron_rl.rollout.engine import TorchRolloutEngine
     from megatron_rl.testing.harness import run_distributed
+    from megatron_rl.testing.weights import random_canonical
+    from tests.support.decoder import TorchRolloutEngine
 
-    if engine_name == "megatron":
-        straight, pushed, swaps = run_distributed(1, push_during_rollout_body, engine_name, 3)[0]
-        assert swaps == 1
-    else:
-        straight, pushed, _ = push_during_rollout_body(engine_name, 3)
+    straight, pushed, swaps = run_distributed(1, push_during_rollout_body, engine_name, 3)[0]
+    assert swaps == 1
     assert straight.token_versions is None
     assert pushed.token_versions == [[0, 0, 0, 1, 1, 1, 1, 1]] * 4
     for k in range(4):
@@ -192,7 +187,7 @@ def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_name", ["torch", "megatron"])
+@pytest.mark.parametrize("engine_name", ["megatron"])
 def test_partial_rollouts_mix_versions_within_the_bound_in_an_async_job(tmp_path, engine_name):
     """Decode slowed to 50 ms a token (the test's own workload shaping) so every push lands while
     the generator is mid-batch: samples then hold tokens of two versions, each sample's staleness

@@ -820,8 +820,6 @@ def test_moe_config_maps_to_megatron_fields():
     (["model.moe.num_experts=4", "model.moe.router_topk=5"], "model.moe.router_topk"),
     (["model.moe.num_experts=4", "model.moe.score_function=sigmoid", "model.moe.topk_norm=false"],
      "model.moe.topk_norm"),
-    (["model.moe.num_experts=4", "algorithm.routing_replay=true", "rollout.engine=tp_sharded"],
-     "algorithm.routing_replay"),  # an engine that does not record routing, and no old-log-prob pass
     (["algorithm.routing_replay=true", "algorithm.old_logprobs=recompute"], "algorithm.routing_replay"),  # dense
 ])
 def test_moe_layouts_are_refused_before_launch(overrides, key):
@@ -835,25 +833,6 @@ def test_moe_layouts_are_refused_before_launch(overrides, key):
     assert err.value.key == key, str(err.value)
     assert "fix:" in str(err.value) and "\n" not in str(err.value)
 
-
-def test_train_refuses_an_moe_model_with_a_decoder_without_experts():
-    """`megatron-rl train` / `validate` check what a training config needs: the torch decoders
-    have no MoE layers (scoring an MoE model needs no rollout engine and stays allowed)."""
-    from megatron_rl.config.loader import load_config
-    from megatron_rl.errors import ConfigError
-    from megatron_rl.tools.preflight import check_training_inputs
-    from megatron_rl.validation import validate
-
-    for engine in ("torch", "tp_sharded"):
-        cfg = load_config(os.path.join(ROOT, "configs", "grpo_cpu.yaml"),
-                          ["model.moe.num_experts=4", f"rollout.engine={engine}"])
-        validate(cfg, 1)
-        with pytest.raises(ConfigError) as err:
-            check_training_inputs(cfg)
-        assert err.value.key == "rollout.engine" and "rollout.engine=megatron" in str(err.value)
-    for engine in ("megatron", "auto"):  # auto picks megatron's engine for an MoE model
-        check_training_inputs(load_config(os.path.join(ROOT, "configs", "grpo_cpu.yaml"),
-                                          ["model.moe.num_experts=4", f"rollout.engine={engine}"]))
 
 
 def test_preset_for_qwen3_30b_a3b_at_32k_validates_on_8_gpus():

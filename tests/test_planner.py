@@ -152,22 +152,6 @@ def test_too_big_for_the_cluster_names_the_smallest_node_count():
     assert bigger.recommended is not None
 
 
-def test_sharded_rollout_divides_generation_memory_by_tp():
-    """With a full copy per rank, 14.8B parameters (29.5 GB in bf16) leave no room on 40 GB GPUs;
-    the TP-sharded engine holds 1/TP of the weights and KV cache, and one node suffices."""
-    cfg = preset("qwen2.5-14b")
-    kw = dict(prompt_len=2048, response_len=32768, tokens_per_microbatch=34816, budget_bytes=36 * memory.GiB)
-    lay = dict(tp=8, recompute="full", offload=True)
-    full = memory.estimate(cfg, memory.PlanOption(**lay), **kw)
-    sharded = memory.estimate(cfg, memory.PlanOption(**lay, sharded_rollout=True), **kw)
-    assert full.rollout_batch == 0 and sharded.rollout_batch >= 1
-    per_seq = memory.kv_cache_bytes(cfg, 1, 2048 + 32768, 2)
-    assert sharded.components["rollout (weights + KV cache)"] == pytest.approx(
-        (memory.total_params(cfg) * 2 + sharded.rollout_batch * per_seq) / 8)
-    best = plan(cfg, prompt_len=2048, response_len=32768, nodes=1, gpus_per_node=8, gpu_memory_gib=40).recommended
-    assert best is not None and best.layout.sharded_rollout and "rollout.engine=tp_sharded" in best.layout.overrides()
-
-
 def test_recompute_and_cp_lower_the_activation_estimate():
     cfg = preset("qwen2.5-7b")
     base = memory.activation_bytes(cfg, memory.PlanOption(tp=4), 32768, 2)

@@ -333,26 +333,7 @@ def _assert_close(rows_a: list[dict], rows_b: list[dict], tol: float, skip: str 
                 assert b[key] == pytest.approx(a[key], abs=tol), (a["step"], key, a[key], b[key])
 
 
-@pytest.mark.slow
-def test_ppo_with_tp_sharded_rollout_matches_full_copy(tmp_path):
-    """PPO at TP=2 with the sharded rollout engine: the same run as with a full copy per rank,
-    with half the rollout weights on each rank."""
-    # No vocabulary padding: at vocab 64 megatron's default (a multiple of 128 x TP) would be most
-    # of this tiny model's shard.
-    common = ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.steps=3", f"run.dir={tmp_path}",
-              "model.make_vocab_size_divisible_by=1"]
-    run_distributed(2, ppo_body, common + ["run.name=full"])
-    run_distributed(2, ppo_body, common + ["rollout.engine=tp_sharded", "run.name=sharded"])
-    full, sharded = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "sharded")
-    ratio = sharded[0]["rollout/weights_gb"] / full[0]["rollout/weights_gb"]
-    print(f"rollout weights per rank: sharded / full copy = {ratio:.3f}")
-    assert ratio < 0.6
 
-    def drop(rows):
-        return [{k: v for k, v in r.items() if k != "rollout/weights_gb"} for r in _stable(rows)]
-
-    _assert_close(drop(full), drop(sharded), 1e-5)
-    assert len({r["reward/mean"] for r in full}) > 1
 
 
 # ----------------------------------------------------------------------------- safe saves

@@ -157,7 +157,7 @@ def test_a_recipe_off_the_plan_is_caught():
     assert differences(cfg, best.settings(False)) == [
         ("parallel.cp", 2, 1), ("model.recompute.granularity", "full", None),
         ("actor.optim.use_distributed_optimizer", False, True), ("trainer.offload", True, False),
-        ("batch.max_tokens_per_rank", 16896, 33792), ("rollout.max_batch_size", 8, 104)]
+        ("batch.max_tokens_per_rank", 16896, 33792), ("rollout.max_batch_size", 8, 20)]
 
 
 def _finite(row: dict) -> bool:

@@ -41,9 +41,9 @@ def test_nothing_auto_is_left_and_resolving_again_changes_nothing(name):
 
 
 def test_each_value_says_where_it_came_from():
-    asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), ["rollout.engine=tp_sharded"])
+    asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), ["rollout.batching=dynamic"])
     got = resolve(asked, 4)
-    assert got.get("rollout.engine").origin == SET and got.get("rollout.engine").value == "tp_sharded"
+    assert got.get("rollout.batching").origin == SET and got.get("rollout.batching").value == "dynamic"
     assert got.get("distributed.device").origin == AUTO_ORIGIN
     batch = got.get("rollout.max_batch_size")
     # demo: tp2 x pp2 on 4 ranks -> dp 1; 16 prompts x 8 samples, far inside the KV-cache budget

@@ -1,4 +1,5 @@
-"""Rollout package: decoder parity with megatron, KV cache, sampling and the engine contract."""
+"""The test oracle decoder (tests/support/decoder.py) against megatron, its KV cache, the sampler,
+and the rollout engine contract."""
 
 from __future__ import annotations
 
@@ -9,22 +10,16 @@ import torch
 
 from megatron_rl.config.schema import ModelConfig, RopeScalingConfig
 from megatron_rl.models.arch import rope_inv_freq
-from megatron_rl.rollout.decoder import (
-    KVCache,
-    TorchDecoder,
-    left_pad,
-    random_canonical,
-    row_positions,
-)
 from megatron_rl.rollout.engine import (
     ENGINES,
     RolloutBatch,
     RolloutEngine,
-    TorchRolloutEngine,
     engine_class,
     make_engine,
 )
 from megatron_rl.rollout.sampling import SamplingParams, sample, top_k_filter, top_p_filter
+from megatron_rl.testing.weights import random_canonical
+from tests.support.decoder import KVCache, TorchDecoder, TorchRolloutEngine, left_pad, row_positions
 
 BASE = dict(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
@@ -58,7 +53,7 @@ def _decoder(cfg: ModelConfig, seed: int = 0, std: float = 0.2) -> TorchDecoder:
 
 
 def _engine(cfg: ModelConfig, seed: int = 0, **kwargs) -> TorchRolloutEngine:
-    engine = make_engine("torch", cfg, "cpu", **kwargs)
+    engine = TorchRolloutEngine(cfg, "cpu", **kwargs)
     engine.load_weights(random_canonical(cfg, seed, std=0.2))
     return engine
 
@@ -341,66 +336,3 @@ def test_engine_interface():
     fields = {f.name for f in dataclasses.fields(RolloutBatch)}
     assert fields == {"prompt_index", "prompt_ids", "response_ids", "response_logprobs", "finish_reason", "routing",
                       "token_versions", "response_mask", "env_info"}
-
-
-# -- TP-sharded engine -------------------------------------------------------------------------
-SHARDED_SAMPLING = SamplingParams(temperature=0.8, max_new_tokens=10, n=2, stop_token_ids=(3,))
-
-
-def sharded_generate_body(layout_kw: dict, cfg: ModelConfig, seed: int):
-    """Megatron actor on ``layout_kw``; the sharded engine loads from its chunks, and a second one
-    from the full canonical dict.  Returns both batches and the engine's weight bytes."""
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.canonical import load_canonical
-    from megatron_rl.testing.layouts import use_layout
-
-    layout = use_layout(**layout_kw)
-    chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
-    state = random_canonical(cfg, seed, std=0.2)
-    load_canonical(chunks, state)
-    from_chunks = make_engine("tp_sharded", cfg, "cpu")
-    from_chunks.load_from_chunks(chunks)
-    from_canonical = make_engine("tp_sharded", cfg, "cpu")
-    from_canonical.load_weights(state)
-    first = dataclasses.asdict(from_chunks.generate(PROMPTS, SHARDED_SAMPLING, seed=5))
-    from_chunks.release_weights()  # as the trainer does after every rollout
-    from_chunks.load_from_chunks(chunks)
-    assert dataclasses.asdict(from_chunks.generate(PROMPTS, SHARDED_SAMPLING, seed=5)) == first
-    again = dataclasses.asdict(from_canonical.generate(PROMPTS, SHARDED_SAMPLING, seed=5))
-    return first, again, from_chunks.weight_bytes()
-
-
-SHARDED_CASES = {
-    "tp2": (2, dict(tp=2), {}),
-    "tp2_qk_norm_qkv_bias": (2, dict(tp=2), dict(qk_layernorm=True, add_qkv_bias=True)),
-    "tp2_layernorm_gelu_bias": (2, dict(tp=2), PARITY_CONFIGS["layernorm_gelu"]),
-    "tp2_pp2": (4, dict(tp=2, pp=2), {}),
-    "tp2_pp2_tied": (4, dict(tp=2, pp=2), dict(tie_word_embeddings=True)),
-    "pp2_vpp2": (2, dict(pp=2, vpp=2), dict(num_layers=4)),
-}
-
-
-@pytest.mark.parametrize("case", list(SHARDED_CASES))
-def test_tp_sharded_engine_generates_what_one_full_copy_generates(case):
-    """Same seed, same samples as the full-copy engine; each rank holds about 1/TP of the weights."""
-    from megatron_rl.testing.harness import run_distributed
-
-    world, layout_kw, overrides = SHARDED_CASES[case]
-    cfg = _cfg(make_vocab_size_divisible_by=1, **overrides)
-    full = make_engine("torch", cfg, "cpu")
-    full.load_weights(random_canonical(cfg, 4, std=0.2))
-    ref = dataclasses.asdict(full.generate(PROMPTS, SHARDED_SAMPLING, seed=5))
-    full_bytes = sum(t.numel() * t.element_size() for t in full.model.state_dict().values())
-    worst, ratio = 0.0, 0.0
-    for from_chunks, from_canonical, shard_bytes in run_distributed(world, sharded_generate_body, layout_kw, cfg, 4):
-        for got in (from_chunks, from_canonical):
-            assert got["response_ids"] == ref["response_ids"]
-            assert got["finish_reason"] == ref["finish_reason"]
-            for a, b in zip(got["response_logprobs"], ref["response_logprobs"]):
-                worst = max([worst] + [abs(x - y) for x, y in zip(a, b)])
-        ratio = max(ratio, shard_bytes / full_bytes)
-    tp = layout_kw.get("tp", 1)
-    print(f"{case}: max |logprob - full copy| {worst:.1e}; weights per rank {ratio:.3f}x the full copy")
-    assert worst <= 1e-5
-    assert ratio <= (1.0 if tp == 1 else 0.6)
-    assert sum(len(r) for r in ref["response_ids"]) > 2 * len(PROMPTS)  # there is something to compare

@@ -1,5 +1,5 @@
-"""``rollout.engine=auto``: which engine generates, decided the same way by validation and by the
-code that builds the engine."""
+"""``rollout.engine`` and ``rollout.batching``: megatron's engine generates on every layout, and how
+it batches is decided the same way by config resolution and by the engine when it generates."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ import torch
 from megatron_rl.config.loader import load_config
 from megatron_rl.rollout.choice import (
     AUTO,
+    DYNAMIC,
     ENGINE_CHOICES,
     MEGATRON,
-    TORCH,
+    STATIC,
+    batching_refusal,
     describe_rollout_engine,
+    pick_batching,
     pick_engine,
+    rollout_batching,
     rollout_engine,
 )
 from megatron_rl.rollout.engine import ENGINES
@@ -25,63 +29,87 @@ from megatron_rl.validation import validate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "configs", "grpo_cpu.yaml")
 
-# (moe, cuda, paged_flash) -> what auto runs, whatever the layout (VPP: a model of its own)
+# (moe, partial rollouts, sequence parallel, paged kernels) -> what auto batches with
 AUTO_CASES = [
-    ((False, True, True), MEGATRON),   # a GPU with flash-attn's paged kernels
-    ((False, True, False), TORCH),     # a GPU without flash-attn >= 2.7.3
-    ((False, False, False), TORCH),    # the CPU: the decoder is faster (docs/rollout.md)
-    ((True, False, False), MEGATRON),  # MoE: the only engine with expert layers
-    ((True, True, True), MEGATRON),
+    ((False, False, False, True), DYNAMIC),   # a GPU with flash-attn's paged kernels
+    ((False, False, False, False), STATIC),   # the CPU, a GPU without flash-attn
+    ((True, False, False, False), DYNAMIC),   # MoE: expert-parallel ranks step together
+    ((False, True, False, False), DYNAMIC),   # partial rollouts: re-prefilled on a weight push
+    ((False, False, True, False), DYNAMIC),   # sequence parallelism
 ]
 
 
-@pytest.mark.parametrize("machine,want", AUTO_CASES)
-def test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere(machine, want):
-    moe, cuda, paged_flash = machine
-    assert pick_engine(AUTO, moe=moe, cuda=cuda, paged_flash=paged_flash) == want
-    for name in ENGINES:  # a name set explicitly is kept
-        assert pick_engine(name, moe=moe, cuda=cuda, paged_flash=paged_flash) == name
+@pytest.mark.parametrize("facts,want", AUTO_CASES)
+def test_auto_batching_is_static_where_the_dynamic_engine_has_no_kernels_and_nothing_needs_it(facts, want):
+    named = dict(zip(("moe", "partial", "sequence_parallel", "paged_kernels"), facts))
+    assert pick_batching(AUTO, **named) == want
+    for name in (DYNAMIC, STATIC):  # a value set explicitly is kept
+        assert pick_batching(name, **named) == name
+    assert not batching_refusal(want, **named), "auto never picks what cannot run"
 
 
-def test_auto_is_the_default_and_every_other_choice_is_a_registered_engine():
+def test_megatron_is_the_only_engine_and_auto_names_it():
     cfg = load_config(GRPO)
-    assert cfg.rollout.engine == AUTO
-    assert set(ENGINE_CHOICES) == {AUTO, *ENGINES}
+    assert cfg.rollout.engine == AUTO and cfg.rollout.batching == AUTO
+    assert set(ENGINE_CHOICES) == {AUTO, *ENGINES} == {AUTO, MEGATRON}
+    assert pick_engine(AUTO) == MEGATRON == rollout_engine(cfg)
 
 
-def test_config_and_engine_builder_agree_on_this_machine():
-    """What validation reads (``rollout_engine(cfg)``) is the class ``make_rollout_engine`` builds,
-    here on the CPU: the decoder for a dense model, megatron's engine for MoE."""
+def _validate(tmp_path, *overrides: str) -> int:
+    from megatron_rl.tools.cli import main
+
+    return main(["validate", GRPO, "--world-size", "1", f"run.dir={tmp_path}/runs", *overrides])
+
+
+@pytest.mark.parametrize("removed", ["torch", "tp_sharded"])
+def test_the_removed_engines_are_refused_with_the_choices(removed, capsys, tmp_path):
+    assert _validate(tmp_path, f"rollout.engine={removed}") == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine" in err and "megatron" in err
+
+
+def test_config_and_engine_agree_on_this_machine():
+    """What resolution reads (``rollout_batching(cfg)``) is what the engine runs, here on the CPU:
+    static batching for a dense model, the dynamic engine for MoE."""
     from megatron_rl.rollout.engine import engine_class, make_rollout_engine
 
     dense = load_config(GRPO, ["distributed.device=cpu"])
-    assert rollout_engine(dense) == TORCH
-    assert "auto: on the CPU" in describe_rollout_engine(dense)
+    assert rollout_batching(dense) == STATIC
+    assert "static batching (auto: no paged kernels" in describe_rollout_engine(dense)
     rollout = dataclasses.replace(dense.rollout, max_batch_size=4)  # the trainer derives it when null
     built = make_rollout_engine(rollout, dense.model, "cpu")
-    assert type(built) is engine_class(TORCH)
+    assert type(built) is engine_class(MEGATRON)
+    assert built.batching_now() == STATIC
     moe = load_config(GRPO, ["distributed.device=cpu", "model.moe.num_experts=4"])
-    assert rollout_engine(moe) == MEGATRON
-    assert describe_rollout_engine(moe) == "megatron engine (auto: the only engine with MoE layers)"
-    assert describe_rollout_engine(load_config(GRPO, ["rollout.engine=tp_sharded"])) == "tp_sharded engine"
+    assert rollout_batching(moe) == DYNAMIC
+    assert describe_rollout_engine(moe) == "megatron engine, dynamic batching (auto: MoE layers: expert-parallel " \
+                                           "ranks step together)"
+    assert describe_rollout_engine(load_config(GRPO, ["rollout.batching=dynamic"])) == \
+        "megatron engine, dynamic batching"
+    resolution = validate(load_config(GRPO, ["distributed.device=cpu"]), 1)
+    assert resolution.get("rollout.batching").value == STATIC
 
 
-def test_vpp_runs_the_decoder_under_auto_and_megatron_on_a_model_of_its_own():
-    layout = ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"]
-    validate(load_config(GRPO, layout), 2)
-    resolution = validate(load_config(GRPO, layout + ["rollout.engine=megatron"]), 2)
+def test_static_batching_is_refused_before_launch_where_it_cannot_generate(capsys, tmp_path):
+    assert _validate(tmp_path, "rollout.batching=static", "model.moe.num_experts=4", "model.moe.router_topk=2") == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("config error: rollout.batching=static: MoE layers need the dynamic engine"), line
+    assert _validate(tmp_path, "rollout.batching=static") == 0
+
+
+def test_vpp_generates_with_megatrons_engine_on_a_model_of_its_own():
+    resolution = validate(load_config(GRPO, ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"]), 2)
     assert "refit from the training shards" in resolution.get("rollout.layout").why
 
 
-def test_auto_generates_a_vpp_layout_with_megatrons_engine_where_it_runs(monkeypatch):
-    """The choice rule alone (no GPU is used): on CUDA with flash-attn's paged kernels a VPP layout
-    no longer sends ``auto`` to the decoder, a full weight copy per rank -- megatron's engine
-    generates on a model of its own, refit from the interleaved chunks."""
+def test_auto_batches_dynamically_on_cuda_with_paged_kernels(monkeypatch):
+    """The choice rule alone (no GPU is used)."""
     from megatron_rl.distributed import runtime
     from megatron_rl.rollout import choice
 
     monkeypatch.setattr(choice, "paged_flash_attention_installed", lambda: True)
     monkeypatch.setattr(runtime, "resolve_device", lambda _distributed: torch.device("cuda"))
     cfg = load_config(GRPO, ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"])
-    assert rollout_engine(cfg) == MEGATRON
-    assert describe_rollout_engine(cfg) == "megatron engine (auto: CUDA with flash-attn's paged kernels)"
+    assert rollout_batching(cfg) == DYNAMIC
+    assert describe_rollout_engine(cfg) == \
+        "megatron engine, dynamic batching (auto: CUDA with flash-attn's paged kernels)"

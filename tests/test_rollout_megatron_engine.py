@@ -74,8 +74,8 @@ class TrainerView:
 def _actor(layout_kw: dict, cfg: ModelConfig, seed: int, std: float = 0.2):
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
-    from megatron_rl.rollout.decoder import random_canonical
     from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.testing.weights import random_canonical
 
     layout = use_layout(**layout_kw)
     chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
@@ -142,21 +142,23 @@ def _optimizer_step(chunks, batch):
     return trainable.chunks
 
 
-def parity_body(layout_kw: dict, hf_dir: str, rollout_layout: dict | None = None) -> dict:
+def parity_body(layout_kw: dict, hf_dir: str, rollout_layout: dict | None = None, batching: str = "dynamic") -> dict:
     from megatron.core.inference.utils import InferenceMode
 
     cfg, chunks = _actor_from_hf(layout_kw, hf_dir)
-    engine = _engine(cfg, chunks, rollout_layout)
+    engine = _engine(cfg, chunks, rollout_layout, batching=batching)
     greedy = engine.generate(PROMPTS, GREEDY, seed=0)
     inference_mode = [InferenceMode.is_active()]  # megatron's process-wide flag: on only while stepping
-    # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
-    with torch.inference_mode():  # the engine allocates its cache in inference mode
-        engine._engine.context.memory_buffer.fill_(float("nan"))
+    dynamic = engine.last_batching == "dynamic"
+    if dynamic:
+        # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
+        with torch.inference_mode():  # the engine allocates its cache in inference mode
+            engine._engine.context.memory_buffer.fill_(float("nan"))
     greedy_again = engine.generate(PROMPTS, GREEDY, seed=0)
     sampled = engine.generate(PROMPTS, SAMPLED, seed=5)
-    kv_bytes = engine.kv_cache_bytes()
+    kv_bytes = engine.kv_cache_bytes() if dynamic else 1  # static batching allocates per rollout
     engine.release_weights()  # the trainer's call after a rollout: the KV cache is freed
-    freed = engine.kv_cache_bytes() == 0 and not engine._engine.context.is_tensor_state_allocated
+    freed = engine.kv_cache_bytes() == 0 and (not dynamic or not engine._engine.context.is_tensor_state_allocated)
     engine.load_from_chunks(chunks)  # the trainer's call before a rollout (a refit on a layout of its own)
     resumed = engine.generate(PROMPTS, SAMPLED, seed=5)
     inference_mode.append(InferenceMode.is_active())
@@ -175,7 +177,7 @@ def parity_body(layout_kw: dict, hf_dir: str, rollout_layout: dict | None = None
     engine.load_from_chunks(trained)
     stepped = engine.generate(PROMPTS, GREEDY, seed=0)
     out.update(stepped=dataclasses.asdict(stepped), stepped_view=_trainer_view(trained, stepped, 0.0),
-               refit=engine.last_refit is not None)
+               refit=engine.last_refit is not None, batching=engine.last_batching)
     return out
 
 
@@ -232,15 +234,22 @@ def hf_models(tmp_path_factory):
     return {kind: (str(root / kind), make_hf_model(kind, str(root / kind))) for kind in kinds}
 
 
+@pytest.mark.parametrize("batching", ["dynamic", "static"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, hf_models):
+def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, batching, hf_models):
     """Against HF transformers (generate, teacher-forced log-probs) and the trainer's own forward,
     before and after an optimizer step taken while the engine was suspended.  The actor is an HF
-    checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2."""
+    checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2.
+    Both of megatron's batching APIs: its dynamic engine and its static batching (not with
+    sequence parallelism, which only the dynamic engine runs)."""
     world, layout_kw, kind, *rollout_layout = LAYOUTS[layout]
+    if batching == "static" and layout_kw.get("sp") and not rollout_layout:
+        pytest.skip("megatron's static batching has no sequence parallelism: rollout.batching=auto picks dynamic")
     hf_dir, hf_model = hf_models[kind]
-    results = run_distributed(world, parity_body, layout_kw, hf_dir, *rollout_layout)
+    rollout_layout = rollout_layout[0] if rollout_layout else None
+    results = run_distributed(world, parity_body, layout_kw, hf_dir, rollout_layout, batching)
     first = results[0]
+    assert first["batching"] == batching
     assert first["refit"] == bool(rollout_layout), "a layout of its own is refit, the training layout is not"
     worst = 0.0
     for got in results:  # every rank of the replica has the same samples
@@ -349,6 +358,49 @@ def test_static_batching_inference_on_the_local_spec_equals_the_full_forward(lay
         for (argmax, logp), (s_argmax, s_logp) in zip(full, static):
             assert s_argmax == argmax
             assert max(abs(a - b) for a, b in zip(logp, s_logp)) < 1e-5
+
+
+def static_vs_dynamic_body(layout_kw: dict, cfg: ModelConfig) -> dict:
+    chunks = _actor(layout_kw, cfg, 4)
+    dynamic = _engine(cfg, chunks, batching="dynamic")
+    out = {}
+    for name, params, seed in (("greedy", GREEDY, 0), ("sampled", SAMPLED, 5)):
+        out[name] = dataclasses.asdict(dynamic.generate(PROMPTS, params, seed=seed))
+        # static: prompts shared by their samples or not, and in chunks of 3 rows (a group split)
+        for options in (dict(), dict(prefix_caching=False), dict(max_batch_size=3)):
+            engine = _engine(cfg, chunks, batching="static", **options)
+            batch = engine.generate(PROMPTS, params, seed=seed)
+            assert engine.last_batching == "static"
+            key = f"{name} static {sorted(options.items())}"
+            out[key] = dataclasses.asdict(batch)
+            out[key + " prefill"] = engine.prefill_tokens
+    return out
+
+
+@pytest.mark.parametrize("world,layout_kw", [(1, {}), (2, dict(tp=2)), (2, dict(pp=2)), (2, dict(cp=2))],
+                         ids=["one_process", "tp2", "pp2", "cp2"])
+def test_static_batching_gives_the_dynamic_engines_samples(world, layout_kw):
+    """megatron's static batching (the engine's CPU path) and its dynamic engine draw the same
+    samples for a seed -- the same keyed noise per sample and position -- whether a group's prompt
+    is prefilled once or per sample, and when a group is split between two chunks; sharing a prompt
+    prefills it once."""
+    results = run_distributed(world, static_vs_dynamic_body, layout_kw, _cfg())
+    for out in results:
+        assert out == results[0]  # every rank of the replica has the samples
+    out = results[0]
+    prompt_tokens = sum(map(len, PROMPTS))
+    for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        want = out[name]
+        for options in ("[]", "[('prefix_caching', False)]", "[('max_batch_size', 3)]"):
+            got = out[f"{name} static {options}"]
+            assert got["response_ids"] == want["response_ids"], (name, options)
+            assert got["finish_reason"] == want["finish_reason"]
+            worst = max(abs(a - b) for x, y in zip(got["response_logprobs"], want["response_logprobs"])
+                        for a, b in zip(x, y))
+            assert worst <= 1e-4, (name, options, worst)  # other batch shapes: other cuts of the same sums
+        assert out[f"{name} static [] prefill"] == prompt_tokens
+        assert out[f"{name} static [('prefix_caching', False)] prefill"] == prompt_tokens * params.n
+    assert any(r == "stop" for r in out["sampled"]["finish_reason"])
 
 
 def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict]) -> list:

@@ -48,7 +48,8 @@ UNKNOWN_CHOICES = [
     ("algorithm.advantage", "ppo", "gae, grpo, rloo"),
     ("algorithm.kl_kind", "k4", "low_var_kl"),
     ("algorithm.loss_agg", "mean", "token-mean"),
-    ("rollout.engine", "vllm", "torch, tp_sharded"),
+    ("rollout.engine", "vllm", "auto, megatron"),
+    ("rollout.batching", "paged", "auto, dynamic, static"),
 ]
 
 
@@ -278,8 +279,6 @@ ROLLOUT_LAYOUT_REFUSALS = [
      "model.num_layers=6 is not divisible by rollout.layout.pp"),
     (4, ["rollout.layout.tp=1", "rollout.layout.pp=2", "rollout.layout.ep=2", MEGATRON], "rollout.layout.ep=2",
      "rollout.layout.ep must divide the experts of an MoE model"),
-    (4, ["rollout.layout.tp=1"], "rollout.engine=torch",
-     "rollout.layout differs from the training layout, which only megatron's engine generates on"),
     # The planner's rules that validation also needs: 258 hidden units split over TP2, not TP4.
     (4, ["model.num_query_groups=4", "model.ffn_hidden_size=258", "rollout.layout.tp=4", "rollout.layout.pp=1",
          MEGATRON], "rollout.layout.tp=4", "model.ffn_hidden_size=258 is not divisible by rollout.layout.tp"),

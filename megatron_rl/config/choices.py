@@ -50,8 +50,11 @@ TRAINER_MODES = (SYNC, ONE_STEP_OFF, ASYNC)
 
 # --- rollout
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
-ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON = "torch", "tp_sharded", "megatron"
-ROLLOUT_ENGINES = (AUTO, ROLLOUT_TORCH, ROLLOUT_TP_SHARDED, ROLLOUT_MEGATRON)
+ROLLOUT_MEGATRON = "megatron"  # megatron-core's inference, the one generator
+ROLLOUT_ENGINES = (AUTO, ROLLOUT_MEGATRON)
+# rollout.batching: how megatron's engine batches -- its dynamic engine (paged KV cache, continuous
+# batching) or its static-batching API (one KV cache per layer, prompts left-padded).
+ROLLOUT_BATCHING = (AUTO, "dynamic", "static")
 
 # rollout.on_limit: what a multi-turn trajectory that hit rollout.max_turns or
 # rollout.max_trajectory_tokens scores: graded as it stands, or 0.

@@ -37,6 +37,7 @@ from megatron_rl.config.choices import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     REWARD_CONVENTIONS,
+    ROLLOUT_BATCHING,
     ROLLOUT_CORRECTION_LEVELS,
     ROLLOUT_ENGINES,
     ROPE_SCALING_TYPES,
@@ -266,15 +267,10 @@ class RolloutLayoutConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: auto (megatron for MoE models and on CUDA "
-                                                       "with flash-attn >= 2.7.3, else torch), torch "
-                                                       "(KV-cache decoder on a full copy of the actor's weights on "
-                                                       "every rank), tp_sharded (the same decoder on each rank's "
-                                                       "tensor-parallel shard: weights and KV cache / TP) or megatron "
-                                                       "(megatron-core's dynamic inference engine on the actor's own "
-                                                       "TP/PP shards: paged KV cache, continuous batching, chunked "
-                                                       "prefill; VPP on a model of its own, rollout.layout; "
-                                                       "docs/rollout.md).")
+    engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: megatron (auto names it), megatron-core's "
+                                                       "inference on the actor's own TP/PP shards, or on a model of "
+                                                       "its own refit before every rollout (rollout.layout; VPP); "
+                                                       "how it batches: rollout.batching (docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1)
     max_new_tokens: int = _f(64, "Longest response.", ge=1)
     temperature: float = _f(
@@ -298,6 +294,11 @@ class RolloutConfig:
                                     "those pages, so the n samples of a prompt prefill it once (each other sample "
                                     "computes only the tokens after its last whole page); samples are the same on "
                                     "or off.  Off while MoE routing is recorded (algorithm.routing_replay).")
+    batching: Literal[ROLLOUT_BATCHING] = _f(
+        "auto", help="rollout.engine=megatron: dynamic (megatron's DynamicInferenceEngine: paged KV cache, continuous "
+                     "batching) or static (its static-batching API: distinct prompts left-padded and prefilled once, "
+                     "one KV cache per layer); auto: dynamic on CUDA with flash-attn and for MoE, partial rollouts and "
+                     "sequence parallelism, static elsewhere (the CPU).")
     layout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
     ranks: int = _f(0, "Ranks of the job that only generate (the last ones), with rollout.layout as their layout; "
                        "the others train, and trainer.mode says how far generation runs ahead of the updates; "

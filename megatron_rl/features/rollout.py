@@ -5,7 +5,6 @@ from __future__ import annotations
 from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
 from megatron_rl.features.base import (
     GPU_UNTESTED,
-    PLANNED,
     TESTED_CPU,
     Feature,
     Measured,
@@ -13,7 +12,7 @@ from megatron_rl.features.base import (
     need,
 )
 from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
-from megatron_rl.rollout.choice import MEGATRON, rollout_engine
+from megatron_rl.rollout.choice import STATIC, batching_facts
 
 AREA = "rollout"
 
@@ -46,12 +45,24 @@ def _ahead(c) -> bool:
     return c.trainer.mode in (ONE_STEP_OFF, ASYNC)
 
 
+def _static_fact(name: str):
+    """Whether the fact ``name`` of :func:`~megatron_rl.rollout.choice.batching_facts` is absent (static
+    batching can generate), for a config with rollout.batching=static."""
+    return lambda c, w: not batching_facts(c, cuda=False)[name]
+
+
+ROLLOUT_BATCHING_CONSTRAINTS = tuple(
+    need("rollout.batching", _static_fact(fact), problem, "set rollout.batching=auto (the dynamic engine there)",
+         f"static batching without {what}", when=lambda c: c.rollout.batching == STATIC, generation=True)
+    for fact, what, problem in (
+        ("moe", "MoE layers", "MoE layers need the dynamic engine (expert-parallel ranks step together)"),
+        ("partial", "partial rollouts",
+         "trainer.partial_rollouts needs the dynamic engine (requests re-prefilled on a weight push)"),
+        ("sequence_parallel", "sequence parallelism",
+         "parallel.sequence_parallel needs the dynamic engine (megatron's static batching has none)"),
+    )
+)
 ROLLOUT_LAYOUT_CONSTRAINTS = (
-    need("rollout.engine", lambda c, w: rollout_engine(c) == MEGATRON,
-         "rollout.layout differs from the training layout, which only megatron's engine generates on",
-         "set rollout.engine=megatron, or leave rollout.layout unset",
-         "a layout of its own needs rollout.engine=megatron",
-         when=lambda c: _differs(c) and not c.rollout.ranks, generation=True),
     *(_rule(rule) for rule in ROLLOUT_LAYOUT_RULES),
     need("algorithm.routing_replay", lambda c, w: _shares(c),
          "routing replay records the experts on the actor's own shards; rollout.layout generates on a second model",
@@ -71,27 +82,14 @@ FEATURES = [
     ),
     Feature(
         "Rollout with KV cache", "rollout", TESTED_CPU,
-        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded; with "
-        "rollout.engine=torch the actor's weights are gathered from any TP/PP/VPP/CP layout into one full copy per "
-        "rank (tp_sharded: see below); the engine's weights are freed after each rollout, so training does not carry "
-        "them; rollout vs recomputed log-prob mismatch logged.",
-        ("tests/test_rollout.py::test_kv_cache_greedy_equals_recompute",
+        "Batched sampling (temperature, top-p, top-k, EOS and stop sequences, n per prompt), seeded, by "
+        "megatron-core's inference on the actor's own shards (or a model of its own, rollout.layout) with its KV "
+        "cache; the KV cache is freed after each rollout, so training does not carry it; rollout vs recomputed "
+        "log-prob mismatch logged. One implementation of the model's math: the project's former hand-written "
+        "decoder is a test oracle (tests/support/decoder.py), no longer a generator.",
+        ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
          "tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts"),
         config="rollout.*",
-        measured=(Measured("10.4x faster than re-running the prefix at 256 new tokens, one thread",
-                           "python benchmarks/rollout_kv_cache.py --threads 1"),),
-    ),
-    Feature(
-        "TP-sharded rollout engine", "rollout", TESTED_CPU,
-        "rollout.engine=tp_sharded: the KV-cache decoder on each rank's tensor-parallel shard, loaded straight from "
-        "megatron's shards (other pipeline stages' layers by broadcast), so weights and KV cache per rank are 1/TP of "
-        "the full copy. Same samples as the full-copy engine for the same seed on TP, TPxPP, tied embeddings, PP+VPP.",
-        ("tests/test_rollout.py::test_tp_sharded_engine_generates_what_one_full_copy_generates",
-         "tests/test_ppo.py::test_ppo_with_tp_sharded_rollout_matches_full_copy"),
-        config="rollout.engine=tp_sharded",
-        measured=(Measured("weights + KV cache per rank 0.500x the full copy at TP=2, 0.250x at TP=4; "
-                           "weight sync 0.03 s instead of a 0.69 s gather at TP=2",
-                           "python benchmarks/rollout_tp_sharded.py"),),
     ),
     Feature(
         "Megatron-core dynamic inference engine", "rollout", TESTED_CPU,
@@ -102,8 +100,8 @@ FEATURES = [
         "and CP. The project's sampler on the true vocabulary (temperature-scaled log-probs, top-k with top-p, n, "
         "every stop id and sequence) with keyed noise: a seed gives the same samples whatever the KV budget or "
         "scheduling. CPU via compat/inference_cpu.py (SDPA over the KV pages); GPU needs flash-attn >= 2.7.3, runs "
-        "without CUDA graphs, untested there. What rollout.engine=auto (the default) runs for MoE models and on CUDA "
-        "with flash-attn (see the next row).",
+        "without CUDA graphs, untested there. What rollout.batching=auto (the default) runs for MoE models, partial "
+        "rollouts, sequence parallelism and on CUDA with flash-attn (see the rows below).",
         ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
          "tests/test_rollout_megatron_engine.py::test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling",
          "tests/test_rollout_megatron_engine.py::test_stop_on_every_eos_id_and_stop_sequences_and_padded_vocab_never_drawn",
@@ -111,7 +109,7 @@ FEATURES = [
          "tests/test_rollout_megatron_engine.py::test_grpo_learns_the_demo_task_with_the_megatron_engine",
          "tests/test_planner.py::test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards"),
         config="rollout.engine=megatron",
-        measured=(Measured("CPU, tokens per CPU-second (fastest of 3 runs): long tail 0.73x the torch decoder's "
+        measured=(Measured("CPU, tokens per CPU-second (fastest of 3 runs): long tail 0.73x the KV-cache decoder's "
                            "(target 2x) "
                            "in 0.59x its decode steps, uniform lengths 0.70x HF generate's (target 1x), bounded by "
                            "megatron's per-step host cost; KV allocated 1.03-1.13x what the live tokens need (target "
@@ -142,29 +140,37 @@ FEATURES = [
                            "python benchmarks/rollout_throughput.py --workloads prefix"),),
     ),
     Feature(
-        "Rollout engine chosen by the layout (auto)", "rollout", TESTED_CPU,
-        "rollout.engine=auto (the default): megatron's dynamic engine for MoE models, and for dense models on CUDA "
-        "with flash-attn >= 2.7.3 (or FA3), VPP layouts included (on a model of its own, refit from the interleaved "
-        "chunks); the torch decoder on CUDA without flash-attn and on the CPU (faster there: docs/rollout.md). "
-        "One rule (rollout/choice.py) read by validation before launch and by the trainer and `megatron-rl generate` "
-        "when they build the engine; the first log lines name the engine and the reason. On an H200 without "
-        "flash-attn auto generated with the decoder (docs/gpu_check.md); the flash-attn branch has not run on a GPU.",
-        ("tests/test_rollout_choice.py::test_auto_picks_megatron_where_it_runs_well_and_the_decoder_elsewhere",
-         "tests/test_rollout_choice.py::test_config_and_engine_builder_agree_on_this_machine",
-         "tests/test_rollout_choice.py::test_vpp_runs_the_decoder_under_auto_and_megatron_on_a_model_of_its_own",
-         "tests/test_rollout_choice.py::test_auto_generates_a_vpp_layout_with_megatrons_engine_where_it_runs",
-         "tests/test_moe.py::test_train_refuses_an_moe_model_with_a_decoder_without_experts"),
-        config="rollout.engine=auto",
+        "Batching chosen by the machine (rollout.batching=auto)", "rollout", TESTED_CPU,
+        "megatron's engine is the one generator (rollout.engine=auto names it; the torch and tp_sharded engines are "
+        "gone). rollout.batching=auto (the default): its dynamic engine on CUDA with flash-attn >= 2.7.3 (or FA3), "
+        "and for MoE models, partial rollouts and sequence parallelism; its static batching elsewhere (the CPU, a "
+        "GPU without flash-attn). One rule (rollout/choice.py) resolved before launch (megatron-rl validate shows it "
+        "with the reason) and read by the engine when it generates; rollout.batching=static where it cannot "
+        "generate exits 2 before launch. The static branch on a GPU has not run there.",
+        ("tests/test_rollout_choice.py::test_auto_batching_is_static_where_the_dynamic_engine_has_no_kernels_and_nothing_needs_it",
+         "tests/test_rollout_choice.py::test_config_and_engine_agree_on_this_machine",
+         "tests/test_rollout_choice.py::test_the_removed_engines_are_refused_with_the_choices",
+         "tests/test_rollout_choice.py::test_static_batching_is_refused_before_launch_where_it_cannot_generate",
+         "tests/test_rollout_choice.py::test_vpp_generates_with_megatrons_engine_on_a_model_of_its_own",
+         "tests/test_rollout_choice.py::test_auto_batches_dynamically_on_cuda_with_paged_kernels"),
+        config="rollout.batching=auto",
+        constraints=ROLLOUT_BATCHING_CONSTRAINTS,
     ),
     Feature(
-        "One generator: megatron's inference API on the CPU too (static batching)", "rollout", PLANNED,
-        "The dynamic engine costs 4-6x the decoder's CPU time on small rollouts (request admission, paging, "
-        "scheduling). megatron-core's static-batching API on the actor's shards, with left-padded prompts under an "
-        "attention mask, gives the dynamic engine's samples token for token at 1.5-1.6x the decoder's time; as the "
-        "engine's CPU path it would let the hand-written decoder leave the package. The local spec's core attention "
-        "already takes what that API hands it (cached keys, megatron's boolean mask).",
-        ("tests/test_rollout_megatron_engine.py::test_static_batching_inference_on_the_local_spec_equals_the_full_forward",
+        "megatron's static batching (the engine's CPU path)", "rollout", TESTED_CPU,
+        "rollout.batching=static: megatron-core's static-batching API (StaticInferenceContext, GPTInferenceWrapper) "
+        "on the actor's shards, stepped by rollout/static_batching.py with the project's sampler and keyed noise: "
+        "the distinct prompts of a chunk left-padded and prefilled once under megatron's attention mask, their KV "
+        "rows copied to the n samples (rollout.prefix_caching), one position a step, finished rows dropped once half "
+        "are done; TP, PP (the last stage's draws broadcast), CP (each CP rank a generator), VPP and rollout.layout "
+        "through the engine's own model. Greedy tokens are HF generate's and log-probs HF's teacher-forced ones "
+        "(fp32, within 1e-6) on every layout the dynamic engine is tested on; a seed gives the dynamic engine's "
+        "samples.",
+        ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
+         "tests/test_rollout_megatron_engine.py::test_static_batching_gives_the_dynamic_engines_samples",
+         "tests/test_rollout_megatron_engine.py::test_static_batching_inference_on_the_local_spec_equals_the_full_forward",
          "tests/test_benchmarks_static_batch.py::test_static_batching_gives_the_dynamic_engines_samples_and_each_way_is_timed"),
+        config="rollout.batching=static",
         measured=(Measured("CPU ms per rollout on vs_trl's shape, median / fastest: decoder 17.5 / 13.0, dynamic "
                            "engine 68.7 / 51.4, static left-padded 27.6 / 19.6, static from the shortest prompt "
                            "30.6 / 23.6", "python benchmarks/rollout_static_batch.py --rounds 20"),),

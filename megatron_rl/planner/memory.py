@@ -55,8 +55,9 @@ class PlanOption:
     offload: bool = False
     distributed_optimizer: bool = False
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
-    sharded_rollout: bool = False  # rollout.engine=tp_sharded: generation weights and KV cache / TP
-    megatron_rollout: bool = False  # rollout.engine=megatron: the actor's own shards, a paged KV cache
+    # megatron's engine on rollout.layout with a paged KV cache; False: generation costed as one full
+    # copy of the weights per rank with a contiguous KV cache (an upper bound, for estimates alone)
+    megatron_rollout: bool = False
     hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
     ep: int = 1  # MoE: expert parallel (planner/moe.py)
     etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
@@ -81,8 +82,7 @@ class PlanOption:
         if with_critic:
             out["critic.optim.use_distributed_optimizer"] = self.distributed_optimizer
         out["trainer.offload"] = self.offload
-        out["rollout.engine"] = ("tp_sharded" if self.sharded_rollout else "megatron" if self.megatron_rollout
-                                 else "torch")
+        out["rollout.engine"] = "megatron"
         if self.generators:
             out["rollout.ranks"] = self.generators
         out.update(moe.settings(self))
@@ -429,8 +429,7 @@ def estimate(
     acts = kept + max(layer_working_bytes(cfg, layout, tokens_per_microbatch, param_bytes),
                       _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
     train = resident + peak
-    # Generation: the actor's weights gathered into one full copy per rank, plus the KV cache;
-    # the TP-sharded engine holds 1/TP of both.
+    # Generation: megatron's engine on its layout (paged), else costed as one full copy per rank plus the KV cache.
     train_state = rollout_resident_bytes(models, layout.offload)
     paged = is_moe(cfg) or layout.megatron_rollout
     rollout_mem, why = None, ""
@@ -452,9 +451,8 @@ def estimate(
             why = f"on the {apart} generator rank(s): {why}"
         batch, kv, full_weights = rollout_mem.sequences, rollout_mem.kv, rollout_mem.extra_weights
     else:
-        gen_split = layout.tp if layout.sharded_rollout else 1
-        full_weights = total_params(cfg) * param_bytes / gen_split
-        per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes) / gen_split
+        full_weights = total_params(cfg) * param_bytes
+        per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes)
         room = budget_bytes - train_state - full_weights
         batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
         kv = max(batch, 1) * per_seq

@@ -114,8 +114,8 @@ def cp_comm_options(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int) -> l
     return out
 
 
-# The engines a dense layout may generate with (MoE: megatron's alone).
-ENGINES = ("torch", "tp_sharded", "megatron")
+# The engines a layout may generate with: megatron's, the one generator.
+ENGINES = ("megatron",)
 
 
 def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple = ENGINES,
@@ -138,8 +138,8 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple 
                 for (comm, levels), recompute, offload, dist_opt, engine in itertools.product(
                         cp_comm_options(cfg, tp, cp, gpus_per_node), (None, "selective", "full"), (False, True),
                         (False, True), engines):
-                    sharded, megatron = engine == "tp_sharded", engine == "megatron" or is_moe(cfg)
-                    if (dist_opt and dp * cp == 1) or (sharded and tp == 1):
+                    megatron = engine == "megatron" or is_moe(cfg)
+                    if dist_opt and dp * cp == 1:
                         continue
                     # MoE: each expert-parallel layout; generation on megatron's engine alone.
                     if is_moe(cfg) and engine != "megatron":
@@ -150,7 +150,7 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple 
                             infer = RolloutLayout.filled(RolloutLayout(**rollout_layout),
                                                          RolloutLayout(tp=tp, pp=pp, ep=ep, etp=etp))
                         yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                         distributed_optimizer=dist_opt, sharded_rollout=sharded,
+                                         distributed_optimizer=dist_opt,
                                          megatron_rollout=megatron, cp_comm_type=comm, hierarchical_cp=levels,
                                          ep=ep, etp=etp, rollout_layout=infer, generators=generators)
 
@@ -165,10 +165,6 @@ RANKING: tuple[tuple[str, Callable[[Candidate], object]], ...] = (
     ("fewest GPUs per model replica (tp x pp x cp), so more data parallelism",
      lambda c: c.layout.tp * c.layout.pp * c.layout.cp),
     ("fewer pipeline stages", lambda c: c.layout.pp),
-    ("TP-sharded generation when tp > 1 (it costs training nothing)",
-     lambda c: c.layout.tp > 1 and not c.layout.sharded_rollout),
-    ("for dense models the decoders before megatron's engine (which needs flash-attn's paged kernels)",
-     lambda c: c.layout.megatron_rollout),
     ("the smallest expert parallelism (fewer all-to-alls)", lambda c: c.layout.ep),
     ("no distributed optimizer", lambda c: c.layout.distributed_optimizer),
     ("the CP ring (p2p, the default) before a2a and a2a+p2p", lambda c: c.layout.cp_comm_type != "p2p"),

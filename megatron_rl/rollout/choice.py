@@ -1,69 +1,103 @@
-"""Which rollout engine ``rollout.engine=auto`` (the default) runs.
+"""How megatron's engine generates: ``rollout.engine`` and ``rollout.batching`` with ``auto`` resolved.
 
-megatron-core's dynamic inference engine (``megatron``) wherever it can run well: on CUDA with
-flash-attn's paged kernels, on any layout (with virtual pipeline stages on a model of its own,
-refit from the interleaved chunks: ``rollout.layout``); it is also the only engine with MoE layers.
-Elsewhere the project's KV-cache decoder (``torch``): on the CPU it is faster than megatron's
-engine over the SDPA stand-in for those kernels (``docs/rollout.md``,
-``benchmarks/rollout_throughput.py``).
+megatron-core's inference generates on every layout (``rollout.engine=megatron``; ``auto`` names it
+too).  It batches one of two ways (``rollout.batching``):
 
-One rule, read by config validation (before any process starts) and by the trainer and
-``megatron-rl generate`` when they build the engine, so both see the same engine.
+* ``dynamic`` -- its ``DynamicInferenceEngine``: a paged KV cache, continuous batching, chunked
+  prefill, prefix caching by pages.  Picked by ``auto`` on CUDA with flash-attn's paged kernels,
+  and wherever only it can generate: MoE layers (expert-parallel ranks step together), partial
+  rollouts (requests re-prefilled on a weight push), sequence parallelism.
+* ``static`` -- its static-batching API (``StaticInferenceContext``): distinct prompts left-padded
+  and prefilled once, one KV cache per layer (:mod:`megatron_rl.rollout.static_batching`).
+  Picked by ``auto`` elsewhere: on the CPU, and on a GPU without flash-attn, where the dynamic
+  engine's per-step scheduling costs more than the model (``docs/rollout.md``).
+
+One rule, read by config resolution (before any process starts) and by the engine when it
+generates, so both see the same choice.
 """
 
 from __future__ import annotations
 
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN, paged_flash_attention_installed
-from megatron_rl.config.choices import ROLLOUT_ENGINES
+from megatron_rl.config.choices import ASYNC, ROLLOUT_BATCHING, ROLLOUT_ENGINES
 from megatron_rl.models.arch import is_moe
 
 # What ``rollout.engine`` accepts (config/choices.py); the engines are registered in rollout/engine.py:ENGINES.
-AUTO, TORCH, TP_SHARDED, MEGATRON = ENGINE_CHOICES = ROLLOUT_ENGINES
+AUTO, MEGATRON = ENGINE_CHOICES = ROLLOUT_ENGINES
+_, DYNAMIC, STATIC = ROLLOUT_BATCHING
 
 
-def pick_engine(requested: str, *, moe: bool, cuda: bool, paged_flash: bool) -> str:
-    """``requested`` with ``auto`` resolved (any other name is returned as it is)."""
+def pick_engine(requested: str) -> str:
+    """``requested`` with ``auto`` resolved: megatron's engine, the one generator."""
+    return MEGATRON if requested == AUTO else requested
+
+
+def pick_batching(requested: str, *, moe: bool, partial: bool, sequence_parallel: bool, paged_kernels: bool) -> str:
+    """``rollout.batching`` with ``auto`` resolved (the module doc)."""
     if requested != AUTO:
         return requested
-    if moe:
-        return MEGATRON
-    return MEGATRON if cuda and paged_flash else TORCH
+    if moe or partial or sequence_parallel or paged_kernels:
+        return DYNAMIC
+    return STATIC
 
 
-def auto_reason(engine: str, *, moe: bool, cuda: bool, paged_flash: bool) -> str:
-    """Why ``auto`` picked ``engine``, for the trainer's log."""
+def batching_reason(batching: str, *, moe: bool, partial: bool, sequence_parallel: bool, paged_kernels: bool) -> str:
+    """Why ``auto`` picked ``batching``, for the resolved-config report and the trainer's log."""
     if moe:
-        return "the only engine with MoE layers"
-    if engine == MEGATRON:
+        return "MoE layers: expert-parallel ranks step together"
+    if partial:
+        return "partial rollouts re-prefill requests on a weight push"
+    if sequence_parallel:
+        return "sequence parallelism: megatron's static batching has none"
+    if paged_kernels:
         return "CUDA with flash-attn's paged kernels"
-    if cuda:
-        return f"flash-attn >= {PAGED_FLASH_ATTN_MIN} is not installed for megatron's paged attention"
-    return "on the CPU the KV-cache decoder is faster than megatron's engine"
+    return (f"no paged kernels (flash-attn >= {PAGED_FLASH_ATTN_MIN} on CUDA): the dynamic engine's scheduling "
+            "costs more")
 
 
-def engine_facts(model_cfg, cuda: bool) -> dict:
-    """What :func:`pick_engine` reads for this model and device, flash-attn's paged kernels
-    looked up where there is CUDA."""
-    return dict(moe=is_moe(model_cfg), cuda=cuda, paged_flash=cuda and paged_flash_attention_installed())
+def batching_refusal(batching: str, *, moe: bool, partial: bool, sequence_parallel: bool, **_facts) -> str:
+    """Why ``batching`` cannot generate this rollout ('' when it can)."""
+    if batching != STATIC:
+        return ""
+    if moe:
+        return "MoE layers need the dynamic engine (expert-parallel ranks step together); set rollout.batching=auto"
+    if partial:
+        return ("trainer.partial_rollouts needs the dynamic engine (requests re-prefilled on a weight push); "
+                "set rollout.batching=auto")
+    if sequence_parallel:
+        return ("parallel.sequence_parallel needs the dynamic engine (megatron's static batching has no sequence "
+                "parallelism); set rollout.batching=auto or parallel.sequence_parallel=false")
+    return ""
 
 
-def _config_facts(cfg) -> dict:
-    from megatron_rl.distributed.runtime import resolve_device  # the device the run will use
-
-    return engine_facts(cfg.model, resolve_device(cfg.distributed).type == "cuda")
+def batching_facts(cfg, cuda: bool) -> dict:
+    """What :func:`pick_batching` reads for a full config (a :class:`~megatron_rl.config.schema.Config`)
+    on a machine with or without CUDA; flash-attn's paged kernels looked up where there is CUDA."""
+    return dict(moe=is_moe(cfg.model), partial=cfg.trainer.mode == ASYNC and cfg.trainer.partial_rollouts,
+                sequence_parallel=cfg.parallel.sequence_parallel,
+                paged_kernels=cuda and paged_flash_attention_installed())
 
 
 def rollout_engine(cfg) -> str:
-    """The engine ``cfg`` (a full :class:`~megatron_rl.config.schema.Config`) generates with on
-    this machine."""
-    return pick_engine(cfg.rollout.engine, **_config_facts(cfg))
+    """The engine ``cfg`` generates with."""
+    return pick_engine(cfg.rollout.engine)
+
+
+def rollout_batching(cfg) -> str:
+    """How megatron's engine batches for ``cfg`` on this machine."""
+    from megatron_rl.distributed.runtime import resolve_device  # the device the run will use
+
+    cuda = resolve_device(cfg.distributed).type == "cuda"
+    return pick_batching(cfg.rollout.batching, **batching_facts(cfg, cuda))
 
 
 def describe_rollout_engine(cfg) -> str:
-    """``"megatron engine (auto: CUDA with flash-attn's paged kernels)"``, or ``"tp_sharded engine"``
-    when it is set explicitly."""
-    facts = _config_facts(cfg)
-    engine = pick_engine(cfg.rollout.engine, **facts)
-    if cfg.rollout.engine != AUTO:
-        return f"{engine} engine"
-    return f"{engine} engine (auto: {auto_reason(engine, **facts)})"
+    """``"megatron engine, static batching (auto: no paged kernels ...)"``, or without the reason when
+    ``rollout.batching`` is set."""
+    from megatron_rl.distributed.runtime import resolve_device
+
+    facts = batching_facts(cfg, resolve_device(cfg.distributed).type == "cuda")
+    batching = pick_batching(cfg.rollout.batching, **facts)
+    if cfg.rollout.batching != AUTO:
+        return f"megatron engine, {batching} batching"
+    return f"megatron engine, {batching} batching (auto: {batching_reason(batching, **facts)})"

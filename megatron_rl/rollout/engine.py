@@ -1,17 +1,11 @@
-"""Rollout engines: the interface the trainer talks to, the registry, and the plain-PyTorch engine.
+"""The rollout interface the trainer talks to, and the engine registry.
 
-Before each rollout the trainer hands an engine the actor's megatron chunks
-(:meth:`RolloutEngine.load_from_chunks`) and each engine takes the weights it needs from them:
-this one gathers a full canonical copy onto every rank, the TP-sharded engine
-(:mod:`megatron_rl.rollout.tp_engine`) keeps its rank's shard.  Tests and benchmarks may hand a
-canonical state dict instead (:meth:`RolloutEngine.load_weights`).  Engines are picked by name
-from :data:`ENGINES`.
-
-:class:`TorchRolloutEngine` runs :class:`~megatron_rl.rollout.decoder.TorchDecoder` on the rank's
-device: left-padded prompts are prefilled in one batched forward, then every unfinished row
-advances one token per step through a preallocated KV cache.  A finished row stops growing; once
-at most half of the rows are still running, the finished ones are dropped from the batch so late
-steps do not pay for them.
+Before each rollout the trainer hands the engine the actor's megatron chunks
+(:meth:`RolloutEngine.load_from_chunks`); tests and the ``generate`` command may hand a canonical
+state dict instead (:meth:`RolloutEngine.load_weights`).  The generator is megatron-core's
+inference (:mod:`megatron_rl.rollout.megatron_engine`) on every layout: its dynamic engine or its
+static-batching API (``rollout.batching``), on the actor's own shards or on a model of its own
+(``rollout.layout``).  Engines are named in :data:`ENGINES`.
 """
 
 from __future__ import annotations
@@ -24,9 +18,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 
 from megatron_rl.config.schema import ModelConfig, RolloutLayoutConfig
-from megatron_rl.models.arch import resolve_dtype
-from megatron_rl.rollout.decoder import WHOLE_MODEL, KVCache, TensorParallel, TorchDecoder, left_pad
-from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample
+from megatron_rl.rollout.sampling import SamplingParams
 
 
 @dataclass
@@ -116,156 +108,9 @@ def stopped(response: list[int], params: SamplingParams) -> bool:
     )
 
 
-class TorchRolloutEngine:
-    """KV-cached generation with :class:`TorchDecoder`; ``max_batch_size`` rows per pass."""
-
-    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None,
-                 tp: TensorParallel = WHOLE_MODEL):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        self.device = torch.device(device)
-        self.max_batch_size = max_batch_size
-        dtype = dtype or resolve_dtype(model_cfg.params_dtype, self.device)
-        # Built without initialising weights: load_weights() provides every tensor.
-        with torch.device("meta"):
-            model = TorchDecoder(model_cfg, dtype=dtype, tp=tp)
-        self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
-        self._loaded = False
-        # Partial rollouts: weights that can change between two tokens; None = fixed per rollout.
-        self.live_weights: Optional[LiveWeights] = None
-
-    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
-        self._materialize()
-        self.model.load_canonical(canonical)
-        self._loaded = True
-
-    def load_from_chunks(self, chunks: list) -> None:
-        """Load the actor's current weights from its megatron chunks (any layout): gathered into
-        one full canonical copy on every rank."""
-        from megatron_rl.models.canonical import gather_canonical  # megatron's groups
-
-        self.load_weights(gather_canonical(chunks))
-
-    def weight_bytes(self) -> int:
-        """Bytes of weights this rank holds for generation (while loaded)."""
-        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
-
-    def release_weights(self) -> None:
-        """Free the weights' device memory until the next load.
-
-        The trainer reloads the actor's weights before every rollout, so between rollouts they are
-        dead weight: released, training has the memory the planner counts for it."""
-        for tensor in self.model.state_dict().values():
-            tensor.untyped_storage().resize_(0)
-        self._loaded = False
-
-    def _materialize(self) -> None:
-        """Give released weights their storage back (contents are overwritten by the load)."""
-        for tensor in self.model.state_dict().values():
-            storage = tensor.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(tensor.numel() * tensor.element_size())
-
-    @torch.inference_mode()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
-                 sample_keys: Optional[list[int]] = None) -> RolloutBatch:
-        if not self._loaded:
-            raise RuntimeError("TorchRolloutEngine.generate called before load_weights")
-        vocab = self.model.cfg.vocab_size
-        for i, prompt in enumerate(prompt_ids):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-        samples = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
-        if sample_keys is not None and len(sample_keys) != len(samples):
-            raise ValueError(f"{len(sample_keys)} sample keys for {len(samples)} samples")
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        responses, logprobs, reasons, versions = [], [], [], []
-        for start in range(0, len(samples), self.max_batch_size):
-            prompts = [p for _, p in samples[start : start + self.max_batch_size]]
-            keys = sample_keys[start : start + self.max_batch_size] if sample_keys is not None else None
-            r, lp, why, v = self._generate_batch(prompts, params, generator, keys)
-            responses += r
-            logprobs += lp
-            reasons += why
-            versions += v
-        return RolloutBatch(
-            prompt_index=[i for i, _ in samples],
-            prompt_ids=[p for _, p in samples],
-            response_ids=responses,
-            response_logprobs=logprobs,
-            finish_reason=reasons,
-            token_versions=versions if self.live_weights is not None else None,
-        )
-
-    def _prefill(self, sequences: list[list[int]], new_tokens: int):
-        """Logits of the next token of every sequence, the KV cache holding them with room for
-        ``new_tokens`` more, and the position of each next token."""
-        ids, mask, positions = (t.to(self.device) for t in left_pad(sequences))
-        cache = KVCache.for_model(self.model, ids.shape[0], ids.shape[1] + new_tokens)
-        logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
-        return logits, cache, mask.sum(1)
-
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator, keys=None):
-        dev = self.device
-        b = len(prompts)
-        logits, cache, next_pos = self._prefill(prompts, params.max_new_tokens)
-
-        responses: list[list[int]] = [[] for _ in range(b)]
-        logprobs: list[list[float]] = [[] for _ in range(b)]
-        versions: list[list[int]] = [[] for _ in range(b)]
-        reasons = ["length"] * b
-        rows = list(range(b))  # batch row -> sample; shrinks when finished rows are dropped
-        live = self.live_weights
-        for step in range(params.max_new_tokens):
-            if live is not None and live.poll():
-                # Newer weights arrived: the running samples go on with them.  Their KV cache is
-                # recomputed with the new weights, so every later token is drawn from the new
-                # policy given the sample so far, and its log-prob is that policy's.
-                rows = [s for s in rows if reasons[s] != "stop"]
-                logits, cache, next_pos = self._prefill([prompts[s] + responses[s] for s in rows],
-                                                        params.max_new_tokens - step)
-            noise = None
-            if keys is not None:
-                noise = keyed_exponentials(torch.tensor([keys[s] for s in rows], device=dev),
-                                           torch.tensor([len(responses[s]) for s in rows], device=dev),
-                                           logits.shape[-1])
-            tokens, token_logp = self.model.tp.first_rank_draw(*sample(logits, params, generator, noise))
-            running = []
-            for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
-                if reasons[s] == "stop":
-                    continue
-                responses[s].append(tok)
-                logprobs[s].append(lp)
-                if live is not None:
-                    versions[s].append(live.version)
-                if stopped(responses[s], params):
-                    reasons[s] = "stop"
-                else:
-                    running.append(r)
-            if not running or step + 1 == params.max_new_tokens:
-                break
-            if 2 * len(running) <= len(rows):
-                keep = torch.tensor(running, device=dev)
-                cache.keep(keep)
-                tokens, next_pos = tokens[keep], next_pos[keep]
-                rows = [rows[r] for r in running]
-                step_mask = None
-            else:
-                step_mask = torch.zeros(len(rows), 1, dtype=torch.bool)
-                step_mask[running] = True
-                step_mask = step_mask.to(dev)
-            logits = self.model(tokens[:, None], next_pos[:, None], cache, step_mask, last_only=True)[:, -1]
-            next_pos = next_pos + 1
-        return responses, logprobs, reasons, versions
-
-
 # name -> "module:class"; imported when built, so naming an engine (config validation) never
-# imports megatron-core, which the TP-sharded engine needs for its process groups.
+# imports megatron-core's inference.
 ENGINES = {
-    "torch": "megatron_rl.rollout.engine:TorchRolloutEngine",
-    "tp_sharded": "megatron_rl.rollout.tp_engine:TPShardedRolloutEngine",
     "megatron": "megatron_rl.rollout.megatron_engine:MegatronRolloutEngine",
 }
 
@@ -279,7 +124,7 @@ def engine_class(name: str) -> type:
 
 
 def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
-    """Build the engine registered as ``name`` (e.g. ``make_engine("torch", model_cfg, device)``)."""
+    """Build the engine registered as ``name`` (e.g. ``make_engine("megatron", model_cfg, device)``)."""
     return engine_class(name)(*args, **kwargs)
 
 
@@ -296,12 +141,9 @@ def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing:
     options that engine takes.  ``record_routing`` (MoE routing replay): the engine returns the
     experts it routed every token to, where it can (megatron's engine; validation sends routing
     replay with another engine through the old-log-prob pass, which records them instead)."""
-    from megatron_rl.rollout.choice import MEGATRON, engine_facts, pick_engine
+    from megatron_rl.rollout.choice import pick_engine
 
-    name = pick_engine(rollout.engine, **engine_facts(model_cfg, torch.device(device).type == "cuda"))
-    options = {}
-    if name == MEGATRON:
-        options = dict(kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
+    return make_engine(pick_engine(rollout.engine), model_cfg, device=device, max_batch_size=rollout.max_batch_size,
+                       kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
                        kv_block_tokens=rollout.kv_block_tokens, record_routing=record_routing,
-                       layout=rollout.layout, prefix_caching=rollout.prefix_caching)
-    return make_engine(name, model_cfg, device=device, max_batch_size=rollout.max_batch_size, **options)
+                       layout=rollout.layout, prefix_caching=rollout.prefix_caching, batching=rollout.batching)

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.arch import max_positions
+from megatron_rl.rollout.choice import STATIC
 from megatron_rl.rollout.engine import LiveWeights, RolloutBatch, stopped
 from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample, sample_key
 from megatron_rl.utils.seeds import derive_seed
@@ -348,7 +349,7 @@ class MegatronRolloutEngine:
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None, *,
                  kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256,
                  record_routing: bool = False, layout=None,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, batching: str = "auto"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -372,6 +373,8 @@ class MegatronRolloutEngine:
         self._inference_model = None
         self.last_refit = None  # RefitStats of the latest refit; None while generating in place
         self.prefix_caching = prefix_caching  # prompt pages shared between requests (module doc)
+        self.batching = batching  # rollout.batching: dynamic, static, or auto (choice.pick_batching)
+        self.last_batching: Optional[str] = None  # what the last generate ran
         self.prefill_tokens = 0  # prompt tokens the last generate computed (shared pages are not)
         self.idle_steps = 0  # the last generate's dummy steps (this expert-parallel rank had no work)
         # megatron's own routing record (``routing_indices``), for comparison only: in megatron-core
@@ -600,6 +603,74 @@ class MegatronRolloutEngine:
             self.weight_swaps += 1
         engine.controller.version = live.version
 
+    def batching_now(self) -> str:
+        """``dynamic`` or ``static``: how the next generate batches (``rollout.batching`` with
+        ``auto`` resolved for this model, device and rollout; :func:`~megatron_rl.rollout.choice.pick_batching`)."""
+        from megatron_rl.models.arch import is_moe
+        from megatron_rl.rollout.choice import batching_refusal, pick_batching
+
+        facts = dict(moe=is_moe(self.model_cfg), partial=self.live_weights is not None,
+                     sequence_parallel=bool(self._model is not None and self._model.config.sequence_parallel),
+                     paged_kernels=self.device.type == "cuda" and flash_attention_ready())
+        picked = pick_batching(self.batching, **facts)
+        refusal = batching_refusal(picked, **facts) if picked == STATIC else None
+        if refusal:
+            raise ValueError(f"rollout.batching=static: {refusal}")
+        return picked
+
+    def _generate_static(self, prompt_ids: list[list[int]], params: SamplingParams, samples: list[tuple[int, int]],
+                         keys: list[int]) -> RolloutBatch:
+        """Every sample through megatron's static-batching inference (:mod:`megatron_rl.rollout.static_batching`),
+        ``rollout.max_batch_size`` rows at a time, fewer where a chunk's KV cache would exceed
+        ``rollout.kv_cache_memory``."""
+        from megatron.core.inference.utils import InferenceMode
+
+        from megatron_rl.rollout.static_batching import generate_static, kv_bytes_per_row
+
+        model, was_training = self._model, self._model.training
+        groups = model.pg_collection
+        width = max(len(p) for p in prompt_ids) + params.max_new_tokens
+        budget = kv_cache_bytes_for(self.kv_cache_memory, self.device)
+        per_row = kv_bytes_per_row(model, width)
+        if budget < per_row:
+            raise ValueError(
+                f"rollout.kv_cache_memory: {budget} bytes hold no sequence of {width} tokens ({per_row} bytes of "
+                "KV on this rank); raise rollout.kv_cache_memory or lower rollout.max_new_tokens")
+        rows = min(self.max_requests, budget // per_row)
+        cp_group = groups.cp if model is not self._inference_model and groups.cp.size() > 1 else None
+        wrapper_class = _make_wrapper_class()
+
+        def wrapper(m, context):  # the model's own groups: an engine-own model's are not megatron's globals
+            context.config.pg_collection = m.pg_collection
+            return wrapper_class(m, context)
+
+        vocab = getattr(model, "true_vocab_size", None) or self.model_cfg.vocab_size
+        responses, logprobs = [], []
+        self.prefill_tokens = 0
+        model.eval()
+        try:
+            with _without_context_parallel(model, cp_group), InferenceMode.active():
+                for start in range(0, len(samples), rows):
+                    chunk = samples[start : start + rows]
+                    out = generate_static(wrapper, model, prompt_ids, [i for i, _ in chunk],
+                                          keys[start : start + rows], params, vocab,
+                                          share_prompts=self.prefix_caching, stopped=stopped)
+                    responses += out.responses
+                    logprobs += out.logprobs
+                    self.prefill_tokens += out.prefill_tokens
+        finally:
+            InferenceMode.unset_active()
+            model.train(was_training)
+            _clear_rope_cache()
+            _drop_inference_buffers()
+        return RolloutBatch(
+            prompt_index=[i for i, _ in samples],
+            prompt_ids=[list(prompt_ids[i]) for i, _ in samples],
+            response_ids=responses,
+            response_logprobs=logprobs,
+            finish_reason=["stop" if stopped(r, params) else "length" for r in responses],
+        )
+
     @property
     def max_sequence_length(self) -> int:
         return max_positions(self.model_cfg)
@@ -629,6 +700,14 @@ class MegatronRolloutEngine:
                     f"the model's {self.max_sequence_length} positions (model.max_position_embeddings, or YaRN's "
                     "factor x original_max_position_embeddings)"
                 )
+        samples = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
+        if sample_keys is not None and len(sample_keys) != len(samples):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(samples)} samples")
+        keys = [sample_keys[rid] if sample_keys is not None else sample_key(derive_seed(seed, i, j))
+                for rid, (i, j) in enumerate(samples)]
+        self.last_batching = self.batching_now()
+        if self.last_batching == STATIC:
+            return self._generate_static(prompt_ids, params, samples, keys)
         if self._engine is not None and self._suspended and self.kv_cache_memory <= 1:
             self._engine = None  # a fraction of what is free now: sized again for this rollout
         if self._engine is not None and self._engine.context.enable_prefix_caching != self._caching():
@@ -650,12 +729,7 @@ class MegatronRolloutEngine:
                 f"({self._kv_bytes} bytes), fewer than one sequence of {longest} tokens needs; raise "
                 f"rollout.kv_cache_memory or lower rollout.max_new_tokens"
             )
-        samples = [(i, j) for i in range(len(prompt_ids)) for j in range(params.n)]
-        if sample_keys is not None and len(sample_keys) != len(samples):
-            raise ValueError(f"{len(sample_keys)} sample keys for {len(samples)} samples")
-        keys = {rid: sample_keys[rid] if sample_keys is not None else sample_key(derive_seed(seed, i, j))
-                for rid, (i, j) in enumerate(samples)}
-        controller.begin(params, getattr(self._model, "true_vocab_size", None) or vocab, keys)
+        controller.begin(params, getattr(self._model, "true_vocab_size", None) or vocab, dict(enumerate(keys)))
         request = _request_params_class()(num_tokens_to_generate=params.max_new_tokens, termination_id=-1,
                                    return_log_probs=False)
         model, was_training = self._model, self._model.training

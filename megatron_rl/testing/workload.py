@@ -62,20 +62,22 @@ def install_long_tail() -> None:
 
 
 def install_decode_floor(seconds: float) -> None:
-    from megatron_rl.rollout import decoder
+    """Every decode step of megatron's engine (static batching: a one-token forward; dynamic: a step
+    that computed no prompt token) takes at least ``seconds``."""
+    from megatron_rl.rollout import static_batching
 
-    forward = decoder.TorchDecoder.forward
+    forward = static_batching.forward_step
 
-    def floored(self, ids, *args, **kwargs):
+    def floored(wrapper, inputs):
         start = time.perf_counter()
-        out = forward(self, ids, *args, **kwargs)
-        if ids.shape[1] == 1:
+        out = forward(wrapper, inputs)
+        if inputs["tokens"].shape[1] == 1:
             left = seconds - (time.perf_counter() - start)
             if left > 0:
                 time.sleep(left)
         return out
 
-    decoder.TorchDecoder.forward = floored
+    static_batching.forward_step = floored
 
     from megatron_rl.rollout.megatron_engine import MegatronRolloutEngine
 

@@ -6,7 +6,7 @@
 ``--model`` is a preset name (``megatron-rl plan --list-models``) or a local HF model directory.
 Prints per-GPU memory of candidate layouts (weights, grads and optimizer states of actor, critic
 and reference; activations with and without recompute; the log-prob path; the rollout's weights
-and KV cache, a full copy or 1/TP with the sharded engine), marks which fit, recommends one with the overrides to paste,
+and KV cache on megatron's engine's layout), marks which fit, recommends one with the overrides to paste,
 and when nothing fits
 names the smallest node count that does.  Each row shows its CP communication, the training peak,
 the total and what is left of the budget; the ranking rule that orders the rows is printed with
@@ -91,8 +91,7 @@ def _options(c: Candidate) -> str:
     lay = c.layout
     return ",".join(f for f, on in (("sp", lay.sequence_parallel and lay.tp > 1),
                                     (f"rc-{lay.recompute}", bool(lay.recompute)), ("offload", lay.offload),
-                                    ("distopt", lay.distributed_optimizer),
-                                    ("shard-gen", lay.sharded_rollout)) if on) or "-"
+                                    ("distopt", lay.distributed_optimizer)) if on) or "-"
 
 
 def infer_name(c: Candidate) -> str:

@@ -15,10 +15,8 @@ from megatron_rl.config.schema import Config
 from megatron_rl.data.sources import VAL_KEY, check_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
-from megatron_rl.models.arch import is_moe
 from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.registry import get_reward_fn
-from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 
 def _check_dir(key: str, path: str | None, what: str) -> None:
@@ -36,9 +34,6 @@ def check_training_inputs(cfg: Config) -> None:
         check_prompt_source(cfg.data, VAL_KEY, needs_answers=needs_answers(reward_fn))
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
-    if is_moe(cfg.model) and rollout_engine(cfg) != MEGATRON:
-        raise ConfigError("rollout.engine", cfg.rollout.engine, "this rollout decoder has no MoE layers",
-                          "set rollout.engine=megatron (megatron-core's inference engine runs the MoE model)")
     tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,

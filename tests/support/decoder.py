@@ -1,24 +1,19 @@
-"""A plain-PyTorch decoder that runs the actor's weights for generation.
+"""A plain-PyTorch decoder of the actor's weights: a test oracle, not a generator.
 
-Training may shard the actor over any TP/PP/VPP/CP layout, and megatron's forward is built for
-whole sequences.  Generation wants the opposite: one token at a time and a KV cache.  This
-module's tree mirrors the canonical names (TP=1/PP=1 names and shapes, true vocabulary size; see
-:mod:`megatron_rl.models.canonical`), so loading is a key-for-key copy.  It holds either the whole
-model (``rollout.engine=torch`` loads the gathered canonical state dict) or one tensor-parallel
-shard in megatron's own split (``tp_sharded``); then :class:`TensorParallel` carries the TP
-process group and the forward runs the all-reduces and the logits all-gather over it.  Pipeline,
-data and context parallelism never reach the decoder, and it does not import megatron-core.
+megatron-core's inference generates in the product (``megatron_rl/rollout/megatron_engine.py``).
+This second implementation of the model's math -- written independently of megatron-core, and
+checked against megatron's forward (``tests/test_rollout.py``) -- is kept for tests that want a
+reference generator that shares no code with the engine: the multi-turn and generator-rank tests
+score with it, and its KV cache and left-padding are checked on their own.
 
-The math follows megatron-core's GPT with the local layer spec exactly (checked by the tests
-against the megatron model to 1e-4): pre-norm blocks; norms in fp32; fused QKV grouped per KV
-group; q/k norm per head before RoPE; rotate-half RoPE (with Llama-3 or YaRN scaling when configured);
-causal GQA attention with scale 1/sqrt(head_dim); SwiGLU or gelu MLP.  The facts it shares with
-the megatron model (activations, norms, head sizes, RoPE constants) come from
-:mod:`megatron_rl.models.arch`.
+Its tree mirrors the canonical names (TP=1/PP=1 names and shapes, true vocabulary size; see
+:mod:`megatron_rl.models.canonical`), so loading is a key-for-key copy; :class:`TensorParallel`
+can also hold one TP shard in megatron's split (the forward then runs the all-reduces).
 
-Batches are left-padded (:func:`left_pad`).  ``attention_mask`` marks the real tokens of the new
-input; pad keys are never attended, and positions are given per row (counting from the row's
-first real token), so a padded row computes what the same row computes alone.
+The math follows megatron-core's GPT with the local layer spec: pre-norm blocks; norms in fp32;
+fused QKV grouped per KV group; q/k norm per head before RoPE; rotate-half RoPE (Llama-3 or YaRN
+scaling); causal GQA attention with scale 1/sqrt(head_dim); SwiGLU or gelu MLP.  Batches are
+left-padded (:func:`left_pad`), positions counted from each row's first real token.
 """
 
 from __future__ import annotations
@@ -38,8 +33,11 @@ from megatron_rl.models.arch import (
     attention_dims,
     fp32_norm,
     local_norm_name,
+    resolve_dtype,
     rope_inv_freq,
 )
+from megatron_rl.rollout.engine import LiveWeights, RolloutBatch, stopped
+from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,18 +393,148 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torc
     return ids, mask, row_positions(mask)
 
 
-def random_canonical(model_cfg: ModelConfig, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """A seeded random canonical state dict (fp32, CPU) for tests and benchmarks."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.device("meta"):
-        shapes = {n: t.shape for n, t in TorchDecoder(model_cfg).state_dict().items()}
-    state = {}
-    for name, shape in shapes.items():
-        noise = torch.randn(shape, generator=gen)
-        if "layernorm" in name and name.endswith(".weight"):
-            state[name] = 1.0 + 0.1 * noise
-        elif name.endswith(".bias"):
-            state[name] = 0.1 * noise
-        else:
-            state[name] = std * noise
-    return state
+class TorchRolloutEngine:
+    """KV-cached generation with :class:`TorchDecoder` (the rollout engine interface), ``max_batch_size``
+    rows per pass: left-padded prompts prefilled in one forward, then one token per unfinished row a
+    step; once at most half of the rows run, the finished ones are dropped."""
+
+    def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None,
+                 tp: TensorParallel = WHOLE_MODEL):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        dtype = dtype or resolve_dtype(model_cfg.params_dtype, self.device)
+        # Built without initialising weights: load_weights() provides every tensor.
+        with torch.device("meta"):
+            model = TorchDecoder(model_cfg, dtype=dtype, tp=tp)
+        self.model = model.to_empty(device=self.device).eval().requires_grad_(False)
+        self._loaded = False
+        # Partial rollouts: weights that can change between two tokens; None = fixed per rollout.
+        self.live_weights: Optional[LiveWeights] = None
+
+    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        self._materialize()
+        self.model.load_canonical(canonical)
+        self._loaded = True
+
+    def load_from_chunks(self, chunks: list) -> None:
+        """Load the actor's current weights from its megatron chunks (any layout): gathered into
+        one full canonical copy on every rank."""
+        from megatron_rl.models.canonical import gather_canonical  # megatron's groups
+
+        self.load_weights(gather_canonical(chunks))
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds for generation (while loaded)."""
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+
+    def release_weights(self) -> None:
+        """Free the weights' device memory until the next load.
+
+        The trainer reloads the actor's weights before every rollout, so between rollouts they are
+        dead weight: released, training has the memory the planner counts for it."""
+        for tensor in self.model.state_dict().values():
+            tensor.untyped_storage().resize_(0)
+        self._loaded = False
+
+    def _materialize(self) -> None:
+        """Give released weights their storage back (contents are overwritten by the load)."""
+        for tensor in self.model.state_dict().values():
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(tensor.numel() * tensor.element_size())
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, seed: int,
+                 sample_keys: Optional[list[int]] = None) -> RolloutBatch:
+        if not self._loaded:
+            raise RuntimeError("TorchRolloutEngine.generate called before load_weights")
+        vocab = self.model.cfg.vocab_size
+        for i, prompt in enumerate(prompt_ids):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        samples = [(i, list(p)) for i, p in enumerate(prompt_ids) for _ in range(params.n)]
+        if sample_keys is not None and len(sample_keys) != len(samples):
+            raise ValueError(f"{len(sample_keys)} sample keys for {len(samples)} samples")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        responses, logprobs, reasons, versions = [], [], [], []
+        for start in range(0, len(samples), self.max_batch_size):
+            prompts = [p for _, p in samples[start : start + self.max_batch_size]]
+            keys = sample_keys[start : start + self.max_batch_size] if sample_keys is not None else None
+            r, lp, why, v = self._generate_batch(prompts, params, generator, keys)
+            responses += r
+            logprobs += lp
+            reasons += why
+            versions += v
+        return RolloutBatch(
+            prompt_index=[i for i, _ in samples],
+            prompt_ids=[p for _, p in samples],
+            response_ids=responses,
+            response_logprobs=logprobs,
+            finish_reason=reasons,
+            token_versions=versions if self.live_weights is not None else None,
+        )
+
+    def _prefill(self, sequences: list[list[int]], new_tokens: int):
+        """Logits of the next token of every sequence, the KV cache holding them with room for
+        ``new_tokens`` more, and the position of each next token."""
+        ids, mask, positions = (t.to(self.device) for t in left_pad(sequences))
+        cache = KVCache.for_model(self.model, ids.shape[0], ids.shape[1] + new_tokens)
+        logits = self.model(ids, positions, cache, mask, last_only=True)[:, -1]
+        return logits, cache, mask.sum(1)
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams, generator, keys=None):
+        dev = self.device
+        b = len(prompts)
+        logits, cache, next_pos = self._prefill(prompts, params.max_new_tokens)
+
+        responses: list[list[int]] = [[] for _ in range(b)]
+        logprobs: list[list[float]] = [[] for _ in range(b)]
+        versions: list[list[int]] = [[] for _ in range(b)]
+        reasons = ["length"] * b
+        rows = list(range(b))  # batch row -> sample; shrinks when finished rows are dropped
+        live = self.live_weights
+        for step in range(params.max_new_tokens):
+            if live is not None and live.poll():
+                # Newer weights arrived: the running samples go on with them.  Their KV cache is
+                # recomputed with the new weights, so every later token is drawn from the new
+                # policy given the sample so far, and its log-prob is that policy's.
+                rows = [s for s in rows if reasons[s] != "stop"]
+                logits, cache, next_pos = self._prefill([prompts[s] + responses[s] for s in rows],
+                                                        params.max_new_tokens - step)
+            noise = None
+            if keys is not None:
+                noise = keyed_exponentials(torch.tensor([keys[s] for s in rows], device=dev),
+                                           torch.tensor([len(responses[s]) for s in rows], device=dev),
+                                           logits.shape[-1])
+            tokens, token_logp = self.model.tp.first_rank_draw(*sample(logits, params, generator, noise))
+            running = []
+            for r, (s, tok, lp) in enumerate(zip(rows, tokens.tolist(), token_logp.tolist())):
+                if reasons[s] == "stop":
+                    continue
+                responses[s].append(tok)
+                logprobs[s].append(lp)
+                if live is not None:
+                    versions[s].append(live.version)
+                if stopped(responses[s], params):
+                    reasons[s] = "stop"
+                else:
+                    running.append(r)
+            if not running or step + 1 == params.max_new_tokens:
+                break
+            if 2 * len(running) <= len(rows):
+                keep = torch.tensor(running, device=dev)
+                cache.keep(keep)
+                tokens, next_pos = tokens[keep], next_pos[keep]
+                rows = [rows[r] for r in running]
+                step_mask = None
+            else:
+                step_mask = torch.zeros(len(rows), 1, dtype=torch.bool)
+                step_mask[running] = True
+                step_mask = step_mask.to(dev)
+            logits = self.model(tokens[:, None], next_pos[:, None], cache, step_mask, last_only=True)[:, -1]
+            next_pos = next_pos + 1
+        return responses, logprobs, reasons, versions

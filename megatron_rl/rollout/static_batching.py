@@ -1,0 +1,180 @@
+"""megatron-core's static-batching inference driven with the project's sampler: the engine's loop
+where megatron's paged kernels do not run (the CPU, a GPU without flash-attn).
+
+megatron's dynamic engine pages its KV cache and schedules requests every step; on the CPU that
+bookkeeping costs more than the model (``docs/rollout.md``).  Its static-batching API
+(``StaticInferenceContext`` with ``GPTInferenceWrapper``) runs the same model -- megatron's layers,
+TP, PP -- over one preallocated KV cache per layer, and this module steps it:
+
+* **One prefill per prompt.**  The distinct prompts of a chunk are left-padded to the longest and
+  prefilled once under megatron's boolean attention mask (no real query sees a pad key); the KV
+  cache rows are then copied to the ``n`` samples of each prompt (``swap_key_value_dict``), so a
+  GRPO group computes its prompt once -- the static counterpart of the dynamic engine's prefix
+  caching, off with ``rollout.prefix_caching=false``.
+* **One position a step.**  Every running sample decodes one token a step; RoPE is relative, so a
+  row's shift by its padding leaves its attention unchanged.  Once at most half of the rows are
+  still running, the finished ones are dropped (their KV rows compacted), so late steps of a
+  long-tailed batch do not pay for them.
+* **Our sampler and stop rule**, as in the dynamic engine: keyed noise per (sample, position), so
+  a seed gives the dynamic engine's samples token for token; log-probs under the
+  temperature-scaled full distribution; stop ids and sequences end a sample with the stop kept.
+* **Pipeline stages**: megatron's wrapper passes hidden states stage to stage; the last stage
+  draws, and its tokens and log-probs are broadcast to the other stages of the replica.
+
+What it does not do (the engine picks the dynamic engine for these, ``rollout.batching``): MoE
+layers (expert-parallel ranks step together), weights that change mid-rollout (partial
+rollouts), routing replay from the engine, sequence parallelism (megatron's static batching has
+none).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample
+
+
+@dataclass
+class StaticRollout:
+    """Per row of a chunk: the response, its log-probs; and what the chunk computed."""
+
+    responses: list[list[int]]
+    logprobs: list[list[float]]
+    prefill_tokens: int  # prompt tokens prefilled (pads not counted)
+    steps: int  # forward steps, the prefill included
+
+
+def kv_bytes_per_row(model, width: int) -> int:
+    """Bytes of K and V one row of ``width`` positions holds on this rank (its stage's layers, its
+    TP share of the KV heads), as megatron's attention allocates them."""
+    config = model.config
+    tp = model.pg_collection.tp.size()
+    groups = config.num_query_groups or config.num_attention_heads
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    layers = len(model.decoder.layers) if getattr(model, "decoder", None) is not None else 0
+    element = torch.empty((), dtype=config.params_dtype).element_size()
+    return 2 * layers * width * max(groups // tp, 1) * head_dim * element
+
+
+def _pad_mask(pads: torch.Tensor, first_query: int, queries: int, keys: int) -> torch.Tensor | None:
+    """megatron's boolean mask (True = hidden) for rows left-padded by ``pads``: later keys, and pad
+    keys from a real query (a pad query sees only pads, so no row of the softmax is empty).  None
+    where no row is padded: then plain causal attention applies."""
+    if not bool(pads.any()):
+        return None
+    q = torch.arange(first_query, first_query + queries).view(1, queries, 1)
+    k = torch.arange(keys).view(1, 1, keys)
+    p = pads.view(-1, 1, 1)
+    return ((k > q) | ((k < p) & (q >= p))).unsqueeze(1)
+
+
+class _LastStageDraws:
+    """The tokens and log-probs the last pipeline stage drew, on every stage of the replica."""
+
+    def __init__(self, pp_group):
+        self.group = pp_group if pp_group is not None and dist.get_world_size(pp_group) > 1 else None
+        if self.group is not None:
+            size = dist.get_world_size(self.group)
+            self.last = dist.get_process_group_ranks(self.group)[size - 1]
+            self.is_last = dist.get_rank(self.group) == size - 1
+
+    def __call__(self, drawn):
+        if self.group is None:
+            return drawn
+        tokens, logp = drawn if self.is_last else (None, None)
+        rows = torch.stack([tokens.double(), logp.double()], dim=1) if self.is_last else None
+        size = torch.tensor([0 if rows is None else rows.shape[0]], dtype=torch.long)
+        dist.broadcast(size, src=self.last, group=self.group)
+        if rows is None:
+            rows = torch.empty(int(size), 2, dtype=torch.float64)
+        dist.broadcast(rows, src=self.last, group=self.group)
+        return rows[:, 0].long(), rows[:, 1].float()
+
+
+def forward_step(wrapper, inputs: dict):
+    """One forward of the chunk through megatron's wrapper: logits on the last stage, None elsewhere.
+    (One function, so a workload can shape decode steps: ``megatron_rl.testing.workload``.)"""
+    return wrapper.run_one_forward_step(inputs)
+
+
+def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: list[int], keys: list[int],
+                    params: SamplingParams, vocab: int, share_prompts: bool, stopped) -> StaticRollout:
+    """Generate one chunk: row ``r`` continues ``prompts[row_prompt[r]]`` with sample key ``keys[r]``.
+
+    ``wrapper_class``: the engine's inference wrapper (hidden states -> logits on the last stage);
+    ``stopped(response, params)``: the stop rule.  Runs under the caller's inference mode."""
+    from megatron.core.inference.contexts.static_context import StaticInferenceContext
+
+    rows = len(row_prompt)
+    if share_prompts:  # each distinct prompt prefilled once, then copied to its samples' rows
+        order = list(dict.fromkeys(row_prompt))
+        where = {p: i for i, p in enumerate(order)}
+        expand = torch.tensor([where[p] for p in row_prompt])
+    else:
+        order, expand = list(row_prompt), None
+    lengths = torch.tensor([len(prompts[p]) for p in order])
+    longest = int(lengths.max())
+    width = longest + params.max_new_tokens
+    prefill_pads = longest - lengths
+    tokens = torch.zeros(len(order), longest, dtype=torch.long)
+    for i, p in enumerate(order):
+        tokens[i, int(prefill_pads[i]):] = torch.tensor(prompts[p])
+    positions = (torch.arange(longest).unsqueeze(0) - prefill_pads.unsqueeze(1)).clamp(min=0)
+    device = next(model.parameters()).device
+    context = StaticInferenceContext(rows, width)
+    wrapper = wrapper_class(model, context)
+    draws = _LastStageDraws(wrapper.pp_group)
+    keys_t = torch.tensor(keys, dtype=torch.long)
+
+    def step(window_tokens, window_positions, mask, live_keys, drawn_so_far):
+        logits = forward_step(wrapper, {
+            "tokens": window_tokens.to(device), "position_ids": window_positions.to(device),
+            "attention_mask": None if mask is None else mask.to(device)})
+        if logits is None:  # not the last pipeline stage
+            return draws(None)
+        last = logits[:, -1, :vocab]
+        if live_keys.shape[0] != last.shape[0]:  # the prefill's rows are the distinct prompts
+            last = last[expand.to(last.device)]
+        noise = None
+        if not params.is_greedy:
+            noise = keyed_exponentials(live_keys.to(last.device), drawn_so_far.to(last.device), vocab)
+        drawn, logp = sample(last, params, None, noise=noise)
+        return draws((drawn.cpu(), logp.cpu()))
+
+    responses: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    drawn, logp = step(tokens, positions, _pad_mask(prefill_pads, 0, longest, longest), keys_t,
+                       torch.zeros(rows, dtype=torch.long))
+    steps = 1
+    if expand is not None:
+        context.swap_key_value_dict(expand.to(device))
+    pads = prefill_pads[expand] if expand is not None else prefill_pads
+    live = list(range(rows))  # batch row -> chunk row
+    column = longest
+    context.enable_decode_mode()
+    while True:
+        running = []
+        for b, (r, token, lp) in enumerate(zip(live, drawn.tolist(), logp.tolist())):
+            if responses[r] and (stopped(responses[r], params) or len(responses[r]) == params.max_new_tokens):
+                continue  # finished earlier, still in the batch
+            responses[r].append(token)
+            logprobs[r].append(lp)
+            if not stopped(responses[r], params) and len(responses[r]) < params.max_new_tokens:
+                running.append(b)
+        if not running:
+            break
+        if 2 * len(running) <= len(live):  # drop the finished rows: compact their KV rows to the front
+            keep = torch.tensor(running + [running[-1]] * (rows - len(running)))
+            context.swap_key_value_dict(keep.to(device))
+            drawn, pads = drawn[running], pads[running]
+            live = [live[b] for b in running]
+        live_t = torch.tensor(live)
+        drawn, logp = step(drawn.view(-1, 1), (column - pads).view(-1, 1),
+                           _pad_mask(pads, column, 1, column + 1), keys_t[live_t],
+                           torch.tensor([len(responses[r]) for r in live]))
+        steps += 1
+        column += 1
+    return StaticRollout(responses, logprobs, int(lengths.sum()), steps)
