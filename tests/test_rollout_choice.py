@@ -29,19 +29,18 @@ from megatron_rl.validation import validate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = os.path.join(ROOT, "configs", "grpo_cpu.yaml")
 
-# (moe, partial rollouts, sequence parallel, paged kernels) -> what auto batches with
+# (moe, partial rollouts, paged kernels) -> what auto batches with
 AUTO_CASES = [
-    ((False, False, False, True), DYNAMIC),   # a GPU with flash-attn's paged kernels
-    ((False, False, False, False), STATIC),   # the CPU, a GPU without flash-attn
-    ((True, False, False, False), DYNAMIC),   # MoE: expert-parallel ranks step together
-    ((False, True, False, False), DYNAMIC),   # partial rollouts: re-prefilled on a weight push
-    ((False, False, True, False), DYNAMIC),   # sequence parallelism
+    ((False, False, True), DYNAMIC),   # a GPU with flash-attn's paged kernels
+    ((False, False, False), STATIC),   # the CPU, a GPU without flash-attn
+    ((True, False, False), DYNAMIC),   # MoE: expert-parallel ranks step together
+    ((False, True, False), DYNAMIC),   # partial rollouts: re-prefilled on a weight push
 ]
 
 
 @pytest.mark.parametrize("facts,want", AUTO_CASES)
 def test_auto_batching_is_static_where_the_dynamic_engine_has_no_kernels_and_nothing_needs_it(facts, want):
-    named = dict(zip(("moe", "partial", "sequence_parallel", "paged_kernels"), facts))
+    named = dict(zip(("moe", "partial", "paged_kernels"), facts))
     assert pick_batching(AUTO, **named) == want
     for name in (DYNAMIC, STATIC):  # a value set explicitly is kept
         assert pick_batching(name, **named) == name

@@ -1,5 +1,5 @@
-"""rollout.engine=megatron: megatron-core's dynamic inference engine on the actor's own shards, and
-rollout with no redundant generators.
+"""rollout.engine=megatron: megatron-core's inference on the actor's own shards -- its dynamic engine
+and its static batching -- and rollout with no redundant generators.
 
 The engine's greedy tokens are Hugging Face ``generate``'s and the argmax of a full-sequence
 forward of the same model, and its log-probs are HF's teacher-forced ones and the trainer's (the
@@ -39,7 +39,10 @@ PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 8, 30], [1], [70, 71, 72, 73, 74], list
 GREEDY = SamplingParams(greedy=True, max_new_tokens=12)
 SAMPLED = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=12, n=2, stop_token_ids=(3, 4))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENGINE = dict(max_batch_size=8, kv_cache_memory=2**22, prefill_chunk_tokens=16, kv_block_tokens=16)
+# The dynamic engine unless a test names the batching: most tests here check its scheduling, paging
+# and prefix caching; static batching is checked against it and against HF.
+ENGINE = dict(max_batch_size=8, kv_cache_memory=2**22, prefill_chunk_tokens=16, kv_block_tokens=16,
+              batching="dynamic")
 
 
 def _cfg(**overrides) -> ModelConfig:
@@ -240,11 +243,9 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, batch
     """Against HF transformers (generate, teacher-forced log-probs) and the trainer's own forward,
     before and after an optimizer step taken while the engine was suspended.  The actor is an HF
     checkpoint imported onto the layout: Llama at TP1, PP2 and CP2, Qwen2 at TP2 and TP2xPP2.
-    Both of megatron's batching APIs: its dynamic engine and its static batching (not with
-    sequence parallelism, which only the dynamic engine runs)."""
+    Both of megatron's batching APIs: its dynamic engine and its static batching (which runs a
+    sequence-parallel model with sequence parallelism off)."""
     world, layout_kw, kind, *rollout_layout = LAYOUTS[layout]
-    if batching == "static" and layout_kw.get("sp") and not rollout_layout:
-        pytest.skip("megatron's static batching has no sequence parallelism: rollout.batching=auto picks dynamic")
     hf_dir, hf_model = hf_models[kind]
     rollout_layout = rollout_layout[0] if rollout_layout else None
     results = run_distributed(world, parity_body, layout_kw, hf_dir, rollout_layout, batching)

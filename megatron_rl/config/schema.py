@@ -297,8 +297,8 @@ class RolloutConfig:
     batching: Literal[ROLLOUT_BATCHING] = _f(
         "auto", help="rollout.engine=megatron: dynamic (megatron's DynamicInferenceEngine: paged KV cache, continuous "
                      "batching) or static (its static-batching API: distinct prompts left-padded and prefilled once, "
-                     "one KV cache per layer); auto: dynamic on CUDA with flash-attn and for MoE, partial rollouts and "
-                     "sequence parallelism, static elsewhere (the CPU).")
+                     "one KV cache per layer); auto: dynamic on CUDA with flash-attn and for MoE and partial rollouts, "
+                     "static elsewhere (the CPU).")
     layout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
     ranks: int = _f(0, "Ranks of the job that only generate (the last ones), with rollout.layout as their layout; "
                        "the others train, and trainer.mode says how far generation runs ahead of the updates; "

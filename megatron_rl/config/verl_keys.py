@@ -155,7 +155,8 @@ VERL = {
     R + "router_replay.mode": differs("algorithm.routing_replay", "one setting for every forward"),
     R + "load_weight": absent(),
     # --- generation
-    G + "name": differs("rollout.engine", "the engines here are torch, tp_sharded and megatron (no vLLM/SGLang)"),
+    G + "name": differs("rollout.engine", "megatron-core's inference generates (no vLLM/SGLang); "
+                                                    "rollout.batching picks its dynamic or static batching"),
     G + "temperature": same("rollout.temperature"), G + "top_p": same("rollout.top_p"),
     G + "top_k": differs("rollout.top_k", "0 turns it off here (verl: -1)"),
     G + "prompt_length": differs("data.max_prompt_tokens", "longer prompts are dropped and counted, never "

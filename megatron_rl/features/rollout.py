@@ -58,8 +58,6 @@ ROLLOUT_BATCHING_CONSTRAINTS = tuple(
         ("moe", "MoE layers", "MoE layers need the dynamic engine (expert-parallel ranks step together)"),
         ("partial", "partial rollouts",
          "trainer.partial_rollouts needs the dynamic engine (requests re-prefilled on a weight push)"),
-        ("sequence_parallel", "sequence parallelism",
-         "parallel.sequence_parallel needs the dynamic engine (megatron's static batching has none)"),
     )
 )
 ROLLOUT_LAYOUT_CONSTRAINTS = (
@@ -143,7 +141,7 @@ FEATURES = [
         "Batching chosen by the machine (rollout.batching=auto)", "rollout", TESTED_CPU,
         "megatron's engine is the one generator (rollout.engine=auto names it; the torch and tp_sharded engines are "
         "gone). rollout.batching=auto (the default): its dynamic engine on CUDA with flash-attn >= 2.7.3 (or FA3), "
-        "and for MoE models, partial rollouts and sequence parallelism; its static batching elsewhere (the CPU, a "
+        "and for MoE models and partial rollouts; its static batching elsewhere (the CPU, a "
         "GPU without flash-attn). One rule (rollout/choice.py) resolved before launch (megatron-rl validate shows it "
         "with the reason) and read by the engine when it generates; rollout.batching=static where it cannot "
         "generate exits 2 before launch. The static branch on a GPU has not run there.",

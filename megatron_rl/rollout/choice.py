@@ -5,8 +5,8 @@ too).  It batches one of two ways (``rollout.batching``):
 
 * ``dynamic`` -- its ``DynamicInferenceEngine``: a paged KV cache, continuous batching, chunked
   prefill, prefix caching by pages.  Picked by ``auto`` on CUDA with flash-attn's paged kernels,
-  and wherever only it can generate: MoE layers (expert-parallel ranks step together), partial
-  rollouts (requests re-prefilled on a weight push), sequence parallelism.
+  and wherever only it can generate: MoE layers (expert-parallel ranks step together) and partial
+  rollouts (requests re-prefilled on a weight push).
 * ``static`` -- its static-batching API (``StaticInferenceContext``): distinct prompts left-padded
   and prefilled once, one KV cache per layer (:mod:`megatron_rl.rollout.static_batching`).
   Picked by ``auto`` elsewhere: on the CPU, and on a GPU without flash-attn, where the dynamic
@@ -32,30 +32,28 @@ def pick_engine(requested: str) -> str:
     return MEGATRON if requested == AUTO else requested
 
 
-def pick_batching(requested: str, *, moe: bool, partial: bool, sequence_parallel: bool, paged_kernels: bool) -> str:
+def pick_batching(requested: str, *, moe: bool, partial: bool, paged_kernels: bool) -> str:
     """``rollout.batching`` with ``auto`` resolved (the module doc)."""
     if requested != AUTO:
         return requested
-    if moe or partial or sequence_parallel or paged_kernels:
+    if moe or partial or paged_kernels:
         return DYNAMIC
     return STATIC
 
 
-def batching_reason(batching: str, *, moe: bool, partial: bool, sequence_parallel: bool, paged_kernels: bool) -> str:
+def batching_reason(batching: str, *, moe: bool, partial: bool, paged_kernels: bool) -> str:
     """Why ``auto`` picked ``batching``, for the resolved-config report and the trainer's log."""
     if moe:
         return "MoE layers: expert-parallel ranks step together"
     if partial:
         return "partial rollouts re-prefill requests on a weight push"
-    if sequence_parallel:
-        return "sequence parallelism: megatron's static batching has none"
     if paged_kernels:
         return "CUDA with flash-attn's paged kernels"
     return (f"no paged kernels (flash-attn >= {PAGED_FLASH_ATTN_MIN} on CUDA): the dynamic engine's scheduling "
             "costs more")
 
 
-def batching_refusal(batching: str, *, moe: bool, partial: bool, sequence_parallel: bool, **_facts) -> str:
+def batching_refusal(batching: str, *, moe: bool, partial: bool, **_facts) -> str:
     """Why ``batching`` cannot generate this rollout ('' when it can)."""
     if batching != STATIC:
         return ""
@@ -64,9 +62,6 @@ def batching_refusal(batching: str, *, moe: bool, partial: bool, sequence_parall
     if partial:
         return ("trainer.partial_rollouts needs the dynamic engine (requests re-prefilled on a weight push); "
                 "set rollout.batching=auto")
-    if sequence_parallel:
-        return ("parallel.sequence_parallel needs the dynamic engine (megatron's static batching has no sequence "
-                "parallelism); set rollout.batching=auto or parallel.sequence_parallel=false")
     return ""
 
 
@@ -74,7 +69,6 @@ def batching_facts(cfg, cuda: bool) -> dict:
     """What :func:`pick_batching` reads for a full config (a :class:`~megatron_rl.config.schema.Config`)
     on a machine with or without CUDA; flash-attn's paged kernels looked up where there is CUDA."""
     return dict(moe=is_moe(cfg.model), partial=cfg.trainer.mode == ASYNC and cfg.trainer.partial_rollouts,
-                sequence_parallel=cfg.parallel.sequence_parallel,
                 paged_kernels=cuda and paged_flash_attention_installed())
 
 

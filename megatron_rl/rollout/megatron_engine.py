@@ -151,6 +151,31 @@ def _without_context_parallel(model: torch.nn.Module, cp_group):
             setattr(holder, attr, cp_group)
 
 
+@contextlib.contextmanager
+def _without_sequence_parallel(model: torch.nn.Module):
+    """Let a model built with sequence parallelism run megatron's static batching, which has none
+    (a decode step's one token cannot be split over the TP group): every rank of the group runs the
+    whole sequence meanwhile.  The math is the same -- sequence parallelism only moves where the
+    activations outside attention and the MLP are split -- so the switch is the flags megatron reads
+    when it forwards: the config's, each parallel linear layer's, the embedding's scatter."""
+    config = getattr(model, "config", None)
+    if config is None or not config.sequence_parallel:
+        yield
+        return
+    flipped: list[tuple[object, str]] = [(config, "sequence_parallel")]
+    for module in model.modules():
+        for attr in ("sequence_parallel", "reduce_scatter_embeddings"):
+            if getattr(module, attr, None) is True:
+                flipped.append((module, attr))
+    for holder, attr in flipped:
+        setattr(holder, attr, False)
+    try:
+        yield
+    finally:
+        for holder, attr in flipped:
+            setattr(holder, attr, True)
+
+
 def _drop_inference_buffers() -> None:
     """Forget megatron's process-wide scratch buffers (``GlobalMemoryBuffer``: the sequence-parallel
     all-gather's among them) that were grown while generating: made under ``torch.inference_mode``,
@@ -610,7 +635,6 @@ class MegatronRolloutEngine:
         from megatron_rl.rollout.choice import batching_refusal, pick_batching
 
         facts = dict(moe=is_moe(self.model_cfg), partial=self.live_weights is not None,
-                     sequence_parallel=bool(self._model is not None and self._model.config.sequence_parallel),
                      paged_kernels=self.device.type == "cuda" and flash_attention_ready())
         picked = pick_batching(self.batching, **facts)
         refusal = batching_refusal(picked, **facts) if picked == STATIC else None
@@ -649,7 +673,8 @@ class MegatronRolloutEngine:
         self.prefill_tokens = 0
         model.eval()
         try:
-            with _without_context_parallel(model, cp_group), InferenceMode.active():
+            with _without_context_parallel(model, cp_group), _without_sequence_parallel(model), \
+                    InferenceMode.active():
                 for start in range(0, len(samples), rows):
                     chunk = samples[start : start + rows]
                     out = generate_static(wrapper, model, prompt_ids, [i for i, _ in chunk],

@@ -23,8 +23,8 @@ TP, PP -- over one preallocated KV cache per layer, and this module steps it:
 
 What it does not do (the engine picks the dynamic engine for these, ``rollout.batching``): MoE
 layers (expert-parallel ranks step together), weights that change mid-rollout (partial
-rollouts), routing replay from the engine, sequence parallelism (megatron's static batching has
-none).
+rollouts), routing replay from the engine.  A model trained with sequence parallelism generates
+with it switched off (megatron's static batching has none; the engine's ``_without_sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ class _LastStageDraws:
     """The tokens and log-probs the last pipeline stage drew, on every stage of the replica."""
 
     def __init__(self, pp_group):
-        self.group = pp_group if pp_group is not None and dist.get_world_size(pp_group) > 1 else None
+        self.group = pp_group if pp_group is not None and pp_group.size() > 1 else None
         if self.group is not None:
-            size = dist.get_world_size(self.group)
+            size = self.group.size()
             self.last = dist.get_process_group_ranks(self.group)[size - 1]
-            self.is_last = dist.get_rank(self.group) == size - 1
+            self.is_last = self.group.rank() == size - 1
 
     def __call__(self, drawn):
         if self.group is None:
@@ -155,14 +155,17 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
     live = list(range(rows))  # batch row -> chunk row
     column = longest
     context.enable_decode_mode()
+    finished = [False] * rows
     while True:
         running = []
         for b, (r, token, lp) in enumerate(zip(live, drawn.tolist(), logp.tolist())):
-            if responses[r] and (stopped(responses[r], params) or len(responses[r]) == params.max_new_tokens):
+            if finished[r]:
                 continue  # finished earlier, still in the batch
             responses[r].append(token)
             logprobs[r].append(lp)
-            if not stopped(responses[r], params) and len(responses[r]) < params.max_new_tokens:
+            if len(responses[r]) == params.max_new_tokens or stopped(responses[r], params):
+                finished[r] = True
+            else:
                 running.append(b)
         if not running:
             break

@@ -95,8 +95,8 @@ def _options(c: Candidate) -> str:
 
 
 def infer_name(c: Candidate) -> str:
-    """megatron's engine: the inference layout and its replicas (``tp1 pp1 x8``); ``-`` for the
-    decoders, which generate on the training layout."""
+    """megatron's engine: the inference layout and its replicas (``tp1 pp1 x8``); ``-`` for a layout
+    costed without it (``PlanOption.megatron_rollout`` off: one full copy per rank, an upper bound)."""
     mem = c.breakdown.rollout
     return "-" if mem is None else f"{mem.layout.name()} x{mem.replicas}"
 

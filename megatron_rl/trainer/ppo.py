@@ -151,8 +151,10 @@ class PPOTrainer:
                                pad_id=self.tokenizer.pad_id)
         self.log(f"batching: {self.plan.describe()}")
         engine, batch = self.resolution.get("rollout.engine"), self.resolution.get("rollout.max_batch_size")
-        how = f" (auto: {engine.why})" if engine.origin == AUTO_ORIGIN else ""
-        self.log(f"rollout: {engine.value} engine{how}, up to {batch.value} sequences per generation pass per rank "
+        batching = self.resolution.get("rollout.batching")
+        how = f" (auto: {batching.why})" if batching.origin == AUTO_ORIGIN else ""
+        self.log(f"rollout: {engine.value} engine, {batching.value} batching{how}, up to {batch.value} sequences "
+                 "per generation pass per rank "
                  f"({'derived' if batch.origin == DERIVED else 'rollout.max_batch_size'})")
         self.old_logprobs = old_logprob_source(cfg.algorithm.old_logprobs)
         auto = self.resolution.get("algorithm.old_logprobs").origin == AUTO_ORIGIN
