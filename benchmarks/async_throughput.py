@@ -4,7 +4,7 @@
 
     python benchmarks/async_throughput.py                      # both regimes, 2 rounds, about 10 min on 2 cores
     python benchmarks/async_throughput.py --regimes floor --modes sync,one_step_off,async --floor-ms 8
-    python benchmarks/async_throughput.py --engine auto        # the KV-cache decoder (the CPU's auto) generating
+    python benchmarks/async_throughput.py --batching auto      # static batching (the CPU's auto) generating
     python benchmarks/async_throughput.py --regimes cpu --rounds 1 --seeds 6 --correction is   # the reward study
 
 The workload is ``configs/grpo_cpu.yaml`` (the add_small task after its supervised warm-up, GRPO,
@@ -19,18 +19,18 @@ Two cost regimes, each mode a subprocess of its own:
 * ``cpu``   -- this CPU as it is: a decode step's cost grows with its rows, so rows that finished
   early cost nothing and the long tail wastes little;
 * ``floor`` -- an emulation of a memory-bound GPU decode: the same module gives every decode step
-  (of megatron's engine, or of the KV-cache decoder with ``--engine auto``) a floor of
+  (of megatron's dynamic engine, or of its static batching with ``--batching static``) a floor of
   ``--floor-ms`` whatever its rows (prefill and training untouched), so a batch costs its longest
   response, as on a GPU.  The default is where one generating rank keeps pace with one training
-  rank on this model (:data:`BALANCED_FLOOR_MS`: 2.5 ms for megatron's engine, whose bookkeeping
-  between steps adds to the floor, 3 ms for the decoder); above it generation sets the pace and
+  rank on this model (:data:`BALANCED_FLOOR_MS`: 2.5 ms for the dynamic engine, whose bookkeeping
+  between steps adds to the floor, 3 ms otherwise); above it generation sets the pace and
   the trainer waits (a job would give generation more ranks: ``megatron-rl plan
   --generator-gpus``), which ``--floor-ms 8`` shows.
 
-Every run generates with megatron-core's engine (``rollout.engine=megatron``), the product's
-generator on every layout, partial rollouts included; ``--engine auto`` runs the CPU's default,
-the KV-cache decoder, which here generates a batch in a third of the time training takes on it,
-so its generator waits most of the time in the cpu regime.
+Every run generates with megatron-core's engine, the product's generator on every layout, by
+default batching dynamically (``rollout.batching=dynamic``) in every mode, partial rollouts
+included; ``--batching auto`` runs the CPU's default, static batching, except with partial
+rollouts (which only the dynamic engine runs).
 
 Per mode: trained samples/s and generated tokens/s over the sum of the trainer's ``timing/step_s``
 (rollout or the wait for it, reward, experience, update and weight push; not start-up, warm-up or
@@ -71,7 +71,7 @@ REWARD_STEPS = 10  # the training reward: the mean over the last steps (one step
 EVALUATION = ["data.val_path=task:add_small", "eval.n=32", "eval.temperature=1.0"]
 # The floor at which one generating rank keeps pace with one training rank on this workload (measured:
 # async idle 2-9% trainer / 6-10% generator on megatron's engine at 2.5 ms, 7-23% trainer at 3 ms).
-BALANCED_FLOOR_MS = {"megatron": 2.5, "auto": 3.0, "torch": 3.0}
+BALANCED_FLOOR_MS = {"dynamic": 2.5, "auto": 3.0, "static": 3.0}
 SAMPLES_PER_STEP = 16 * 8  # configs/grpo_cpu.yaml: trainer.prompts_per_step x rollout.n
 MODES = {
     "sync": ["--nproc", "2"],
@@ -82,7 +82,7 @@ MODES = {
 }
 
 def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work: str,
-             engine: str = "megatron", correction: str | None = None) -> dict:
+             batching: str = "dynamic", correction: str | None = None) -> dict:
     name = f"{mode}_{regime}_{seed}"
     env = job_env(long_tail=True, decode_floor_s=floor_s if regime == "floor" else 0.0)
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], REPO])
@@ -93,7 +93,7 @@ def run_mode(mode: str, regime: str, seed: int, steps: int, floor_s: float, work
     cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config",
            os.path.join(REPO, "configs", "grpo_cpu.yaml"), *MODES[mode], "rollout.max_new_tokens=32",
            f"trainer.steps={steps}", f"run.seed={seed}", f"run.dir={work}", f"run.name={name}", "trainer.plot=false",
-           f"rollout.engine={engine}", *evaluate]
+           f"rollout.batching={batching}", *evaluate]
     if correction and mode != "sync":  # the stale modes' correction (sync samples from the weights it trains)
         cmd.append(f"algorithm.rollout_correction.mode={correction}")
     start = time.monotonic()
@@ -224,16 +224,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="repeats of every run, interleaved round by round")
     parser.add_argument("--modes", default=",".join(MODES), help="modes to run (sync always)")
     parser.add_argument("--floor-ms", type=float, help="the floor regime's time per decode step (default: where "
-                        "one generating rank keeps pace with one training rank, per engine: "
+                        "one generating rank keeps pace with one training rank, per batching: "
                         + ", ".join(f"{k} {v:g} ms" for k, v in BALANCED_FLOOR_MS.items()) + ")")
-    parser.add_argument("--engine", default="megatron", help="rollout.engine of every run (megatron: megatron-core's "
-                        "engine, partial rollouts included; auto: the KV-cache decoder on the CPU)")
+    parser.add_argument("--batching", default="dynamic", choices=["dynamic", "static", "auto"],
+                        help="rollout.batching of every run (auto: static batching on the CPU, dynamic with "
+                             "partial rollouts)")
     parser.add_argument("--correction", help="algorithm.rollout_correction.mode of the stale modes (default: auto, "
                         "resolved per mode)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.floor_ms is None:
-        args.floor_ms = BALANCED_FLOOR_MS.get(args.engine, 3.0)
+        args.floor_ms = BALANCED_FLOOR_MS[args.batching]
     modes = ["sync"] + [m for m in args.modes.split(",") if m in MODES and m != "sync"]
     regimes = args.regimes.split(",")
     results = []
@@ -247,13 +248,13 @@ def main() -> None:
                 order += [(0, mode, FIRST_SEED + k) for mode in modes[1:] for k in range(1, args.seeds)]
             for rnd, mode, seed in order:
                 row = run_mode(mode, regime, seed, args.steps, args.floor_ms / 1000, os.path.join(work, str(rnd)),
-                               args.engine, args.correction)
+                               args.batching, args.correction)
                 row["round"] = rnd
                 results.append(row)
                 print(json.dumps(row), flush=True)
     summaries = {regime: summarise(results, regime) for regime in regimes}
     print(f"\n{args.steps} steps of 16 prompts x 8 samples, rollout.max_new_tokens=32, {args.rounds} interleaved "
-          f"round(s), rollout.engine={args.engine}, rollout correction of the stale modes: "
+          f"round(s), rollout.batching={args.batching}, rollout correction of the stale modes: "
           f"{args.correction or 'auto'}, medians over rounds; floor regime: {args.floor_ms:g} ms per "
           "decode step (an emulation of a memory-bound GPU decode)")
     print("| regime | mode | ranks | trained samples/s | vs sync (each round) | generated tokens/s | trainer idle | "

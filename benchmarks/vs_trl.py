@@ -16,8 +16,8 @@ peak; the rows run ``--rounds`` times, interleaved, so that a burst of load from
 shared machine hits every row rather than one):
 
 * ``default``  -- ``megatron-rl train`` with its defaults for everything the workload does not fix;
-* ``engine``   -- the defaults with ``rollout.engine=megatron`` (megatron-core's inference engine
-  where the CPU default is the KV-cache decoder);
+* ``dynamic``  -- the defaults with ``rollout.batching=dynamic`` (megatron-core's dynamic inference
+  engine where the CPU default is its static batching);
 * ``nproc2``   -- the same with ``--nproc 2`` (data parallel over 2 gloo ranks);
 * ``tuned``    -- the defaults plus ``batch.micro_batch_size=128 rollout.max_batch_size=128``;
 * ``unpacked`` -- the defaults plus ``batch.packing=false``;
@@ -57,11 +57,11 @@ CLIP = 0.2
 GRAD_CLIP = 1.0
 SEED = 1234
 
-ALL_ROWS = ("default", "engine", "nproc2", "tuned", "unpacked", "trl")
+ALL_ROWS = ("default", "dynamic", "nproc2", "tuned", "unpacked", "trl")
 MEGATRON_ROWS = {
     # name: (label, --nproc, extra overrides)
     "default": ("megatron_rl defaults, nproc 1", 1, []),
-    "engine": ("megatron_rl defaults, rollout.engine=megatron", 1, ["rollout.engine=megatron"]),
+    "dynamic": ("megatron_rl defaults, rollout.batching=dynamic", 1, ["rollout.batching=dynamic"]),
     "nproc2": ("megatron_rl defaults, nproc 2", 2, []),
     "tuned": ("megatron_rl tuned (mbs 128, rollout batch 128)", 1,
               ["batch.micro_batch_size=128", "rollout.max_batch_size=128"]),

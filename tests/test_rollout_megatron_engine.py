@@ -367,14 +367,20 @@ def static_vs_dynamic_body(layout_kw: dict, cfg: ModelConfig) -> dict:
     out = {}
     for name, params, seed in (("greedy", GREEDY, 0), ("sampled", SAMPLED, 5)):
         out[name] = dataclasses.asdict(dynamic.generate(PROMPTS, params, seed=seed))
-        # static: prompts shared by their samples or not, and in chunks of 3 rows (a group split)
-        for options in (dict(), dict(prefix_caching=False), dict(max_batch_size=3)):
+        # static: prompts shared by their samples or not, in chunks of 3 rows (a group split), and
+        # aligned at column 0 instead of left-padded (for attention that ignores an explicit mask)
+        for options in (dict(), dict(prefix_caching=False), dict(max_batch_size=3), dict(left_pad=False)):
+            left_pad = options.pop("left_pad", None)
             engine = _engine(cfg, chunks, batching="static", **options)
+            engine.static_left_pad = left_pad
+            if left_pad is not None:
+                options["left_pad"] = left_pad
             batch = engine.generate(PROMPTS, params, seed=seed)
             assert engine.last_batching == "static"
             key = f"{name} static {sorted(options.items())}"
             out[key] = dataclasses.asdict(batch)
             out[key + " prefill"] = engine.prefill_tokens
+    out["empty share"] = len(_engine(cfg, chunks, batching="static").generate([], SAMPLED, seed=1))
     return out
 
 
@@ -383,8 +389,9 @@ def static_vs_dynamic_body(layout_kw: dict, cfg: ModelConfig) -> dict:
 def test_static_batching_gives_the_dynamic_engines_samples(world, layout_kw):
     """megatron's static batching (the engine's CPU path) and its dynamic engine draw the same
     samples for a seed -- the same keyed noise per sample and position -- whether a group's prompt
-    is prefilled once or per sample, and when a group is split between two chunks; sharing a prompt
-    prefills it once."""
+    is prefilled once or per sample, when a group is split between two chunks, and with prompts
+    aligned at column 0 (causal attention alone, the way for TransformerEngine's attention) instead
+    of left-padded under a mask; sharing a prompt prefills it once."""
     results = run_distributed(world, static_vs_dynamic_body, layout_kw, _cfg())
     for out in results:
         assert out == results[0]  # every rank of the replica has the samples
@@ -392,7 +399,7 @@ def test_static_batching_gives_the_dynamic_engines_samples(world, layout_kw):
     prompt_tokens = sum(map(len, PROMPTS))
     for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
         want = out[name]
-        for options in ("[]", "[('prefix_caching', False)]", "[('max_batch_size', 3)]"):
+        for options in ("[]", "[('prefix_caching', False)]", "[('max_batch_size', 3)]", "[('left_pad', False)]"):
             got = out[f"{name} static {options}"]
             assert got["response_ids"] == want["response_ids"], (name, options)
             assert got["finish_reason"] == want["finish_reason"]
@@ -401,7 +408,16 @@ def test_static_batching_gives_the_dynamic_engines_samples(world, layout_kw):
             assert worst <= 1e-4, (name, options, worst)  # other batch shapes: other cuts of the same sums
         assert out[f"{name} static [] prefill"] == prompt_tokens
         assert out[f"{name} static [('prefix_caching', False)] prefill"] == prompt_tokens * params.n
+        # aligned: each chunk's prefill stops at its shortest prompt, then every sample feeds the rest
+        rows = [i for i in range(len(PROMPTS)) for _ in range(params.n)]
+        fed = 0
+        for start in range(0, len(rows), ENGINE["max_batch_size"]):
+            chunk = rows[start : start + ENGINE["max_batch_size"]]
+            shortest = min(len(PROMPTS[i]) for i in chunk)
+            fed += shortest * len(set(chunk)) + sum(len(PROMPTS[i]) - shortest for i in chunk)
+        assert out[f"{name} static [('left_pad', False)] prefill"] == fed
     assert any(r == "stop" for r in out["sampled"]["finish_reason"])
+    assert out["empty share"] == 0  # a generator with no prompts (more generators than prompts)
 
 
 def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict]) -> list:

@@ -67,7 +67,7 @@ register_workaround(
         reason=(
             "GPTModel(rope_scaling=True) applies Llama-3 scaling with only the factor configurable "
             "(low/high frequency factors 1/4, original length 8192 fixed in RotaryEmbedding); HF "
-            "configs with other values are refused and the rollout decoder uses the same constants"
+            "configs with other values are refused"
         ),
         used_in="models/arch.py:LLAMA3_ROPE_FIXED",
     )

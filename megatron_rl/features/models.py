@@ -131,8 +131,8 @@ FEATURES = [
         "dense_layers) with our router: load-balancing (per micro-batch or per sequence) and z-losses over real "
         "tokens, divided once by the pass's token count like the policy loss, reported as actor/moe_aux_loss and "
         "actor/moe_z_loss and in the gradient only with a coefficient > 0; no token dropping unless "
-        "model.moe.capacity_factor is set. Training generates with rollout.engine=megatron (the torch decoders have no "
-        "MoE layers; `megatron-rl train` and `validate` refuse them for an MoE model).",
+        "model.moe.capacity_factor is set. Training generates with megatron's dynamic inference engine "
+        "(rollout.batching=auto picks it for an MoE model; static batching is refused before launch).",
         ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
          "tests/test_moe.py::test_router_losses_enter_the_gradient_with_their_coefficients",
          "tests/test_moe.py::test_micro_batch_load_balancing_loss_where_the_batch_is_cut_the_same",
@@ -189,13 +189,12 @@ FEATURES = [
         "YaRN RoPE scaling", "models", TESTED_CPU,
         "HF rope_scaling type yarn (Qwen2.5/Qwen3 past their native window) read from config.json or set as "
         "model.rope_scaling, built as megatron-core's YaRN embedding with HF's attention factor on cos and sin "
-        "(also in the rollout decoders and megatron's inference engine; RoPE fusion off, as fused packed RoPE drops "
+        "(also in megatron's inference engine, both batchings; RoPE fusion off, as fused packed RoPE drops "
         "that factor), written back to config.json on export; log-probs match HF transformers "
         "on TP, PP/VPP and CP (p2p packed, all_gather unpadded, a2a) at 4x the original window. HF linear / dynamic "
         "scaling is refused.",
         ("tests/test_hf_models.py::test_yarn_matches_hf_on_every_layout",
          "tests/test_hf_models.py::test_yarn_reference_depends_on_frequencies_and_attention_factor",
-         "tests/test_rollout.py::test_decoder_matches_megatron",
          "tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
          "tests/test_hf_config.py::test_yarn_frequencies_and_attention_factor_match_hf",
          "tests/test_hf_config.py::test_yarn_round_trips_through_convert",

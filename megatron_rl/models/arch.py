@@ -1,8 +1,8 @@
-"""Architecture facts shared by the builder, the HF bridge, the rollout decoder and the planner.
+"""Architecture facts shared by the builder, the HF bridge and the planner.
 
-Pure Python and torch (no megatron-core), so validation and the planner read it, and the second
-implementation of the model's math (``rollout/decoder.py``) reads the same facts the megatron
-model is built from.  The choice lists themselves live in ``config/choices.py``.
+Pure Python and torch (no megatron-core), so validation and the planner read it, and the test
+oracle decoder (``tests/support/decoder.py``) reads the same facts the megatron model is built
+from.  The choice lists themselves live in ``config/choices.py``.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
 def fp32_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
               rms: bool) -> torch.Tensor:
     """RMSNorm (``bias`` unused) or LayerNorm computed in fp32 and cast back to ``x.dtype``, as HF
-    computes it; the trainer's norms and the rollout decoder both call this, so they agree."""
+    computes it; the trainer's norms call this (and the test oracle decoder), so they agree."""
     dtype = x.dtype
     x = x.float()
     if rms:

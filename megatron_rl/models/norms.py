@@ -3,8 +3,7 @@
 megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism.  These norms are plain torch
 modules whose parameters carry ``sequence_parallel`` so that megatron's
 ``finalize_model_grads`` sums their gradients over the tensor-parallel group, which is all
-sequence parallelism needs from a norm.  The math is :func:`megatron_rl.models.arch.fp32_norm`,
-shared with the rollout decoder.
+sequence parallelism needs from a norm.  The math is :func:`megatron_rl.models.arch.fp32_norm`.
 """
 
 from __future__ import annotations

@@ -400,6 +400,9 @@ class MegatronRolloutEngine:
         self.prefix_caching = prefix_caching  # prompt pages shared between requests (module doc)
         self.batching = batching  # rollout.batching: dynamic, static, or auto (choice.pick_batching)
         self.last_batching: Optional[str] = None  # what the last generate ran
+        # Static batching: prompts left-padded under an attention mask (None: where the model's core
+        # attention applies one, static_batching.honours_attention_masks), else aligned at column 0.
+        self.static_left_pad: Optional[bool] = None
         self.prefill_tokens = 0  # prompt tokens the last generate computed (shared pages are not)
         self.idle_steps = 0  # the last generate's dummy steps (this expert-parallel rank had no work)
         # megatron's own routing record (``routing_indices``), for comparison only: in megatron-core
@@ -649,8 +652,10 @@ class MegatronRolloutEngine:
         ``rollout.kv_cache_memory``."""
         from megatron.core.inference.utils import InferenceMode
 
-        from megatron_rl.rollout.static_batching import generate_static, kv_bytes_per_row
+        from megatron_rl.rollout.static_batching import generate_static, honours_attention_masks, kv_bytes_per_row
 
+        if not samples:  # a generator whose share of the prompts is empty
+            return RolloutBatch([], [], [], [], [])
         model, was_training = self._model, self._model.training
         groups = model.pg_collection
         width = max(len(p) for p in prompt_ids) + params.max_new_tokens
@@ -669,6 +674,7 @@ class MegatronRolloutEngine:
             return wrapper_class(m, context)
 
         vocab = getattr(model, "true_vocab_size", None) or self.model_cfg.vocab_size
+        left_pad = self.static_left_pad if self.static_left_pad is not None else honours_attention_masks(model)
         responses, logprobs = [], []
         self.prefill_tokens = 0
         model.eval()
@@ -679,7 +685,7 @@ class MegatronRolloutEngine:
                     chunk = samples[start : start + rows]
                     out = generate_static(wrapper, model, prompt_ids, [i for i, _ in chunk],
                                           keys[start : start + rows], params, vocab,
-                                          share_prompts=self.prefix_caching, stopped=stopped)
+                                          share_prompts=self.prefix_caching, stopped=stopped, left_pad=left_pad)
                     responses += out.responses
                     logprobs += out.logprobs
                     self.prefill_tokens += out.prefill_tokens

@@ -12,7 +12,10 @@ TP, PP -- over one preallocated KV cache per layer, and this module steps it:
   GRPO group computes its prompt once -- the static counterpart of the dynamic engine's prefix
   caching, off with ``rollout.prefix_caching=false``.
 * **One position a step.**  Every running sample decodes one token a step; RoPE is relative, so a
-  row's shift by its padding leaves its attention unchanged.  Once at most half of the rows are
+  row's shift by its padding leaves its attention unchanged.  Attention that ignores an explicit
+  mask under a causal mask type (TransformerEngine's) gets no padding instead: prompts start at
+  column 0, the prefill stops at the shortest, and a longer prompt's row is fed its own tokens one
+  a step until it draws.  Once at most half of the rows are
   still running, the finished ones are dropped (their KV rows compacted), so late steps of a
   long-tailed batch do not pay for them.
 * **Our sampler and stop rule**, as in the dynamic engine: keyed noise per (sample, position), so
@@ -101,11 +104,17 @@ def forward_step(wrapper, inputs: dict):
 
 
 def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: list[int], keys: list[int],
-                    params: SamplingParams, vocab: int, share_prompts: bool, stopped) -> StaticRollout:
+                    params: SamplingParams, vocab: int, share_prompts: bool, stopped,
+                    left_pad: bool = True) -> StaticRollout:
     """Generate one chunk: row ``r`` continues ``prompts[row_prompt[r]]`` with sample key ``keys[r]``.
 
     ``wrapper_class``: the engine's inference wrapper (hidden states -> logits on the last stage);
-    ``stopped(response, params)``: the stop rule.  Runs under the caller's inference mode."""
+    ``stopped(response, params)``: the stop rule.  ``left_pad``: prompts right-aligned under
+    megatron's attention mask (one prefill of the longest prompt, every row then draws); else
+    every prompt starts at column 0, the prefill stops at the shortest prompt and a longer prompt's
+    row is fed its own tokens one a step until it draws -- causal attention alone, for attention
+    kernels that ignore an explicit mask under a causal mask type (TransformerEngine's).  Runs
+    under the caller's inference mode."""
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
 
     rows = len(row_prompt)
@@ -115,14 +124,16 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
         expand = torch.tensor([where[p] for p in row_prompt])
     else:
         order, expand = list(row_prompt), None
-    lengths = torch.tensor([len(prompts[p]) for p in order])
+    lengths = torch.tensor([len(prompts[p]) for p in row_prompt])
     longest = int(lengths.max())
     width = longest + params.max_new_tokens
-    prefill_pads = longest - lengths
-    tokens = torch.zeros(len(order), longest, dtype=torch.long)
-    for i, p in enumerate(order):
-        tokens[i, int(prefill_pads[i]):] = torch.tensor(prompts[p])
-    positions = (torch.arange(longest).unsqueeze(0) - prefill_pads.unsqueeze(1)).clamp(min=0)
+    pads = longest - lengths if left_pad else torch.zeros_like(lengths)
+    start = pads + lengths  # each row's first new column
+    tokens = torch.zeros(rows, width, dtype=torch.long)  # every row's prompt, at its columns
+    for r, p in enumerate(row_prompt):
+        tokens[r, int(pads[r]) : int(start[r])] = torch.tensor(prompts[p])
+    prefilled = longest if left_pad else int(lengths.min())
+    first = [row_prompt.index(p) for p in order]  # a row of each distinct prompt the prefill runs
     device = next(model.parameters()).device
     context = StaticInferenceContext(rows, width)
     wrapper = wrapper_class(model, context)
@@ -146,14 +157,17 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
 
     responses: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
-    drawn, logp = step(tokens, positions, _pad_mask(prefill_pads, 0, longest, longest), keys_t,
+    prefill_rows = torch.tensor(first)
+    prefill_pads = pads[prefill_rows]
+    positions = (torch.arange(prefilled).unsqueeze(0) - prefill_pads.unsqueeze(1)).clamp(min=0)
+    mask = _pad_mask(prefill_pads, 0, prefilled, prefilled) if left_pad else None
+    drawn, logp = step(tokens[prefill_rows, :prefilled], positions, mask, keys_t,
                        torch.zeros(rows, dtype=torch.long))
     steps = 1
     if expand is not None:
         context.swap_key_value_dict(expand.to(device))
-    pads = prefill_pads[expand] if expand is not None else prefill_pads
     live = list(range(rows))  # batch row -> chunk row
-    column = longest
+    column = prefilled  # the column the logits just computed predict
     context.enable_decode_mode()
     finished = [False] * rows
     while True:
@@ -161,8 +175,12 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
         for b, (r, token, lp) in enumerate(zip(live, drawn.tolist(), logp.tolist())):
             if finished[r]:
                 continue  # finished earlier, still in the batch
+            if column < start[r]:  # still inside its prompt: fed the prompt's token next
+                running.append(b)
+                continue
             responses[r].append(token)
             logprobs[r].append(lp)
+            tokens[r, column] = token
             if len(responses[r]) == params.max_new_tokens or stopped(responses[r], params):
                 finished[r] = True
             else:
@@ -172,12 +190,23 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
         if 2 * len(running) <= len(live):  # drop the finished rows: compact their KV rows to the front
             keep = torch.tensor(running + [running[-1]] * (rows - len(running)))
             context.swap_key_value_dict(keep.to(device))
-            drawn, pads = drawn[running], pads[running]
             live = [live[b] for b in running]
         live_t = torch.tensor(live)
-        drawn, logp = step(drawn.view(-1, 1), (column - pads).view(-1, 1),
-                           _pad_mask(pads, column, 1, column + 1), keys_t[live_t],
+        live_pads = pads[live_t]
+        drawn, logp = step(tokens[live_t, column].view(-1, 1), (column - live_pads).view(-1, 1),
+                           _pad_mask(live_pads, column, 1, column + 1) if left_pad else None, keys_t[live_t],
                            torch.tensor([len(responses[r]) for r in live]))
         steps += 1
         column += 1
-    return StaticRollout(responses, logprobs, int(lengths.sum()), steps)
+    # prompt tokens computed: the prefill's (pads not counted), then those fed one a step
+    computed = sum(min(len(prompts[p]), prefilled) for p in order) + int((lengths - prefilled).clamp(min=0).sum())
+    return StaticRollout(responses, logprobs, computed, steps)
+
+
+def honours_attention_masks(model) -> bool:
+    """Whether ``model``'s core attention applies megatron's boolean attention mask under a causal
+    mask type (the local spec's :class:`~megatron_rl.models.core_attention.LocalCoreAttention`);
+    TransformerEngine's ignores it there, so its rows are not left-padded."""
+    from megatron_rl.models.core_attention import LocalCoreAttention
+
+    return any(isinstance(m, LocalCoreAttention) for m in model.modules())

@@ -8,8 +8,8 @@ calls :func:`shape_from_env`).  Never imported by a training run.
   up to its first EOS, so the tail costs generation and training what a long response costs and
   leaves its reward what it would have been: a longer response is not a wrong one.
 - ``MEGATRON_RL_DECODE_FLOOR_S=x``: every decode step (one token per running sample, no prompt
-  computed) takes at least ``x`` seconds whatever its rows, on the KV-cache decoder and on
-  megatron's engine -- an emulation of a memory-bound GPU decode, where a batch costs its longest
+  computed) takes at least ``x`` seconds whatever its rows, in megatron's static batching and its
+  dynamic engine -- an emulation of a memory-bound GPU decode, where a batch costs its longest
   response.
 """
 
