@@ -162,8 +162,9 @@ FEATURES = [
         "rows copied to the n samples (rollout.prefix_caching), one position a step, finished rows dropped once half "
         "are done (with TransformerEngine's attention, which ignores an explicit mask under a causal mask type, "
         "prompts start at column 0 instead and a longer prompt is fed a token a step: causal attention alone, "
-        "tested on the local spec on the CPU, not yet with TE); TP, PP (the last stage's draws broadcast), CP (each CP rank a generator), VPP and rollout.layout "
-        "through the engine's own model. Greedy tokens are HF generate's and log-probs HF's teacher-forced ones "
+        "tested on the local spec on the CPU, not yet with TE); TP and SP (SP switched off while it generates), "
+        "PP (the last stage's draws broadcast), CP (each CP rank a generator), VPP and rollout.layout through the "
+        "engine's own model. Greedy tokens are HF generate's and log-probs HF's teacher-forced ones "
         "(fp32, within 1e-6) on every layout the dynamic engine is tested on; a seed gives the dynamic engine's "
         "samples.",
         ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
