@@ -119,8 +119,9 @@ FEATURES = [
     ),
     Feature(
         "Prefix caching in megatron's engine", "rollout", TESTED_CPU,
-        "rollout.prefix_caching (default on, rollout.engine=megatron): megatron-core's prefix caching shares the KV "
-        "pages of prompts that start alike (whole pages, hashed by their tokens), so the n samples of a GRPO group "
+        "rollout.prefix_caching (default on). Static batching: each distinct prompt of a chunk is prefilled once and "
+        "its KV rows copied to its n samples (1/n of the prompt tokens computed; same samples on or off). Dynamic "
+        "engine: megatron-core's prefix caching shares the KV pages of prompts that start alike (whole pages, hashed by their tokens), so the n samples of a GRPO group "
         "prefill their prompt once; each other sample computes the tokens after its last whole page (at least 2: a "
         "prompt ending on a page boundary recomputes its last page). Samples are the same on or off (same tokens; "
         "log-probs within 1e-5, as two batchings without caching differ) on TP1 and TP2. Pages are shared only while "
@@ -128,6 +129,7 @@ FEATURES = [
         "recorded (algorithm.routing_replay): a reused token is not routed again. GPU path untested.",
         ("tests/test_rollout_megatron_engine.py::test_prefix_caching_does_not_change_the_samples",
          "tests/test_rollout_megatron_engine.py::test_prefix_caching_prefills_a_groups_prompt_once",
+         "tests/test_rollout_megatron_engine.py::test_static_batching_gives_the_dynamic_engines_samples",
          "tests/test_moe.py::test_rollout_records_the_routing_the_trainer_replays"),
         config="rollout.prefix_caching",
         measured=(Measured("CPU, 4 prompts of 512 tokens x n=8, pages of 16: 2,496 of 16,384 prompt tokens "
