@@ -121,7 +121,8 @@ FEATURES = [
         "Prefix caching in megatron's engine", "rollout", TESTED_CPU,
         "rollout.prefix_caching (default on). Static batching: each distinct prompt of a chunk is prefilled once and "
         "its KV rows copied to its n samples (1/n of the prompt tokens computed; same samples on or off). Dynamic "
-        "engine: megatron-core's prefix caching shares the KV pages of prompts that start alike (whole pages, hashed by their tokens), so the n samples of a GRPO group "
+        "engine: megatron-core's prefix caching shares the KV pages of prompts that start alike (whole pages, "
+        "hashed by their tokens), so the n samples of a GRPO group "
         "prefill their prompt once; each other sample computes the tokens after its last whole page (at least 2: a "
         "prompt ending on a page boundary recomputes its last page). Samples are the same on or off (same tokens; "
         "log-probs within 1e-5, as two batchings without caching differ) on TP1 and TP2. Pages are shared only while "
