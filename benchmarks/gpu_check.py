@@ -594,8 +594,8 @@ def section_generation(check: Check):
     from megatron_rl.rollout.choice import AUTO, pick_batching
     from megatron_rl.rollout.megatron_engine import flash_attention_ready
 
-    # The PPO runs leave rollout.batching at its default, auto (a dense model, no partial rollouts or SP).
-    batching = pick_batching(AUTO, moe=False, partial=False, sequence_parallel=False,
+    # The PPO runs leave rollout.batching at its default, auto (a dense model, no partial rollouts).
+    batching = pick_batching(AUTO, moe=False, partial=False,
                              paged_kernels=check.device.type == "cuda" and flash_attention_ready())
     yield (f"(f) generation, megatron engine, {batching} batching (auto), {samples} samples x <= "
            f"{check.run['new_tokens']} tokens",
