@@ -105,6 +105,39 @@ def test_a_trajectory_is_token_in_token_out_with_the_policy_mask():
         assert rewards[k].nonzero().flatten().tolist() == [last_policy]
 
 
+class PositionLimitedEngine:
+    """The oracle engine with megatron's engine's refusal: a prompt plus ``max_new_tokens`` past
+    ``max_sequence_length`` positions raises.  Records each call's contexts and token budget."""
+
+    def __init__(self, engine, positions: int):
+        self.engine, self.max_sequence_length, self.calls = engine, positions, []
+
+    def generate(self, prompt_ids, params, seed, sample_keys=None):
+        for p in prompt_ids:
+            if len(p) + params.max_new_tokens > self.max_sequence_length:
+                raise ValueError(f"{len(p)} tokens + max_new_tokens {params.max_new_tokens} exceed the positions")
+        self.calls.append(([len(p) for p in prompt_ids], params.max_new_tokens))
+        return self.engine.generate(prompt_ids, params, seed, sample_keys=sample_keys)
+
+
+def test_a_turn_never_asks_the_engine_for_more_positions_than_it_has():
+    """Trajectories of different lengths share a policy turn: one call with the largest room would
+    put the longest context past the model's positions (the engine refuses it), so the turn takes
+    a call per group that fits, and every trajectory still gets the tokens its room allows."""
+    engine = PositionLimitedEngine(_engine(), positions=40)
+    rollout = _rollout(lambda: ScriptedEnv(turns=3), max_tokens=40, engine=engine)
+    long_prompt = [2] + list(range(5, 30))  # 26 tokens: 14 of room against the short prompts' 34
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, n=1, stop_token_ids=())
+    batch = rollout.generate([PROMPTS[0], long_prompt], params, seed=4)
+    assert len(batch) == 2
+    # the first turn: the short prompt with the whole max_new_tokens, the long one with its room
+    assert engine.calls[:2] == [([4], 20), ([26], 14)]
+    for lengths, max_new in engine.calls:
+        assert max(lengths) + max_new <= 40
+    for k, prompt in enumerate(batch.prompt_ids):
+        assert len(prompt) + len(batch.response_ids[k]) <= 40  # the token limit held
+
+
 def test_each_limit_ends_the_trajectory_and_is_counted():
     params = SamplingParams(temperature=1.0, max_new_tokens=4, n=2, stop_token_ids=())
     # max_turns: the environment never says done.

@@ -188,20 +188,46 @@ class EnvironmentRollout(EngineWrapper):
             for t, answer in zip(waiting, pool.map(self._step, waiting)):
                 self._observe(t, answer, last)
 
+    def _turn_calls(self, active: list[_Trajectory], room: list[int], cap: int) -> list[tuple[list[int], int]]:
+        """``[(trajectories, max_new_tokens)]``: the engine calls of one policy turn.  One call, with
+        the largest room, unless a trajectory's context plus that room passes the engine's
+        positions (``max_sequence_length``); then the trajectories that fit go first and the rest
+        take further calls with the largest room among them.  Each trajectory's call leaves it at
+        least ``min(cap, its room)`` new tokens, as one call would."""
+        limit = getattr(self.engine, "max_sequence_length", None)
+        left = sorted(range(len(active)), key=lambda k: -room[k])
+        calls = []
+        while left:
+            max_new = max(1, min(cap, room[left[0]]))
+            if limit is not None and active[left[0]].length + max_new > limit:
+                max_new = max(1, limit - active[left[0]].length)
+            members = {k for k in left if limit is None or active[k].length + max_new <= limit} or {left[0]}
+            calls.append((sorted(members), max_new))  # in turn order: the same samples as one call
+            left = [k for k in left if k not in members]
+        return calls
+
     def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int,
                      keys: Optional[list[int]] = None) -> None:
         room = [self.limits.max_tokens - t.length for t in active]
-        params = dataclasses.replace(params, max_new_tokens=max(1, min(params.max_new_tokens, max(room))))
-        extra = {} if keys is None else {"sample_keys": keys}
-        out = self.engine.generate([t.prompt + t.response for t in active], params, seed=seed, **extra)
+        calls = self._turn_calls(active, room, params.max_new_tokens)
+        outs: dict[int, tuple] = {}
+        for c, (members, max_new) in enumerate(calls):
+            call_params = dataclasses.replace(params, max_new_tokens=max_new)
+            extra = {} if keys is None else {"sample_keys": [keys[k] for k in members]}
+            out = self.engine.generate([active[k].prompt + active[k].response for k in members], call_params,
+                                       seed=seed if c == 0 else derive_seed(seed, "call", c), **extra)
+            for i, k in enumerate(members):
+                outs[k] = (out.response_ids[i], out.response_logprobs[i], out.finish_reason[i],
+                           out.token_versions[i] if out.token_versions is not None else None)
         live = self._live()
         for k, (t, left) in enumerate(zip(active, room)):
-            ids, logprobs = out.response_ids[k][:left], out.response_logprobs[k][:left]
-            versions = out.token_versions[k][:left] if out.token_versions is not None else None
+            response_ids, response_logprobs, finish_reason, token_versions = outs[k]
+            ids, logprobs = response_ids[:left], response_logprobs[:left]
+            versions = token_versions[:left] if token_versions is not None else None
             t.add_policy_turn(ids, logprobs, versions, live.version if live is not None else 0)
-            t.cut = out.finish_reason[k] == "length"  # the turn ran to rollout.max_new_tokens
+            t.cut = finish_reason == "length"  # the turn ran to rollout.max_new_tokens
             t.answered_by_eos = False
-            if len(out.response_ids[k]) > left:
+            if len(response_ids) > left:
                 t.end("length", MAX_TOKENS, self.limits.zero_at_limit)  # cut at the trajectory's token limit
             elif ids and ids[-1] in params.stop_token_ids:
                 t.end("stop")  # EOS: the policy is done (its environment still answers, for the reward)
