@@ -266,10 +266,17 @@ def test_old_policy_is_assembled_the_same_way_for_every_source():
 # ----------------------------------------------------------------------------- exact resume
 
 VOLATILE = ("timing/", "throughput/", "memory/")
+# Per-rank figures of the layout itself: generation runs on the actor's shard of this rank.
+LAYOUT_DEPENDENT = ("rollout/weights_gb",)
 
 
 def _stable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows]
+
+
+def _across_layouts(rows: list[dict]) -> list[dict]:
+    """What two runs on different layouts must agree on."""
+    return [{k: v for k, v in r.items() if k not in LAYOUT_DEPENDENT} for r in _stable(rows)]
 
 
 @pytest.mark.slow
@@ -280,8 +287,8 @@ def test_resume_gives_identical_metrics(tmp_path):
     # A different layout for the second half: weights and optimizer state reshard on load.
     run_distributed(2, ppo_body, ["parallel.pp=2", "trainer.save_every=2", "algorithm.ppo_epochs=2",
                                   "trainer.steps=4", f"run.dir={tmp_path}", "run.name=resumed"])
-    straight = _stable(read_metrics(tmp_path / "straight"))
-    resumed = _stable(read_metrics(tmp_path / "resumed"))
+    straight = _across_layouts(read_metrics(tmp_path / "straight"))
+    resumed = _across_layouts(read_metrics(tmp_path / "resumed"))
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(straight, resumed):
         for key in a:
@@ -321,8 +328,8 @@ def test_distributed_optimizer_matches_plain_adam_and_resumes_exactly(tmp_path):
     run_distributed(4, ppo_body, common + dist_opt + pp2 + ["trainer.steps=3", "run.name=retiled"])
     # Clip fractions count values on either side of a threshold; after resharding, rounding at the
     # 1e-7 level may move one value across it, so they are left out of this comparison.
-    _assert_close(_stable(read_metrics(tmp_path / "tp2")), _stable(read_metrics(tmp_path / "retiled")), 1e-5,
-                  skip="clipfrac")
+    _assert_close(_across_layouts(read_metrics(tmp_path / "tp2")), _across_layouts(read_metrics(tmp_path / "retiled")),
+                  1e-5, skip="clipfrac")
 
 
 def _assert_close(rows_a: list[dict], rows_b: list[dict], tol: float, skip: str = "") -> None:
