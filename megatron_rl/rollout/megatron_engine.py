@@ -229,6 +229,7 @@ def _engine_records_routing(model, context):
         RouterReplay.global_router_replay_instances[:] = instances
 
 
+@functools.lru_cache(maxsize=None)
 def _make_wrapper_class():
     from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
     from megatron.core.models.gpt import GPTModel
@@ -403,6 +404,7 @@ class MegatronRolloutEngine:
         # Static batching: prompts left-padded under an attention mask (None: where the model's core
         # attention applies one, static_batching.honours_attention_masks), else aligned at column 0.
         self.static_left_pad: Optional[bool] = None
+        self._static_wrapper = None  # static batching's inference wrapper, kept for its model
         self.prefill_tokens = 0  # prompt tokens the last generate computed (shared pages are not)
         self.idle_steps = 0  # the last generate's dummy steps (this expert-parallel rank had no work)
         # megatron's own routing record (``routing_indices``), for comparison only: in megatron-core
@@ -667,11 +669,15 @@ class MegatronRolloutEngine:
                 "KV on this rank); raise rollout.kv_cache_memory or lower rollout.max_new_tokens")
         rows = min(self.max_requests, budget // per_row)
         cp_group = groups.cp if model is not self._inference_model and groups.cp.size() > 1 else None
-        wrapper_class = _make_wrapper_class()
-
-        def wrapper(m, context):  # the model's own groups: an engine-own model's are not megatron's globals
+        def wrapper(m, context):
+            """One inference wrapper per model (building one costs about a millisecond), pointed at
+            each chunk's context; the model's own groups: an engine-own model's are not megatron's
+            globals."""
             context.config.pg_collection = m.pg_collection
-            return wrapper_class(m, context)
+            if self._static_wrapper is None or self._static_wrapper.model is not m:
+                self._static_wrapper = _make_wrapper_class()(m, context)
+            self._static_wrapper.inference_context = context
+            return self._static_wrapper
 
         vocab = getattr(model, "true_vocab_size", None) or self.model_cfg.vocab_size
         left_pad = self.static_left_pad if self.static_left_pad is not None else honours_attention_masks(model)

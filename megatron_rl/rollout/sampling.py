@@ -16,6 +16,7 @@ which other samples share its batch or step, so an engine that schedules request
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -136,13 +137,20 @@ def sample_key(seed: int) -> int:
     return hash32(hash32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
 
 
+@functools.lru_cache(maxsize=16)
+def _token_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """The token ids' half of the keyed noise, the same for every draw (computed once per vocabulary:
+    a decode step draws for every row at once, and this is a third of its hashing)."""
+    with torch.inference_mode(False):  # a plain tensor, usable in and out of inference mode
+        return hash32(torch.arange(vocab, device=device, dtype=torch.long) ^ 0x9E3779B9)
+
+
 def keyed_exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[b, vocab]`` fp32 Exp(1) draws, a pure function of each row's ``(key, position)`` and the
     token id.  ``keys``: :func:`sample_key` values; ``positions``: index of the token being drawn
     in each row's response."""
     rows = hash32(hash32(keys.long() & _MASK32) ^ (positions.long() & _MASK32))
-    cols = hash32(torch.arange(vocab, device=keys.device, dtype=torch.long) ^ 0x9E3779B9)
-    bits = hash32(rows[:, None] ^ cols[None, :])
+    bits = hash32(rows[:, None] ^ _token_hashes(vocab, keys.device)[None, :])
     uniform = (bits.double() + 0.5) * 2.0**-32  # in (0, 1)
     return (-torch.log(uniform)).float()
 

@@ -129,9 +129,9 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
     width = longest + params.max_new_tokens
     pads = longest - lengths if left_pad else torch.zeros_like(lengths)
     start = pads + lengths  # each row's first new column
-    tokens = torch.zeros(rows, width, dtype=torch.long)  # every row's prompt, at its columns
-    for r, p in enumerate(row_prompt):
-        tokens[r, int(pads[r]) : int(start[r])] = torch.tensor(prompts[p])
+    # every row's prompt, at its columns
+    tokens = torch.tensor([[0] * int(pads[r]) + list(prompts[p]) + [0] * (width - int(start[r]))
+                           for r, p in enumerate(row_prompt)], dtype=torch.long)
     prefilled = longest if left_pad else int(lengths.min())
     first = [row_prompt.index(p) for p in order]  # a row of each distinct prompt the prefill runs
     device = next(model.parameters()).device
@@ -170,17 +170,20 @@ def generate_static(wrapper_class, model, prompts: list[list[int]], row_prompt: 
     column = prefilled  # the column the logits just computed predict
     context.enable_decode_mode()
     finished = [False] * rows
+    starts = start.tolist()
     while True:
+        live_t = torch.tensor(live)
+        past_prompt = start[live_t] <= column  # the rows that drew (the others are fed their prompt)
+        tokens[live_t[past_prompt], column] = drawn[past_prompt]  # a finished row's column is never read
         running = []
         for b, (r, token, lp) in enumerate(zip(live, drawn.tolist(), logp.tolist())):
             if finished[r]:
                 continue  # finished earlier, still in the batch
-            if column < start[r]:  # still inside its prompt: fed the prompt's token next
+            if column < starts[r]:  # still inside its prompt: fed the prompt's token next
                 running.append(b)
                 continue
             responses[r].append(token)
             logprobs[r].append(lp)
-            tokens[r, column] = token
             if len(responses[r]) == params.max_new_tokens or stopped(responses[r], params):
                 finished[r] = True
             else:
