@@ -6,8 +6,7 @@ a data-parallel and a context-parallel index.  Context-parallel ranks hold the s
 their DP replica (CP splits sequences, not weights), and generation has no use for splitting a
 sequence, so each CP rank is a generator of its own: DP x CP generators in all, none repeating
 another's work.  The TP/PP ranks of one generator call the engine together with the same share
-(``tp_sharded`` and ``megatron`` split the model between them; ``torch`` runs a full copy on
-each, so there they compute the same samples).  The first rank of each generator (TP and PP rank
+(megatron's engine splits the model between them).  The first rank of each generator (TP and PP rank
 0) reports its samples, so the gathered batch holds each sample once, in prompt order.
 """
 

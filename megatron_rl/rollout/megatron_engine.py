@@ -450,8 +450,8 @@ class MegatronRolloutEngine:
         if len(chunks) != 1:
             raise ValueError(
                 f"rollout.engine=megatron needs one model chunk per rank, got {len(chunks)} (virtual "
-                f"pipeline stages): megatron-core's inference refuses interleaved chunks; use "
-                f"rollout.engine=tp_sharded or torch"
+                f"pipeline stages): megatron-core's inference refuses interleaved chunks; the engine "
+                f"generates on a model of its own there (rollout.layout)"
             )
         model = unwrap(chunks[0])
         if model is not self._model:
@@ -529,7 +529,7 @@ class MegatronRolloutEngine:
         if self.device.type == "cuda" and not flash_attention_ready():
             raise RuntimeError(
                 f"rollout.engine=megatron on GPU needs flash-attn >= {PAGED_FLASH_ATTN_MIN} or FA3 for megatron's "
-                "paged attention (pip install flash-attn), or use rollout.engine=tp_sharded"
+                "paged attention (pip install flash-attn), or use rollout.batching=static"
             )
         if config.virtual_pipeline_model_parallel_size is not None:
             raise ValueError("megatron's inference refuses virtual pipeline stages: a VPP actor generates on a model "
