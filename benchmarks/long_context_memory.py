@@ -209,7 +209,8 @@ def measure_rank(args_kw: dict, cp: int, comm: str, mode: str = "train", track: 
 
 
 def measure_logprob_path(tokens: int, hidden: int, vocab: int, chunk: int, device: torch.device) -> dict:
-    """Extra peak memory of chunked log-probs vs naive full logits, forward and backward."""
+    """Extra peak memory of chunked log-probs vs naive full logits, forward and backward (the logits
+    recomputed in backward, ``batch.logprob_keep_logits_gib=0``: the bounded path long contexts take)."""
     from megatron_rl.ops.logprob import naive_logprobs, vocab_parallel_logprobs
     from megatron_rl.utils.memory import track_peak_memory
 
@@ -219,7 +220,8 @@ def measure_logprob_path(tokens: int, hidden: int, vocab: int, chunk: int, devic
     labels = torch.randint(0, vocab, (1, tokens), generator=g).to(device)
 
     def chunked():
-        logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=vocab, chunk_size=chunk)
+        logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=vocab, chunk_size=chunk,
+                                            keep_logits_bytes=0)
         (logp.sum() + 0.01 * ent.sum()).backward()
 
     def naive():

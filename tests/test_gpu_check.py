@@ -162,5 +162,9 @@ def test_cpu_dry_run_fills_every_row():
     assert not [r for r in rows if "ERROR" in r], proc.stderr[-3000:]
     for part in ("(a) PPO step 1", "(a) PPO resume", "(b) score", "(c) SDPA: trainer, CP=1 BSHD",
                  "(c) SDPA: rollout decode", "(d) actor update MFU", "(d) plain megatron-core", "(e) peak memory",
-                 "(f) generation"):
+                 "(f) generation", "(g) model and batch", "(g) plain megatron-core step", "(g) + metrics",
+                 "(g) forward: reference pass", "(g) first step vs steady step", "(g) build (", "(g) loss parity",
+                 "(g) build + load", "(a) step 2: its phases"):
         assert any(r.startswith(f"| {part}") for r in rows), part
+    parity = next(r for r in rows if r.startswith("| (g) loss parity"))
+    assert float(parity.split("|d| = ")[1].split()[0]) <= 1e-5, parity

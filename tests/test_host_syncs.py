@@ -20,8 +20,9 @@ SYNC_OPS = ("_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "eq
 LENGTHS = (13, 1, 30, 7)
 
 
-def _sync_counter():
-    """A context manager counting value reads by (kind, name, first megatron frame)."""
+def _sync_counter(functions=SYNC_FUNCTIONS):
+    """A context manager counting value reads (the Python-level ``functions`` and the operators of
+    ``SYNC_OPS``) by (kind, name, first megatron frame)."""
     import collections
     import contextlib
     import sys
@@ -44,7 +45,7 @@ def _sync_counter():
     class Functions(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
-            if name in SYNC_FUNCTIONS:
+            if name in functions:
                 counts[("function", name, where())] += 1
             return func(*args, **(kwargs or {}))
 
@@ -110,3 +111,48 @@ def test_value_reads_do_not_grow_with_the_number_of_layers(packed):
         for key in sorted(set(a) | set(b)):
             print(f"  {key}: 2 layers {a.get(key, 0)}, 4 layers {b.get(key, 0)}")
         assert _total(a) == _total(b), (_total(a), _total(b))
+
+
+def update_pass_body(num_seqs: int):
+    """Counts during the actor update's pass over one micro-batch of ``num_seqs`` sequences: the
+    trainer's data path (``run_sequences``) with the PPO loss, forward and backward, outputs collected."""
+    import torch
+
+    from megatron_rl.config.schema import AlgorithmConfig, ModelConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.trainer.update import actor_loss_fn
+
+    layout = use_layout()
+    model = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                        num_query_groups=2, vocab_size=100, params_dtype="float32")
+    chunk = build_gpt_chunks(model, layout, torch.device("cpu"))[0]
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(num_seqs):
+        n = 6 + i % 5
+        mask = torch.zeros(n)
+        mask[2 : n - 1] = 1.0
+        seqs.append({"tokens": torch.randint(0, 100, (n,), generator=g), "loss_mask": mask,
+                     "advantages": torch.randn(n, generator=g) * mask,
+                     "old_logprob": -torch.rand(n, generator=g) * mask})
+    lengths = [int(s["loss_mask"].sum()) for s in seqs]
+    loss_fn = actor_loss_fn(AlgorithmConfig(), float(sum(lengths)), lengths, 0.0)
+    plan = BatchPlan(max_tokens_per_rank=1024, micro_batch_size=None, packed=True)
+    with _sync_counter(SYNC_FUNCTIONS + ("cpu",))() as counts:  # a copy to the host waits like a read
+        outs, _ = run_sequences([chunk], seqs, LogProbHead(with_entropy=False), plan, torch.device("cpu"),
+                                loss_fn=loss_fn, forward_only=False)
+    assert len(outs) == num_seqs
+    return dict(counts)
+
+
+def test_the_update_reads_back_once_per_micro_batch_not_once_per_sequence():
+    """On a GPU each copy to the host waits for the device.  A micro-batch's per-token outputs came
+    back one sequence at a time (``.cpu()`` per sequence, 64 waits for a micro-batch of 64); now one
+    copy per output per micro-batch, whatever its number of sequences."""
+    four, twelve = (run_distributed(1, update_pass_body, n)[0] for n in (4, 12))
+    for key in sorted(set(four) | set(twelve)):
+        print(f"  {key}: 4 sequences {four.get(key, 0)}, 12 sequences {twelve.get(key, 0)}")
+    assert _total(four) == _total(twelve), (_total(four), _total(twelve))

@@ -102,8 +102,9 @@ def test_extra_memory_below_a_quarter_of_naive_at_2k_tokens():
     w = (torch.randn(vocab, hidden, generator=g) * 0.1).requires_grad_()
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
 
-    def op():
-        logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=vocab, chunk_size=256)
+    def op():  # the logits recomputed in backward (batch.logprob_keep_logits_gib=0)
+        logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=vocab, chunk_size=256,
+                                            keep_logits_bytes=0)
         (logp.sum() + ent.sum()).backward()
 
     def naive():
@@ -116,6 +117,71 @@ def test_extra_memory_below_a_quarter_of_naive_at_2k_tokens():
           f"naive {naive_bytes / 2**20:.1f} MiB, ratio {ratio:.3f}")
     assert naive_bytes > tokens * vocab * 4  # the naive path really holds [tokens, vocab] fp32
     assert ratio < 0.25
+
+
+def _keep_or_recompute(dtype, temperature: float, with_entropy: bool, keep_bytes: float, tp_rank=None):
+    h, w, labels, (a, b) = _case(tokens=40, vocab=101, padded=128)
+    if tp_rank is not None:
+        w = w.chunk(2)[tp_rank]
+    hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+    logp, ent = vocab_parallel_logprobs(hh, ww, labels, true_vocab_size=101, temperature=temperature, chunk_size=17,
+                                        with_entropy=with_entropy, keep_logits_bytes=keep_bytes)
+    loss = (logp.double() * a).sum() + ((ent.double() * b).sum() if with_entropy else 0.0)
+    loss.backward()
+    return [t.detach().clone() for t in (logp, ent, hh.grad, ww.grad)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,with_entropy", [(1.0, True), (0.7, True), (1.0, False)])
+def test_kept_logits_give_the_recomputed_bits(dtype, temperature, with_entropy):
+    """Keeping the logits for backward (batch.logprob_keep_logits_gib) saves the second output
+    projection and changes no bit of the log-probs, the entropy or either gradient."""
+    kept = _keep_or_recompute(dtype, temperature, with_entropy, 2**30)
+    recomputed = _keep_or_recompute(dtype, temperature, with_entropy, 0)
+    for x, y in zip(kept, recomputed):
+        assert torch.equal(x, y)
+
+
+def _keep_tp_body():
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.testing.layouts import use_layout
+
+    use_layout(tp=2)
+    rank = ps.get_tensor_model_parallel_rank()
+    return [_keep_or_recompute(torch.float32, 0.9, True, keep, rank) for keep in (2**30, 0)]
+
+
+def test_kept_logits_give_the_recomputed_bits_on_tensor_parallel_shards():
+    for kept, recomputed in run_distributed(2, _keep_tp_body):
+        for x, y in zip(kept, recomputed):
+            assert torch.equal(x, y)
+
+
+def test_logits_are_kept_only_within_the_bound():
+    """At 2048 tokens x 16384 vocabulary the fp32 logits are 128 MiB: kept under a 256 MiB bound (the
+    peak grows by about their size), recomputed under a 64 MiB one (the chunked op's peak)."""
+    from megatron_rl.ops.logits_memory import keeps_logits
+
+    tokens, hidden, vocab = 2048, 64, 16384
+    logits = tokens * vocab * 4
+    assert keeps_logits(tokens, vocab, 2 * logits) and not keeps_logits(tokens, vocab, logits // 2)
+    assert not keeps_logits(tokens, vocab, 0)
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(tokens, 1, hidden, generator=g) * 0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.1).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), generator=g)
+
+    def op(keep):
+        logp, ent = vocab_parallel_logprobs(h, w, labels, true_vocab_size=vocab, chunk_size=256, keep_logits_bytes=keep)
+        (logp.sum() + ent.sum()).backward()
+
+    kept, recomputed, under = _peak(lambda: op(2 * logits)), _peak(lambda: op(0)), _peak(lambda: op(logits // 2))
+    print(f"peak: kept {kept / 2**20:.1f} MiB, recomputed {recomputed / 2**20:.1f} MiB, "
+          f"over the bound {under / 2**20:.1f} MiB")
+    assert under == recomputed
+    # About their size: less a chunk's [256, vocab] buffer that the backward no longer rebuilds.
+    assert 0.85 * logits <= kept - recomputed <= 1.1 * logits
 
 
 def _tp_bf16_body():

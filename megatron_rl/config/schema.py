@@ -213,6 +213,10 @@ class BatchConfig:
     )
     packing: bool = _f(True, "Pack sequences into one THD row (no padding waste); false = padded BSHD rows.")
     logprob_chunk_size: int = _f(1024, "Tokens per chunk of the vocab-parallel log-prob/entropy computation.", ge=1)
+    logprob_keep_logits_gib: float = _f(
+        1.0, "Keep a training micro-batch's fp32 logits ([tokens, vocab/TP] x 4 bytes per rank) for the backward "
+        "pass when they take at most this many GiB, instead of running the output projection again; "
+        "0 = always recompute (least memory). Same numbers either way.", ge=0, le=1024)
 
 
 @dataclass

@@ -80,6 +80,23 @@ class Microbatch:
             max_seqlen_kv=longest,
         )
 
+    def row_index(self, device: torch.device) -> torch.Tensor:
+        """``[num_seqs, longest local piece]`` positions of each sequence's local piece in the packed
+        row, ``local_tokens`` (one past the end) where a row is padding; built on the host once per
+        micro-batch and device.  One gather with it turns a packed per-token tensor into one row per
+        sequence: a fixed number of kernels, where a pad of per-sequence slices costs a few per
+        sequence (and as many again in backward)."""
+        cache = self.__dict__.setdefault("_row_index", {})
+        key = str(device)
+        if key not in cache:
+            sizes = torch.tensor([p // self.cp_size for p in self.padded_lengths])
+            starts = torch.cumsum(sizes, 0) - sizes
+            cols = torch.arange(int(sizes.max()) if len(sizes) else 0)
+            index = torch.where(cols[None, :] < sizes[:, None], starts[:, None] + cols[None, :],
+                                torch.full((1, 1), self.local_tokens))
+            cache[key] = zigzag.to_device(index, device)
+        return cache[key]
+
     def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-token local output (shape of ``tokens``) into per-sequence local pieces."""
         if self.packed:
@@ -90,18 +107,20 @@ class Microbatch:
     def gather_sequences(self, local: torch.Tensor, cp_group=None) -> list[torch.Tensor]:
         """Full per-sequence vectors ``[length]`` from a per-token output of this micro-batch.
 
-        Only ``[T]`` vectors travel over the CP group (never logits)."""
+        Only ``[T]`` vectors travel over the CP group (never logits), and they come to the host in
+        one copy: one wait for the device per micro-batch, not one per sequence."""
         local = local.detach().float().contiguous()
         if self.cp_size > 1:
             shards = [torch.empty_like(local) for _ in range(self.cp_size)]
             dist.all_gather(shards, local, group=cp_group)
         else:
             shards = [local]
+        shards = list(torch.stack(shards).cpu())
         per_rank = [self.local_pieces(s) for s in shards]
         out = []
         for i, length in enumerate(self.lengths):
             full = zigzag.unshard([pieces[i] for pieces in per_rank], dim=0)
-            out.append(full[:length].cpu())
+            out.append(full[:length])
         return out
 
 

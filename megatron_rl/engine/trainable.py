@@ -17,6 +17,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.config.schema import OptimConfig
@@ -51,7 +52,12 @@ class Trainable:
 
     def step(self) -> StepResult:
         """One optimizer step; skipped (and reported) when the gradients or the learning rate are
-        not finite.  With both finite, Adam's update is finite: no non-finite update is applied."""
+        not finite.  With both finite, Adam's update is finite: no non-finite update is applied.
+
+        megatron's ``optimizer.step()`` in pieces, each once: ``prepare_grads``, one gradient norm
+        (one pass over every gradient, one all-reduce, one read back to the host), the clip by that
+        norm, ``step_with_ready_grads``.  Calling ``step()`` after checking the norm would prepare the
+        gradients and compute their norm a second time."""
         found_inf = self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
         if found_inf or not math.isfinite(norm):
@@ -59,15 +65,25 @@ class Trainable:
         bad_lr = next((g["lr"] for g in self.optimizer.param_groups if not math.isfinite(g["lr"])), None)
         if bad_lr is not None:
             return StepResult(False, norm, f"learning rate {bad_lr} is not finite: update skipped")
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
+        clip_by_norm(self.optimizer, norm)
+        if not self.optimizer.step_with_ready_grads():
             return StepResult(False, norm, "optimizer reported overflow: update skipped")
         self.scheduler.step(increment=1)
-        return StepResult(True, float(grad_norm) if grad_norm else norm)
+        return StepResult(True, norm)
 
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+def clip_by_norm(optimizer, norm: float) -> None:
+    """Scale the gradients of ``optimizer`` (megatron's, chained or not) to ``clip_grad`` when their
+    total ``norm`` exceeds it, as megatron's own ``step()`` does with the norm it computes."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
+            clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
 
 def ddp_config(device_type: str, optim: OptimConfig | None = None) -> DistributedDataParallelConfig:

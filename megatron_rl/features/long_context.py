@@ -23,10 +23,16 @@ FEATURES = [
     Feature(
         "Chunked vocab-parallel log-probs and entropy", "long context", TESTED_CPU,
         "Output projection fused into the log-softmax, walked in token chunks with fp32 inside the chunk; never "
-        "[tokens, vocab]; at most two [chunk, vocab/TP] fp32 buffers.",
+        "[tokens, vocab]; at most two [chunk, vocab/TP] fp32 buffers. A training micro-batch whose fp32 logits take "
+        "at most batch.logprob_keep_logits_gib (1 GiB) keeps them for backward instead of running the output "
+        "projection again (megatron's own cross-entropy always keeps them); the same bits either way, and the "
+        "planner counts them.",
         ("tests/test_logprob_op.py::test_matches_naive_forward_and_gradients",
-         "tests/test_logprob_op.py::test_extra_memory_below_a_quarter_of_naive_at_2k_tokens"),
-        config="batch.logprob_chunk_size",
+         "tests/test_logprob_op.py::test_extra_memory_below_a_quarter_of_naive_at_2k_tokens",
+         "tests/test_logprob_op.py::test_kept_logits_give_the_recomputed_bits",
+         "tests/test_logprob_op.py::test_kept_logits_give_the_recomputed_bits_on_tensor_parallel_shards",
+         "tests/test_logprob_op.py::test_logits_are_kept_only_within_the_bound"),
+        config="batch.logprob_chunk_size, batch.logprob_keep_logits_gib",
         measured=(Measured("peak extra memory 0.057x naive at 2k tokens x 16k vocab",
                            "pytest -s tests/test_logprob_op.py -k extra_memory"),),
     ),

@@ -13,6 +13,10 @@ from megatron_rl.features.base import (
 )
 
 AREA = "runtime"
+# benchmarks/update_vs_plain.py on this project's CPU machine (2 cores), quoted in docs/gpu_check.md.
+UPDATE_VS_PLAIN_CPU = ("CPU (2 cores, fp32, 8 layers, hidden 1024, vocabulary 32k, 1,766 tokens in 2 micro-batches): "
+                       "the whole actor update 0.94x megatron-core's step (0.83-0.84x before the update-speed "
+                       "changes), the experience forwards 0.99-1.00x its forward; losses equal within 9.5e-7")
 FEATURES = [
     Feature(
         "CPU execution (gloo)", "runtime", TESTED_CPU,
@@ -160,8 +164,10 @@ FEATURES = [
         "No host syncs per layer", "runtime", TESTED_CPU,
         "cu_seqlens carry their host values with the micro-batch (our attention and megatron's unfused THD RoPE read "
         "those), the ring's tile plan and device positions are made once per micro-batch; host copies to CUDA are "
-        "pinned and non-blocking.",
-        ("tests/test_host_syncs.py::test_value_reads_do_not_grow_with_the_number_of_layers",),
+        "pinned and non-blocking (the loss's per-sequence lengths included); a micro-batch's per-token outputs come "
+        "back to the host in one copy, not one per sequence.",
+        ("tests/test_host_syncs.py::test_value_reads_do_not_grow_with_the_number_of_layers",
+         "tests/test_host_syncs.py::test_the_update_reads_back_once_per_micro_batch_not_once_per_sequence"),
         config="(always on)",
         measured=(Measured("device reads per packed CP2 forward+backward: 52 (2 layers) / 90 (4 layers) before, 6 / 6 "
                            "after",
@@ -183,7 +189,8 @@ FEATURES = [
         "World size 1 on NCCL: a bf16 PPO step with checkpoint save and load, score vs HF in bf16, the SDPA backend of "
         "each attention path, actor-update MFU against plain megatron-core, peak memory against the planner, "
         "generation tokens/s. Without CUDA it says so and exits 0. Run on an H200 (torch 2.11, megatron-core "
-        "0.19.2, no TE): every row filled, table in docs/gpu_check.md.",
+        "0.19.2, no TE): every row filled, table in docs/gpu_check.md. Its (g) rows (the update against "
+        "megatron-core's own step at a Qwen2.5-1.5B shape) are checked on the CPU only, not yet run on a GPU.",
         ("tests/test_gpu_check.py::test_without_cuda_it_prints_one_line_and_exits_0",
          "tests/test_gpu_check.py::test_cpu_dry_run_fills_every_row"),
         config="python benchmarks/gpu_check.py",
@@ -192,12 +199,28 @@ FEATURES = [
                            "python benchmarks/gpu_check.py"),),
     ),
     Feature(
+        "Actor update against megatron-core's own training step (benchmarks/update_vs_plain.py)", "runtime",
+        TESTED_CPU,
+        "On the same packed micro-batches and weights: megatron-core's step as pretrain_gpt runs it (GPTModel, its "
+        "vocab-parallel cross-entropy, DDP, optimizer, forward_backward_func) against the actor update with each "
+        "RL piece switched on in turn (log-probs, entropy, PPO loss and masks, KL, metrics; logits kept or "
+        "recomputed), and the experience forwards against megatron's forward; the two losses are checked equal. "
+        "The same rows run in benchmarks/gpu_check.py (g) at a Qwen2.5-1.5B shape; not yet run on a GPU.",
+        ("tests/test_update_speed.py::test_update_benchmark_compares_the_same_loss_on_the_same_weights",
+         "tests/test_gpu_check.py::test_cpu_dry_run_fills_every_row"),
+        config="python benchmarks/update_vs_plain.py",
+        measured=(Measured(UPDATE_VS_PLAIN_CPU, "python benchmarks/update_vs_plain.py --model cpu --rounds 5"),),
+    ),
+    Feature(
         "Non-finite gradients skip the update", "runtime", TESTED_CPU,
         "A NaN/inf gradient norm skips the optimizer step and is reported as actor/skipped_updates, "
         "critic/skipped_updates; a PPO step in which every actor or critic step was skipped stops the run with one "
-        "line naming the likely cause (exit 2) instead of logging nulls.",
+        "line naming the likely cause (exit 2) instead of logging nulls. The check costs nothing extra: the step "
+        "is megatron's optimizer step in its pieces, each once (one gradient norm a step, the clip by it), bit for "
+        "bit megatron's own step().",
         ("tests/test_parallel_parity.py::test_non_finite_gradients_skip_the_update",
-         "tests/test_trainer_guards.py::test_run_whose_critic_updates_are_all_non_finite_stops_with_one_line"),
+         "tests/test_trainer_guards.py::test_run_whose_critic_updates_are_all_non_finite_stops_with_one_line",
+         "tests/test_update_speed.py::test_optimizer_step_is_megatrons_with_one_gradient_norm"),
         config="(always on)",
     ),
     Feature(

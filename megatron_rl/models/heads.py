@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES
 from megatron_rl.ops.logprob import DEFAULT_CHUNK_SIZE, logprob_temperature, vocab_parallel_logprobs
 
 
@@ -57,11 +58,14 @@ def attach_value_head(chunks: list) -> list:
 @dataclasses.dataclass(frozen=True)
 class LogProbHead:
     """``temperature`` is the rollout's sampling temperature; 0 (greedy) scores at temperature 1,
-    the sampler's definition (:func:`megatron_rl.ops.logprob.logprob_temperature`)."""
+    the sampler's definition (:func:`megatron_rl.ops.logprob.logprob_temperature`).
+    ``keep_logits_bytes``: a training micro-batch keeps its fp32 logits for backward up to this
+    size per rank (``batch.logprob_keep_logits_gib``), else recomputes them."""
 
     temperature: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     with_entropy: bool = True
+    keep_logits_bytes: float = DEFAULT_KEEP_LOGITS_BYTES
     outputs = ("logprob", "entropy")
 
     def __call__(self, model, hidden: torch.Tensor, tensors: dict) -> dict:
@@ -69,12 +73,20 @@ class LogProbHead:
             hidden, model.output_weight(), tensors["labels"],
             true_vocab_size=model.true_vocab_size, temperature=logprob_temperature(self.temperature),
             chunk_size=self.chunk_size, sequence_parallel=model.config.sequence_parallel,
-            with_entropy=self.with_entropy,
+            with_entropy=self.with_entropy, keep_logits_bytes=self.keep_logits_bytes,
         )
         out = {"logprob": logp}
         if self.with_entropy:
             out["entropy"] = entropy
         return out
+
+
+def logprob_head(cfg, *, temperature: float | None = None, with_entropy: bool = True) -> LogProbHead:
+    """The head the config asks for: the rollout's temperature (unless given), ``batch.logprob_chunk_size``
+    and ``batch.logprob_keep_logits_gib``."""
+    return LogProbHead(temperature=cfg.rollout.temperature if temperature is None else temperature,
+                       chunk_size=cfg.batch.logprob_chunk_size, with_entropy=with_entropy,
+                       keep_logits_bytes=cfg.batch.logprob_keep_logits_gib * 2**30)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,12 @@ output once, as megatron's own output layer does), so the ``[vocab/TP, h]`` weig
 copied; log-softmax, entropy and the gradient of the logits are fp32 inside each chunk.  fp32
 and float64 models compute everything in their own dtype.
 
-Saved for backward: the hidden states (already alive for the model's own backward) and three
-fp32 scalars per token.  Padded vocabulary entries (TP padding) are masked out, so they never
+Saved for backward: the hidden states (already alive for the model's own backward), three fp32
+scalars per token, and -- when they take at most ``keep_logits_bytes`` (``batch.logprob_keep_logits_gib``)
+-- the micro-batch's fp32 logits: the backward then reads them instead of running the output
+projection a second time (megatron's own cross-entropy always keeps them; at a 32k vocabulary the
+second projection is about 8% of a small model's training FLOPs).  Kept or recomputed, the backward
+sees the same bits.  Padded vocabulary entries (TP padding) are masked out, so they never
 reach log-probs or entropy; which columns are padding is known on the host from the shapes, so
 the loop never waits for the device.  Temperature divides the logits before the softmax;
 temperature 0 (greedy decoding) means log-probs at temperature 1 (:func:`logprob_temperature`).
@@ -29,6 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
 from megatron_rl.ops.precision import compute_dtype
 
 DEFAULT_CHUNK_SIZE = 1024
@@ -72,7 +77,8 @@ def _chunk_logits(h, weight, n_valid: int, temperature: float):
 
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, true_vocab, temperature, chunk_size, group, with_entropy):
+    def forward(ctx, hidden, weight, labels, true_vocab, temperature, chunk_size, group, with_entropy,
+                keep_logits_bytes):
         tp_size = dist.get_world_size(group) if group is not None else 1
         tp_rank = dist.get_rank(group) if group is not None else 0
         vocab_local = weight.size(0)
@@ -83,10 +89,14 @@ class _VocabParallelLogProb(torch.autograd.Function):
         logp = torch.empty(tokens, dtype=compute_dtype(hidden), device=hidden.device)
         log_z = torch.empty_like(logp)
         mean_z = torch.empty_like(logp)
+        kept = [] if keeps_logits(tokens, vocab_local, keep_logits_bytes) else None
         for start in range(0, tokens, chunk_size):
             end = min(start + chunk_size, tokens)
-            # At most two [chunk, vocab/TP] buffers live at once: the logits and their exp.
+            # At most two [chunk, vocab/TP] buffers live at once: the logits and their exp (three
+            # while the logits are kept).
             z = _chunk_logits(hidden[start:end], w, n_valid, temperature)
+            if kept is not None:
+                kept.append(z)
             m = z.amax(dim=-1)
             if tp_size > 1:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -94,7 +104,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
             local = (lab >= vocab_start) & (lab < vocab_start + vocab_local)
             idx = (lab - vocab_start).clamp(0, vocab_local - 1)
             target = torch.where(local, z.gather(1, idx[:, None]).squeeze(1), torch.zeros_like(m))
-            z.sub_(m[:, None])
+            z = z - m[:, None] if kept is not None else z.sub_(m[:, None])
             e = torch.exp(z)
             sum_e = e.sum(-1)
             stats = [sum_e, target]
@@ -111,14 +121,15 @@ class _VocabParallelLogProb(torch.autograd.Function):
             if with_entropy:
                 mean_z[start:end] = stats[2] / stats[0]
             del z, e
-        ctx.save_for_backward(hidden, weight, labels, log_z, mean_z)
+        # Saved as autograd's saved tensors (never modified in place), so memory hooks see them.
+        ctx.save_for_backward(hidden, weight, labels, log_z, mean_z, *(kept or ()))
         ctx.cfg = (temperature, chunk_size, with_entropy, vocab_start, n_valid)
         entropy = (log_z - mean_z) if with_entropy else torch.zeros_like(logp)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, labels, log_z, mean_z = ctx.saved_tensors
+        hidden, weight, labels, log_z, mean_z, *kept = ctx.saved_tensors
         temperature, chunk_size, with_entropy, vocab_start, n_valid = ctx.cfg
         vocab_local = weight.size(0)
         grad_hidden = torch.empty_like(hidden)
@@ -128,11 +139,11 @@ class _VocabParallelLogProb(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
         grad_logp = grad_logp.to(dtype)
         grad_entropy = grad_entropy.to(dtype) if with_entropy else None
-        for start in range(0, hidden.size(0), chunk_size):
+        for i, start in enumerate(range(0, hidden.size(0), chunk_size)):
             end = min(start + chunk_size, hidden.size(0))
             h = hidden[start:end]
             grad_a = grad_logp[start:end, None]
-            z = _chunk_logits(h, w, n_valid, temperature)
+            z = kept[i].clone() if kept else _chunk_logits(h, w, n_valid, temperature)
             z.sub_(log_z[start:end, None])
             p = torch.exp(z)  # softmax; 0 on padded columns
             if with_entropy:
@@ -154,7 +165,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
                 g.div_(temperature)
             _accumulate_grads(g, h, w, grad_hidden[start:end], grad_weight)
             del g
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def _accumulate_grads(g, h, weight, grad_hidden_out, grad_weight) -> None:
@@ -168,6 +179,12 @@ def _accumulate_grads(g, h, weight, grad_hidden_out, grad_weight) -> None:
         grad_weight.add_(gw.t() @ h.to(weight.dtype))
 
 
+def _records_graph(*inputs: torch.Tensor) -> bool:
+    """Whether autograd will call backward: grad mode on and an input that wants a gradient (a
+    scoring pass under ``no_grad`` keeps no logits)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
 def vocab_parallel_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -178,6 +195,7 @@ def vocab_parallel_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     sequence_parallel: bool = False,
     with_entropy: bool = True,
+    keep_logits_bytes: float = DEFAULT_KEEP_LOGITS_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``labels`` and entropy per token, from the model's last hidden states.
 
@@ -185,6 +203,8 @@ def vocab_parallel_logprobs(
     parallelism); ``weight``: this rank's ``[vocab/TP, h]`` output weight; ``labels``: ``[b, s]``
     global token ids (any value where the result is masked later).  Returns two ``[b, s]`` fp32
     tensors (float64 for float64 inputs).  Gradients flow to ``hidden`` and ``weight``.
+    ``keep_logits_bytes``: keep the fp32 logits for backward when they take at most this many bytes
+    on this rank (0: always recompute them).
     """
     tp_active = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
     group = ps.get_tensor_model_parallel_group() if tp_active else None
@@ -198,7 +218,7 @@ def vocab_parallel_logprobs(
     labels = labels.clamp(0, true_vocab_size - 1)
     logp, entropy = _VocabParallelLogProb.apply(
         flat, weight, labels, true_vocab_size, logprob_temperature(temperature), int(chunk_size), group,
-        with_entropy,
+        with_entropy, float(keep_logits_bytes) if _records_graph(flat, weight) else 0.0,
     )
     return logp.view(b, s), entropy.view(b, s)
 

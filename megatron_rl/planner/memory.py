@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
+from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
 from megatron_rl.planner import moe
 
 GiB = 2**30
@@ -287,12 +288,18 @@ def _attention_phase_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: i
                                                       training=False)
 
 
-def head_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int, chunk: int = 1024) -> dict:
-    """Outside the layers: saved for backward, and the log-prob path's transient chunk buffers."""
+def head_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int, bytes_per: int, chunk: int = 1024,
+               keep_logits_bytes: float = DEFAULT_KEEP_LOGITS_BYTES) -> dict:
+    """Outside the layers: saved for backward (with the fp32 logits where a micro-batch keeps them,
+    ``batch.logprob_keep_logits_gib``), and the log-prob path's transient chunk buffers."""
     sp = sequence_parallel_divisor(layout)
     h = cfg.hidden_size
     saved = tokens_local * bytes_per * (2 * h / sp + h + 1 / sp) + tokens_local * LOGPROB_SAVED_BYTES_PER_TOKEN
     vocab_local = -(-cfg.vocab_size // layout.tp)
+    # Kept logits span the padded vocabulary (megatron's rows), not only the real tokens.
+    rows_local = padded_vocab_size(cfg.vocab_size, cfg.make_vocab_size_divisible_by, layout.tp) // layout.tp
+    if keeps_logits(tokens_local, rows_local, keep_logits_bytes):
+        saved += tokens_local * rows_local * 4
     # Two fp32 [chunk, vocab/TP] buffers, the fp32 output-weight gradient, the hidden gradient.
     transient = 2 * min(chunk, tokens_local) * vocab_local * 4 + vocab_local * h * 4 + tokens_local * h * bytes_per
     return {"saved": saved, "logprob_chunks": transient}
@@ -724,7 +731,9 @@ def activation_bytes_per_token(model, layout, dtype_bytes: int) -> float:
     option = PlanOption(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
                         sequence_parallel=layout.sequence_parallel, recompute=model.recompute.granularity,
                         cp_comm_type=layout.cp_comm_type)
-    return activation_bytes(model, option, 1, dtype_bytes) + head_bytes(model, option, 1, dtype_bytes)["saved"]
+    # Kept logits are bounded by batch.logprob_keep_logits_gib on their own, not a cost per token.
+    return (activation_bytes(model, option, 1, dtype_bytes)
+            + head_bytes(model, option, 1, dtype_bytes, keep_logits_bytes=0)["saved"])
 
 
 def derived_token_budget(batch, model, layout, max_seq_len: int, dtype_bytes: int) -> Optional[int]:

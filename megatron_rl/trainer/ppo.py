@@ -54,7 +54,7 @@ from megatron_rl.envs.build import with_environment
 from megatron_rl.envs.trajectories import env_metrics, trajectory_scores
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.canonical import gather_canonical, load_canonical
-from megatron_rl.models.heads import LogProbHead, ValueOutput, attach_value_head
+from megatron_rl.models.heads import ValueOutput, attach_value_head, logprob_head
 from megatron_rl.models.hf_bridge import load_hf_weights, model_source_meta
 from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
 from megatron_rl.models.seeded_init import seeded_init
@@ -487,7 +487,7 @@ class PPOTrainer:
         alg = self.cfg.algorithm
         seqs = samples.sequences()
         mask = samples.response_mask()
-        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size)
+        head = logprob_head(self.cfg)
         ref = values = recomputed = None
         # Routing replay: the experts the rollout engine routed to, else the old-log-prob pass's.
         replay_mode = None
@@ -588,8 +588,7 @@ class PPOTrainer:
         alg = self.cfg.algorithm
         kl_loss_coef = self.kl_ctl.value if self.reference is not None and not alg.kl_in_reward else 0.0
         measure = self.old_logprobs.measured_in_update
-        head = LogProbHead(temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.batch.logprob_chunk_size,
-                           with_entropy=alg.entropy_coef > 0 or measure)
+        head = logprob_head(self.cfg, with_entropy=alg.entropy_coef > 0 or measure)
         horizon = self.cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm
         results, logs_all, first_forward = [], [], None
         for members, sub, lengths, den in batches:

@@ -24,7 +24,7 @@ from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.engine.trainable import Trainable, rebuild_optimizer
 from megatron_rl.envs.base import observation_ids
 from megatron_rl.envs.trajectories import TokenTrace
-from megatron_rl.models.heads import LogProbHead
+from megatron_rl.models.heads import logprob_head
 from megatron_rl.trainer.experience import response_positions
 from megatron_rl.trainer.update import scheduled_updates
 from megatron_rl.utils.seeds import derive_seed
@@ -95,7 +95,7 @@ def sft_warmup(actor: Trainable, prompts: PromptSet, tokenizer: Tokenizer, cfg: 
     steps = cfg.trainer.sft_warmup_steps
     sampler = PromptSampler(prompts, cfg.trainer.prompts_per_step, derive_seed(cfg.run.seed, "sft_prompts"), True)
     answers = _targets(prompts, cfg)
-    head = LogProbHead(with_entropy=False)
+    head = logprob_head(cfg, temperature=1.0, with_entropy=False)
     for step in range(steps):
         seqs, total = _batch(sampler.next_batch(), prompts, answers, tokenizer, make_env)
         actor.zero_grad()

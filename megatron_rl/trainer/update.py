@@ -23,19 +23,29 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from torch.nn.utils.rnn import pad_sequence
 
 from megatron_rl.algorithms import kl as kl_mod
 from megatron_rl.algorithms import losses
 from megatron_rl.config.schema import AlgorithmConfig, Config
 from megatron_rl.data.microbatch import Microbatch
+from megatron_rl.ops import zigzag
 
 
 def per_sequence_rows(mb: Microbatch, x: torch.Tensor) -> torch.Tensor:
-    """``[num_seqs, local_len]`` rows (differentiable) from a micro-batch's per-token tensor."""
+    """``[num_seqs, local_len]`` rows (differentiable, zero-padded) from a micro-batch's per-token
+    tensor: one gather (:meth:`Microbatch.row_index`), whatever the number of sequences."""
     if not mb.packed:
         return x
-    return pad_sequence(mb.local_pieces(x), batch_first=True)
+    index = mb.row_index(x.device)
+    flat = torch.cat([x.reshape(-1), x.new_zeros(1)])  # the last slot: the padding's zero
+    return flat.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def micro_batch_lengths(mb: Microbatch, valid_lengths: Sequence[int], device) -> torch.Tensor:
+    """``[num_seqs]`` full valid lengths of the micro-batch's sequences on ``device``, copied without
+    waiting for the device (a plain ``torch.tensor(..., device="cuda")`` synchronises the stream,
+    once per micro-batch)."""
+    return zigzag.to_device(torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices]), device)
 
 
 def scheduled_updates(cfg: Config) -> int:
@@ -78,7 +88,7 @@ def actor_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Seque
     def loss_fn(outs: dict, t: dict, mb: Microbatch):
         rows = lambda x: per_sequence_rows(mb, x)  # noqa: E731
         mask = rows(t["loss_mask"])
-        lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
+        lengths = micro_batch_lengths(mb, valid_lengths, mask.device)
         logp = rows(outs["logprob"])
         weights = rows(t["rollout_weight"]) if "rollout_weight" in t else None
         old = rows(t["old_logprob"]) if "old_logprob" in t else logp.detach()
@@ -111,7 +121,7 @@ def critic_loss_fn(alg: AlgorithmConfig, denominator: float, valid_lengths: Sequ
     def loss_fn(outs: dict, t: dict, mb: Microbatch):
         rows = lambda x: per_sequence_rows(mb, x)  # noqa: E731
         mask = rows(t["loss_mask"])
-        lengths = torch.tensor([float(valid_lengths[i]) for i in mb.seq_indices], device=mask.device)
+        lengths = micro_batch_lengths(mb, valid_lengths, mask.device)
         num, _, metrics = losses.value_loss_parts(
             rows(outs["value"]), rows(t["old_value"]), rows(t["returns"]), mask, alg.value_clip,
             alg.loss_agg, seq_lengths=lengths, horizon=horizon,
