@@ -20,6 +20,7 @@ checkpoint saved on one TP/PP/VPP layout loads into another.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -124,12 +125,30 @@ def _digest(path: str) -> str:
         return hashlib.file_digest(fh, CHECKSUM).hexdigest()
 
 
+# Files one rank hashes at once (hashlib releases the GIL while it hashes) ...
+CHECKSUM_THREADS = 8
+# ... and the files each rank writes per part (megatron's default is one): one file can only be
+# hashed by one thread, so a one-file rank hashed its whole share of the checkpoint on one core.
+FILES_PER_RANK = 4
+
+
+def _save_strategy():
+    """megatron's torch_dist save strategy, writing :data:`FILES_PER_RANK` files per rank (from as
+    many threads)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=FILES_PER_RANK)
+
+
 def _checksums(root: str, names: list[str]) -> dict[str, str]:
     """``sha256`` of every file in ``names`` (relative to ``root``), each rank hashing every
-    world-th file, gathered on every rank: a collective, and reading the checkpoint back once,
-    spread over the ranks."""
+    world-th file, several at once, gathered on every rank: a collective, and reading the
+    checkpoint back once, spread over the ranks and their cores."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    mine = {name: _digest(os.path.join(root, name)) for name in names[_rank()::world]}
+    share = names[_rank()::world]
+    threads = max(1, min(CHECKSUM_THREADS, len(share), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        mine = dict(zip(share, pool.map(lambda name: _digest(os.path.join(root, name)), share)))
     out: dict[str, str] = {}
     for part in collectives.all_gather_object(mine):
         out.update(part)
@@ -249,7 +268,8 @@ def _write(root: str, tmp: str, final: str, step: int, parts: dict[str, ModelPar
             os.makedirs(os.path.join(tmp, name))
     _barrier()
     for name, part in parts.items():
-        dist_checkpointing.save(_part_sharded(part, with_optimizer), os.path.join(tmp, name))
+        dist_checkpointing.save(_part_sharded(part, with_optimizer), os.path.join(tmp, name),
+                                sharded_strategy=_save_strategy())
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
     if _rank() == 0 and trainer_state is not None:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))

@@ -143,8 +143,10 @@ class _VocabParallelLogProb(torch.autograd.Function):
             end = min(start + chunk_size, hidden.size(0))
             h = hidden[start:end]
             grad_a = grad_logp[start:end, None]
-            z = kept[i].clone() if kept else _chunk_logits(h, w, n_valid, temperature)
-            z.sub_(log_z[start:end, None])
+            if kept:  # a new tensor: the kept logits are autograd's saved tensors, never written
+                z = kept[i] - log_z[start:end, None]
+            else:
+                z = _chunk_logits(h, w, n_valid, temperature).sub_(log_z[start:end, None])
             p = torch.exp(z)  # softmax; 0 on padded columns
             if with_entropy:
                 # g = a (onehot - p) - b p (z - E_p[z]) = p * (-a - b (z - E_p[z])) + a onehot
