@@ -267,3 +267,34 @@ def test_megatron_import_does_not_load_the_compiler_and_kernels_compile_when_cal
     assert got["compiler_loaded_by_import"] is False
     assert got["real_compile_restored"] and got["compiled_on_first_call"]
     assert got["max_diff"] < 1e-5
+
+
+_ONE_GRAPH_PROBE = """
+import json, torch
+from torch._dynamo.utils import counters
+from megatron_rl.compat.deferred_compile import _deferred
+
+def gated(y):
+    a, b = torch.chunk(y, 2, -1)
+    return torch.nn.functional.silu(a) * b
+
+kernel = _deferred(torch.compile)(gated, backend="eager")
+same = True
+for length in (12, 17, 30, 5):
+    y = torch.randn(length, 2, 16)
+    same = same and torch.equal(kernel(y), gated(y))
+print(json.dumps({"same": bool(same), "graphs": counters["stats"]["unique_graphs"]}))
+"""
+
+
+def test_deferred_compile_makes_one_graph_for_every_length():
+    """megatron's fused kernels see a new token count at nearly every RL call.  Compiled at the
+    first call with the token dimension symbolic, a kernel has one graph for all lengths; left to
+    dynamo, it compiled a static graph and then a dynamic one (two compilations of every kernel on
+    a cold machine, each 1-20 s).  In a fresh process: dynamo's counters are process-wide."""
+    out = subprocess.run([sys.executable, "-c", _ONE_GRAPH_PROBE], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["same"]
+    assert got["graphs"] == 1, got

@@ -8,7 +8,9 @@ although most of those kernels are never called (none on the CPU path).  While a
 ``megatron.core`` module executes, ``torch.compile`` is replaced by :func:`_deferred`, which
 returns a function that calls the real ``torch.compile`` the first time it runs: the kernels that
 are used are compiled as before, at their first call, which is when ``torch.compile`` compiles
-anyway.  Everything outside megatron-core's own import sees the real ``torch.compile``.
+anyway.  Everything outside megatron-core's own import sees the real ``torch.compile``.  The first call
+compiles with the token dimension symbolic (:func:`_token_dim_dynamic`): one compilation per
+kernel where lengths vary, not two.
 
 Installed by ``megatron_rl/__init__.py`` (a finder on ``sys.meta_path``, no torch import until
 megatron-core is imported).
@@ -41,12 +43,27 @@ def _deferred(real):
             nonlocal compiled
             if compiled is None:
                 compiled = real(model, **options)
+                _token_dim_dynamic(args)
             return compiled(*args, **kwargs)
 
         return first_call_compiles
 
     compile_later._megatron_rl_deferred = True
     return compile_later
+
+
+def _token_dim_dynamic(args) -> None:
+    """Mark the first dimension (tokens: megatron's ``[s, b, h]``) of the first call's tensors
+    dynamic.  RL micro-batches and rollout steps change length at every call; left static, the
+    first call compiles a graph for its length and the second recompiles it with the length
+    symbolic (dynamo's automatic dynamic shapes) -- two compilations of every fused kernel on a
+    cold machine, forward and backward.  Marked, the first compilation is the symbolic one and the
+    only one (``maybe_``: a kernel that needs the size static still specialises)."""
+    import torch
+
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() >= 2:
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
 
 
 class _Loader(importlib.abc.Loader):

@@ -364,7 +364,8 @@ register_workaround(
             "megatron.core.jit.jit_fuser is torch.compile and wraps the fused kernels while megatron-core "
             "is imported, which loads torch._dynamo and torch._inductor: 2.5-3 s of every process's start "
             "for kernels the CPU path never calls; while megatron.core modules execute, torch.compile "
-            "makes wrappers that compile at their first call"
+            "makes wrappers that compile at their first call, with the token dimension symbolic (RL "
+            "lengths vary; dynamo would compile a static graph, then recompile it dynamic at the second length)"
         ),
         used_in="compat/deferred_compile.py:_deferred; __init__.py:install",
     )
