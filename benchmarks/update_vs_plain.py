@@ -379,7 +379,6 @@ def measure(args, setup: Setup, log=print) -> dict:
     plain = PlainStep(setup)
     sync(setup.device)
     plain_build_s, built = time.perf_counter() - built, time.perf_counter()
-    resident_plain = memory_allocated(setup.device)
     ours = OurUpdate(setup, weights_from=plain.trainable.chunks[0].module)
     sync(setup.device)
     ours_build_s = time.perf_counter() - built
@@ -420,7 +419,7 @@ def measure(args, setup: Setup, log=print) -> dict:
             shutil.rmtree(tmp, ignore_errors=True)
     return {"times": times, "first": first, "loss_plain": plain.losses[0], "loss_ours": ours.losses["log-probs"],
             "loss_parity": parity, "build_s": {"plain": plain_build_s, "ours": ours_build_s},
-            "peak_bytes": peaks, "allocated_before": before, "resident_plain_bytes": resident_plain,
+            "peak_bytes": peaks, "allocated_before": before,
             "build_and_load_s": loads}
 
 

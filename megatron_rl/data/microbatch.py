@@ -47,10 +47,17 @@ class Microbatch:
     cp_size: int
     cp_rank: int
     tensors: dict  # name -> host tensor, [1, T_local] packed or [B, S_local] unpacked
+    # :meth:`row_index` per device, built at its first use
+    _row_index: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def local_tokens(self) -> int:
         return int(self.tensors["tokens"].numel())
+
+    @property
+    def local_sizes(self) -> list[int]:
+        """Packed: each sequence's slots in this rank's row (its padded length over CP)."""
+        return [p // self.cp_size for p in self.padded_lengths]
 
     def to(self, device: torch.device, names: Optional[Iterable[str]] = None) -> dict:
         """This rank's shard of the named tensors on ``device`` (all of them by default); to CUDA
@@ -86,22 +93,20 @@ class Microbatch:
         micro-batch and device.  One gather with it turns a packed per-token tensor into one row per
         sequence: a fixed number of kernels, where a pad of per-sequence slices costs a few per
         sequence (and as many again in backward)."""
-        cache = self.__dict__.setdefault("_row_index", {})
         key = str(device)
-        if key not in cache:
-            sizes = torch.tensor([p // self.cp_size for p in self.padded_lengths])
+        if key not in self._row_index:
+            sizes = torch.tensor(self.local_sizes)
             starts = torch.cumsum(sizes, 0) - sizes
             cols = torch.arange(int(sizes.max()) if len(sizes) else 0)
             index = torch.where(cols[None, :] < sizes[:, None], starts[:, None] + cols[None, :],
                                 torch.full((1, 1), self.local_tokens))
-            cache[key] = zigzag.to_device(index, device)
-        return cache[key]
+            self._row_index[key] = zigzag.to_device(index, device)
+        return self._row_index[key]
 
     def local_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Split a per-token local output (shape of ``tokens``) into per-sequence local pieces."""
         if self.packed:
-            sizes = [p // self.cp_size for p in self.padded_lengths]
-            return list(torch.split(local.reshape(-1), sizes))
+            return list(torch.split(local.reshape(-1), self.local_sizes))
         return [row for row in local]
 
     def gather_sequences(self, local: torch.Tensor, cp_group=None) -> list[torch.Tensor]:

@@ -10,9 +10,10 @@ from megatron.core import parallel_state as ps
 from megatron_rl.distributed import collectives
 
 
-def _to_host(logs: Iterable[Mapping[str, torch.Tensor]], names: list[str], width: int):
-    """``(name index, value)`` rows of every log's named entries, each value reshaped to ``width``
-    float64 numbers, brought to the host in one copy (one wait for the device, not one per entry)."""
+def _to_host(logs: Iterable[Mapping[str, torch.Tensor]], names: list[str], width: int) -> tuple[list, torch.Tensor]:
+    """The name index of every log's named entries, and their values as ``[entries, width]`` float64
+    (``width`` 1: each entry summed), brought to the host in one copy (one wait for the device, not
+    one per entry)."""
     where, values = [], []
     for log in logs:
         for i, name in enumerate(names):
@@ -21,8 +22,8 @@ def _to_host(logs: Iterable[Mapping[str, torch.Tensor]], names: list[str], width
                 values.append(log[name].detach().reshape(-1).double().sum(0, keepdim=True) if width == 1
                               else log[name].detach().double().reshape(width))
     if not values:
-        return torch.zeros(0, dtype=torch.long), torch.zeros(0, width, dtype=torch.float64)
-    return torch.tensor(where), torch.stack(values).cpu()
+        return where, torch.zeros(0, width, dtype=torch.float64)
+    return where, torch.stack(values).cpu()
 
 
 def reduce_sum_count(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable[str]) -> dict[str, float]:
@@ -35,7 +36,7 @@ def reduce_sum_count(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable
     totals = torch.zeros(len(names), 2, dtype=torch.float64)
     if ps.get_tensor_model_parallel_rank() == 0:
         where, values = _to_host(logs, names, 2)
-        for i, value in zip(where.tolist(), values):  # host tensors: in order, as before
+        for i, value in zip(where, values):  # host tensors: in order, as before
             totals[i] += value
     totals = collectives.all_reduce(totals)
     return {n: float(totals[i, 0] / totals[i, 1]) if totals[i, 1] > 0 else float("nan") for i, n in enumerate(names)}
@@ -47,7 +48,7 @@ def reduce_sums(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable[str]
     totals = torch.zeros(len(names), dtype=torch.float64)
     if ps.get_tensor_model_parallel_rank() == 0:
         where, values = _to_host(logs, names, 1)
-        for i, value in zip(where.tolist(), values):
+        for i, value in zip(where, values):
             totals[i] += float(value[0])
     totals = collectives.all_reduce(totals)
     return {n: float(totals[i]) for i, n in enumerate(names)}

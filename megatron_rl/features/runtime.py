@@ -13,11 +13,6 @@ from megatron_rl.features.base import (
 )
 
 AREA = "runtime"
-# benchmarks/update_vs_plain.py on this project's CPU machine (2 cores), quoted in docs/gpu_check.md.
-UPDATE_VS_PLAIN_CPU = ("CPU (2 cores, fp32, 8 layers, hidden 1024, vocabulary 32k, 1,766 tokens in 2 micro-batches): "
-                       "the whole actor update 0.93x megatron-core's step (0.83-0.84x before the update-speed "
-                       "changes), the experience forwards 1.01-1.02x its forward; losses equal within 9.5e-7; "
-                       "build + load 1.4-1.8x megatron's dist_checkpointing (2.03x before)")
 FEATURES = [
     Feature(
         "CPU execution (gloo)", "runtime", TESTED_CPU,
@@ -213,7 +208,10 @@ FEATURES = [
         ("tests/test_update_speed.py::test_update_benchmark_compares_the_same_loss_on_the_same_weights",
          "tests/test_gpu_check.py::test_cpu_dry_run_fills_every_row"),
         config="python benchmarks/update_vs_plain.py",
-        measured=(Measured(UPDATE_VS_PLAIN_CPU,
+        measured=(Measured("CPU (2 cores, fp32, 8 layers, hidden 1024, vocabulary 32k, 1,766 tokens in 2 "
+                           "micro-batches): the whole actor update 0.93x megatron-core's step (0.83-0.84x before the "
+                           "update-speed changes), the experience forwards 1.01-1.02x its forward; losses equal within "
+                           "9.5e-7; build + load 1.4-1.8x megatron's dist_checkpointing (2.03x before)",
                            "python benchmarks/update_vs_plain.py --model cpu --rounds 5 --build-and-load"),),
     ),
     Feature(
