@@ -21,6 +21,10 @@ layer spec.  Rows:
     Qwen2.5-1.5B-shaped model (random init, bf16, vocabulary 151,936), 4 micro-batches of 8k
     tokens; each RL piece switched on in turn, the experience forwards against a plain forward,
     MFU, first against steady step, build time, and the update's peak memory against the planner.
+(h) generation with megatron's dynamic engine against HF ``generate`` on the same weights at a
+    Qwen2.5-1.5B shape (``benchmarks/engine_vs_hf.py``): greedy parity in bf16, tokens/s at 64 and
+    256 requests x 512 new tokens and a long tail, the memory-bandwidth bound, CUDA graphs on / off
+    (and the recapture a rollout pays), prefix caching at n=8 with 1k-token prompts;
 
 Everything is built here: random weights, the built-in ``task:digit_sum`` prompts, the character
 tokenizer; nothing is downloaded.  Each section fails soft: an error becomes its row, and the next
@@ -610,12 +614,12 @@ def section_generation(check: Check):
     samples = check.run["prompts"] * check.run["n"]
     generated = float(row["response_length/mean"]) * samples
     seconds = float(row["timing/rollout_s"])
+    from megatron_rl.capabilities import paged_kernels_installed
     from megatron_rl.rollout.choice import AUTO, pick_batching
-    from megatron_rl.rollout.megatron_engine import flash_attention_ready
 
     # The PPO runs leave rollout.batching at its default, auto (a dense model, no partial rollouts).
     batching = pick_batching(AUTO, moe=False, partial=False,
-                             paged_kernels=check.device.type == "cuda" and flash_attention_ready())
+                             paged_kernels=check.device.type == "cuda" and paged_kernels_installed())
     yield (f"(f) generation, megatron engine, {batching} batching (auto), {samples} samples x <= "
            f"{check.run['new_tokens']} tokens",
            f"{generated / seconds:.0f} tokens/s ({generated:.0f} tokens in {seconds:.2f} s, prefill included)")
@@ -678,6 +682,25 @@ def section_update_profile(check: Check):
                f"measured / planned = {measured / planned:.2f}")
 
 
+# ----------------------------------------------------------------------------- (h) generation vs HF
+
+GEN_GPU = ["--model", "qwen2.5-1.5b", "--concurrency", "64", "256", "--new-tokens", "512"]
+GEN_CPU = ["--model", "tiny", "--concurrency", "4", "--new-tokens", "8", "--prompt-len", "16", "--prefix-len", "64",
+           "--prefix-prompts", "2"]
+
+
+def section_generation_vs_hf(check: Check):
+    """megatron's dynamic engine (paged attention auto: the Triton kernel without flash-attn; CUDA graphs)
+    against HF generate at a Qwen2.5-1.5B shape (benchmarks/engine_vs_hf.py)."""
+    import engine_vs_hf
+    import update_vs_plain as uvp
+
+    uvp.init_world(check.device)
+    args = engine_vs_hf.parse(GEN_CPU if check.cpu else GEN_GPU)
+    for name, text in engine_vs_hf.measure(args, log=lambda *a: None):
+        yield (f"(h) {name}", text)
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -702,6 +725,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="skip sections starting after this many seconds")
     parser.add_argument("--critic", action="store_true", help="PPO with GAE and a critic instead of GRPO")
     parser.add_argument("--cpu-dry-run", action="store_true", help="run every section on the CPU with a tiny model")
+    parser.add_argument("--sections", default="abcdefgh",
+                        help="the sections to run, by letter (default: all); e.g. --sections h")
     args = parser.parse_args(argv)
     if not args.cpu_dry_run and not torch.cuda.is_available():
         print(NO_CUDA)
@@ -714,8 +739,10 @@ def main(argv=None) -> int:
     for name, fn in [("(a) PPO step", section_ppo), ("(b) score vs HF", section_score),
                      ("(c) SDPA backends", section_sdpa), ("(d) MFU", section_mfu),
                      ("(e) memory", section_memory), ("(f) generation", section_generation),
-                     ("(g) update vs megatron-core", section_update_profile)]:
-        check.section(name, fn)
+                     ("(g) update vs megatron-core", section_update_profile),
+                     ("(h) generation vs HF generate", section_generation_vs_hf)]:
+        if name[1] in args.sections:
+            check.section(name, fn)
     check.rows.append(("total time", f"{check.elapsed():.0f} s"))
     text = table(check.rows)
     print(text, flush=True)

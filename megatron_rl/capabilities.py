@@ -51,6 +51,12 @@ def paged_flash_attention_installed() -> bool:
         return False
 
 
+def paged_kernels_installed() -> bool:
+    """Whether megatron's dynamic engine has paged attention kernels for CUDA: flash-attn's, or the
+    Triton kernel (:mod:`megatron_rl.ops.paged_attention`; Triton ships with torch's CUDA wheels)."""
+    return paged_flash_attention_installed() or importlib.util.find_spec("triton") is not None
+
+
 def te_usable() -> bool:
     return cuda_available() and te_version() is not None
 

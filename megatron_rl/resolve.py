@@ -131,6 +131,27 @@ def _rollout_batching(cfg: Config, world: Optional[int], job: Job):
     return batching, AUTO_ORIGIN, batching_reason(batching, **facts)
 
 
+def _rollout_paged_attention(cfg: Config, world: Optional[int], job: Job):
+    from megatron_rl.compat.paged_attention import paged_attention_reason, pick_paged_attention
+
+    if cfg.rollout.paged_attention != AUTO:
+        return cfg.rollout.paged_attention, SET, ""
+    cuda = cfg.distributed.device == "cuda"
+    picked = pick_paged_attention(AUTO, cuda)
+    return picked, AUTO_ORIGIN, paged_attention_reason(picked, cuda)
+
+
+def _rollout_cuda_graphs(cfg: Config, world: Optional[int], job: Job):
+    """Read after rollout.batching and rollout.paged_attention are resolved."""
+    from megatron_rl.models.arch import is_moe
+    from megatron_rl.rollout.choice import pick_cuda_graphs
+
+    on, why = pick_cuda_graphs(cfg.rollout.cuda_graphs, cuda=cfg.distributed.device == "cuda",
+                               batching=cfg.rollout.batching, kernels=cfg.rollout.paged_attention,
+                               moe=is_moe(cfg.model))
+    return on, (SET if cfg.rollout.cuda_graphs is not None else AUTO_ORIGIN), why
+
+
 def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     """The inference model's layout.  Unset on CUDA with megatron's engine, a known world size and
     GPU memory: the planner's choice (:func:`megatron_rl.planner.recipe.planned_rollout_layout`);
@@ -290,6 +311,8 @@ RESOLVERS: tuple[tuple[str, Callable], ...] = (
     ("model.transformer_impl", _transformer_impl),
     ("rollout.engine", _rollout_engine),
     ("rollout.batching", _rollout_batching),
+    ("rollout.paged_attention", _rollout_paged_attention),
+    ("rollout.cuda_graphs", _rollout_cuda_graphs),
     ("rollout.layout", _rollout_layout),
     ("algorithm.rollout_correction.mode", _rollout_correction),
     ("algorithm.old_logprobs", _old_logprobs),

@@ -164,7 +164,12 @@ def test_cpu_dry_run_fills_every_row():
                  "(c) SDPA: rollout decode", "(d) actor update MFU", "(d) plain megatron-core", "(e) peak memory",
                  "(f) generation", "(g) model and batch", "(g) plain megatron-core step", "(g) + metrics",
                  "(g) forward: reference pass", "(g) first step vs steady step", "(g) build (", "(g) loss parity",
-                 "(g) build + load", "(a) step 2: its phases"):
+                 "(g) build + load", "(a) step 2: its phases", "(h) parity: greedy tokens", "(h) throughput: 4",
+                 "(h) long tail", "(h) prefix caching", "(h) device copy bandwidth"):
         assert any(r.startswith(f"| {part}") for r in rows), part
     parity = next(r for r in rows if r.startswith("| (g) loss parity"))
     assert float(parity.split("|d| = ")[1].split()[0]) <= 1e-5, parity
+    greedy = next(r for r in rows if r.startswith("| (h) parity: greedy tokens"))
+    assert greedy.split("| ")[2].startswith("8/8 prompts"), greedy
+    logprobs = next(r for r in rows if r.startswith("| (h) parity: max abs(log-prob"))
+    assert float(logprobs.split("| ")[2].split()[0]) <= 1e-5, logprobs

@@ -653,7 +653,7 @@ def test_rollout_records_the_routing_the_trainer_replays(layout):
     assert got["rollout_vs_pass"] <= TOL and got["replay_vs_own"] > 1e-3
 
 
-def moe_generate_body(layout_kw: dict, weights) -> dict:
+def moe_generate_body(layout_kw: dict, weights, kernels: str = "auto") -> dict:
     """Greedy and sampled rollouts of megatron's engine on ``layout_kw`` (every rank's copy of the
     gathered batch), and how many dummy steps this rank ran while its generator had no work."""
     import dataclasses
@@ -668,7 +668,7 @@ def moe_generate_body(layout_kw: dict, weights) -> dict:
     moe_kw = dict(MOE, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
     chunks, weights = build_moe(layout, weights, moe_kw, value_head=False)
     engine = make_engine("megatron", ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
-                         kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8)
+                         kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8, paged_attention=kernels)
     engine.load_from_chunks(chunks)
     batch = generate_data_parallel(engine, GENERATE_PROMPTS, SamplingParams(greedy=True, max_new_tokens=9), seed=4)
     engine.release_weights()
@@ -680,15 +680,16 @@ def moe_generate_body(layout_kw: dict, weights) -> dict:
 GENERATE_PROMPTS = [list(range(1, 24)), [5, 9, 2], list(range(30, 47)), [7, 8], [11]]
 
 
-@pytest.mark.parametrize("layout", ["ep2", "pp2_ep2"])
-def test_megatron_engine_generates_on_expert_parallel_layouts_as_one_process(layout):
+@pytest.mark.parametrize("layout,kernels", [("ep2", "auto"), ("pp2_ep2", "auto"), ("ep2", "triton")])
+def test_megatron_engine_generates_on_expert_parallel_layouts_as_one_process(layout, kernels):
     """Greedy tokens and their log-probs on EP2 and PP2 x EP2 are one process's, though the two
     generators have unequal work: the idle one's ranks run megatron's dummy forward (through both
     pipeline stages at PP2) while the other still generates.  (Sampled tokens are not compared:
-    each generator samples with its own seed.)"""
+    each generator samples with its own seed.)  ``triton``: the CUDA paged kernel (Triton's
+    interpreter here) on EP2 against one process on the SDPA stand-in."""
     world, layout_kw = LAYOUTS[layout]
     ref = run_distributed(1, moe_generate_body, {}, None)[0]
-    results = run_distributed(world, moe_generate_body, layout_kw, ref["weights"])
+    results = run_distributed(world, moe_generate_body, layout_kw, ref["weights"], kernels)
     idle = [r["idle"] for r in results]
     worst = 0.0
     for got in results:

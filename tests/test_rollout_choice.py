@@ -31,8 +31,8 @@ GRPO = os.path.join(ROOT, "configs", "grpo_cpu.yaml")
 
 # (moe, partial rollouts, paged kernels) -> what auto batches with
 AUTO_CASES = [
-    ((False, False, True), DYNAMIC),   # a GPU with flash-attn's paged kernels
-    ((False, False, False), STATIC),   # the CPU, a GPU without flash-attn
+    ((False, False, True), DYNAMIC),   # CUDA: flash-attn's or the Triton paged kernels
+    ((False, False, False), STATIC),   # the CPU
     ((True, False, False), DYNAMIC),   # MoE: expert-parallel ranks step together
     ((False, True, False), DYNAMIC),   # partial rollouts: re-prefilled on a weight push
 ]
@@ -74,7 +74,7 @@ def test_config_and_engine_agree_on_this_machine():
 
     dense = load_config(GRPO, ["distributed.device=cpu"])
     assert rollout_batching(dense) == STATIC
-    assert "static batching (auto: no paged kernels" in describe_rollout_engine(dense)
+    assert "static batching (auto: the CPU: the dynamic engine's per-step scheduling" in describe_rollout_engine(dense)
     rollout = dataclasses.replace(dense.rollout, max_batch_size=4)  # the trainer derives it when null
     built = make_rollout_engine(rollout, dense.model, "cpu")
     assert type(built) is engine_class(MEGATRON)
@@ -102,13 +102,40 @@ def test_vpp_generates_with_megatrons_engine_on_a_model_of_its_own():
 
 
 def test_auto_batches_dynamically_on_cuda_with_paged_kernels(monkeypatch):
-    """The choice rule alone (no GPU is used)."""
+    """The choice rule alone (no GPU is used): on CUDA the dynamic engine, with flash-attn's
+    kernels where they import and the Triton kernel without them, CUDA graphs on."""
+    from megatron_rl import capabilities
+    from megatron_rl.compat import paged_attention
     from megatron_rl.distributed import runtime
     from megatron_rl.rollout import choice
 
-    monkeypatch.setattr(choice, "paged_flash_attention_installed", lambda: True)
     monkeypatch.setattr(runtime, "resolve_device", lambda _distributed: torch.device("cuda"))
-    cfg = load_config(GRPO, ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2"])
-    assert rollout_batching(cfg) == DYNAMIC
-    assert describe_rollout_engine(cfg) == \
-        "megatron engine, dynamic batching (auto: CUDA with flash-attn's paged kernels)"
+    cuda = ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "distributed.device=cuda"]
+    for flash, kernels in ((False, "triton"), (True, "flash_attn")):
+        monkeypatch.setattr(capabilities, "paged_flash_attention_installed", lambda flash=flash: flash)
+        monkeypatch.setattr(paged_attention, "_flash_installed", lambda flash=flash: flash)
+        monkeypatch.setattr(choice, "paged_kernels_installed", lambda: True)
+        cfg = load_config(GRPO, cuda)
+        assert rollout_batching(cfg) == DYNAMIC
+        assert describe_rollout_engine(cfg) == \
+            "megatron engine, dynamic batching (auto: CUDA with paged attention kernels (flash-attn's or Triton's))"
+        resolved = validate(cfg, 2).config
+        assert resolved.rollout.paged_attention == kernels and resolved.rollout.cuda_graphs is True
+    monkeypatch.setattr(choice, "paged_kernels_installed", lambda: False)  # a CUDA torch without Triton
+    assert rollout_batching(load_config(GRPO, cuda)) == STATIC
+
+
+def test_paged_attention_and_cuda_graphs_resolve_off_cuda_and_are_refused_where_they_cannot_run(capsys, tmp_path):
+    resolution = validate(load_config(GRPO, ["distributed.device=cpu", "rollout.batching=dynamic"]), 1)
+    assert resolution.get("rollout.paged_attention").value == "sdpa"
+    assert resolution.get("rollout.cuda_graphs").value is False
+    assert _validate(tmp_path, "rollout.paged_attention=triton", "rollout.batching=dynamic") == 0
+    for overrides, start in (
+        (["rollout.paged_attention=flash_attn"], "config error: rollout.paged_attention=flash_attn: flash_attn runs "
+                                                 "on CUDA only"),
+        (["rollout.cuda_graphs=true"], "config error: rollout.cuda_graphs=True: CUDA graphs need CUDA"),
+        (["rollout.paged_attention=bogus"], "config error: rollout.paged_attention"),
+    ):
+        assert _validate(tmp_path, *overrides) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(start) and "\n" not in line, line

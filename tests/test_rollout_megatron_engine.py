@@ -292,6 +292,50 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, batch
         assert max(response) < first["vocab"]
 
 
+def kernels_body(layout_kw: dict, hf_dir: str, prefix_caching: bool) -> dict:
+    """Greedy and sampled rollouts with each paged attention (the Triton kernel in Triton's interpreter)."""
+    from megatron_rl.compat.paged_attention import installed_paged_attention
+
+    cfg, chunks = _actor_from_hf(layout_kw, hf_dir)
+    out = {}
+    for kernels in ("triton", "sdpa"):
+        engine = _engine(cfg, chunks, paged_attention=kernels, prefix_caching=prefix_caching)
+        greedy = engine.generate(PROMPTS, GREEDY, seed=0)
+        sampled = engine.generate(PROMPTS[:3], SAMPLED, seed=5)
+        out[kernels] = dict(greedy=dataclasses.asdict(greedy), sampled=dataclasses.asdict(sampled),
+                            installed=installed_paged_attention(), prefill_tokens=engine.prefill_tokens)
+        engine.release_weights()
+    return out
+
+
+@pytest.mark.parametrize("layout,prefix_caching", [("world1", True), ("world1", False), ("tp2", True),
+                                                   ("pp2", False), ("cp2", True)])
+def test_triton_paged_kernel_generates_hfs_greedy_tokens_and_logprobs(layout, prefix_caching, hf_models):
+    """rollout.paged_attention=triton (the CUDA kernel, run by Triton's interpreter here) inside
+    megatron's dynamic engine: greedy tokens are HF generate's, log-probs HF's teacher-forced ones
+    (fp32, 1e-5), and sampled rollouts the SDPA stand-in's, prefix caching on (shared pages in the
+    block table) and off, on TP, PP and CP."""
+    world, layout_kw, kind, *_ = LAYOUTS[layout]
+    hf_dir, hf_model = hf_models[kind]
+    got = run_distributed(world, kernels_body, layout_kw, hf_dir, prefix_caching)[0]
+    triton, sdpa = got["triton"], got["sdpa"]
+    assert triton["installed"] == "triton" and sdpa["installed"] == "sdpa"
+    assert triton["greedy"]["response_ids"] == _hf_generate_greedy(hf_model, PROMPTS, GREEDY.max_new_tokens)
+    worst_hf = 0.0
+    for name, temperature in (("greedy", 1.0), ("sampled", SAMPLED.temperature)):
+        batch = triton[name]
+        reference = _hf_teacher_forced(hf_model, batch["prompt_ids"], batch["response_ids"], temperature)
+        for logprobs, ref in zip(batch["response_logprobs"], reference):
+            worst_hf = max([worst_hf] + [abs(a - b) for a, b in zip(logprobs, ref)])
+    assert triton["sampled"]["response_ids"] == sdpa["sampled"]["response_ids"]
+    worst_sdpa = max(abs(a - b) for u, v in zip(triton["sampled"]["response_logprobs"],
+                                                sdpa["sampled"]["response_logprobs"]) for a, b in zip(u, v))
+    print(f"{layout}, prefix caching {prefix_caching}: max |triton log-prob - HF teacher-forced| {worst_hf:.1e}, "
+          f"- sdpa stand-in {worst_sdpa:.1e} (fp32)")
+    assert worst_hf <= 1e-5 and worst_sdpa <= 1e-5
+    assert triton["prefill_tokens"] == sdpa["prefill_tokens"]
+
+
 def vpp_greedy_body(hf_dir: str, rollout_layout: dict) -> dict:
     cfg, chunks = _actor_from_hf(dict(pp=2, vpp=2), hf_dir)
     engine = _engine(cfg, chunks, rollout_layout)
@@ -832,14 +876,18 @@ def generate_body(hf_dir: str, input_path: str, output: str, overrides: list[str
 
 # -- GPU-only paths ------------------------------------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's paged kernels run on CUDA only")
-def test_flash_paged_kernels_match_the_cpu_stand_in():
+def test_flash_paged_kernels_match_the_triton_kernel_and_the_cpu_stand_in():
+    """Where flash-attn imports, its paged kernels, the Triton kernel and the SDPA stand-in agree (bf16)."""
     from megatron.core.transformer import attention
 
+    from megatron_rl.capabilities import paged_flash_attention_installed
     from megatron_rl.compat.inference_cpu import sdpa_decode_paged, sdpa_varlen_paged
-    from megatron_rl.rollout.megatron_engine import flash_attention_ready
+    from megatron_rl.compat.paged_attention import install_paged_attention
+    from megatron_rl.ops.paged_attention import triton_decode_paged, triton_varlen_paged
 
-    if not flash_attention_ready():
+    if not paged_flash_attention_installed():
         pytest.skip("flash-attn >= 2.7.3 is not installed")
+    install_paged_attention("flash_attn")
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(9, 16, 2, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -848,29 +896,63 @@ def test_flash_paged_kernels_match_the_cpu_stand_in():
     q = torch.randn(2, 1, 4, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
     got = attention.flash_attn_with_kvcache(q=q, k_cache=k, v_cache=v, cache_seqlens=lengths, causal=True,
                                             block_table=table)
-    assert (got.float() - sdpa_decode_paged(q, k, v, lengths, table).float()).abs().max() < 2e-2
+    for other in (sdpa_decode_paged, triton_decode_paged):
+        assert (got.float() - other(q, k, v, lengths, table).float()).abs().max() < 2e-2, other.__name__
     cu_q = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0, 40, 60], device="cuda", dtype=torch.int32)
     qs = torch.randn(12, 4, 64, device="cuda", generator=gen, dtype=torch.bfloat16)
     got = attention.flash_attn_varlen_func(qs, k, v, cu_q, cu_k, 7, 96, causal=True, block_table=table)
-    assert (got.float() - sdpa_varlen_paged(qs, k, v, cu_q, cu_k, block_table=table).float()).abs().max() < 2e-2
+    for other in (sdpa_varlen_paged, triton_varlen_paged):
+        assert (got.float() - other(qs, k, v, cu_q, cu_k, 7, 96, block_table=table).float()).abs().max() < 2e-2
 
 
-def graphs_body(cfg: ModelConfig) -> dict:
-    chunks = _actor({}, cfg, 4)
-    engine = _engine(cfg, chunks)
-    engine.generate(PROMPTS, SAMPLED, seed=2)
+def graphs_body(cfg: ModelConfig, device: str = "cpu", cuda_graphs=None) -> dict:
+    """Greedy tokens, the graph sizes megatron planned, and what the actor's layers and config say
+    after the rollout (what the training forward would see)."""
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import load_canonical
+    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.testing.weights import random_canonical
+
+    if device == "cuda":
+        cfg = dataclasses.replace(cfg, params_dtype="bfloat16")
+    chunks = build_gpt_chunks(cfg, use_layout(), torch.device(device))
+    load_canonical(chunks, random_canonical(cfg, 4, std=0.2))
+    engine = make_engine("megatron", cfg, device, **ENGINE, cuda_graphs=cuda_graphs)
+    engine.load_from_chunks(chunks)
+    pointers = [p.data_ptr() for p in chunks[0].parameters()]
+    greedy = engine.generate(PROMPTS, GREEDY, seed=2)
     context = engine._engine.context
-    return {"model": chunks[0].config.cuda_graph_impl, "graph_sizes": list(context.cuda_graph_token_counts or []),
-            "this_step": context.using_cuda_graph_this_step()}
+    out = {"model": chunks[0].config.cuda_graph_impl, "graph_sizes": list(context.cuda_graph_token_counts or []),
+           "managers_left": sum(hasattr(m, "cudagraph_manager") for m in chunks[0].modules()),
+           "greedy": greedy.response_ids}
+    engine.release_weights()
+    trained = _optimizer_step(chunks, greedy) if device == "cpu" else chunks
+    engine.load_from_chunks(trained)
+    again = engine.generate(PROMPTS, GREEDY, seed=2)
+    out.update(same_storage=pointers == [p.data_ptr() for p in chunks[0].parameters()], again=again.response_ids)
+    return out
 
 
-def test_cuda_graphs_are_not_captured_by_the_rollout_engine():
-    """CUDA graphs are a model-build switch in megatron-core 0.19 (``cuda_graph_impl``) that also
-    routes the training forward through the graph manager: the actor is built without them and the
-    engine plans no graph sizes, so it runs eagerly (docs/rollout.md)."""
+def test_cuda_graphs_are_not_captured_by_the_rollout_engine_on_the_cpu():
+    """rollout.cuda_graphs unset is off on the CPU: megatron plans no graph sizes, the actor's
+    layers get no graph manager and its config keeps ``cuda_graph_impl='none'``.  An optimizer step
+    writes the weights in place, so graphs captured on them on a GPU read the new values."""
     got = run_distributed(1, graphs_body, _cfg())[0]
-    assert got == {"model": "none", "graph_sizes": [], "this_step": False}
+    assert got["model"] == "none" and got["graph_sizes"] == [] and got["managers_left"] == 0
+    assert got["same_storage"] and got["again"] != got["greedy"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_cuda_graph_decode_gives_the_eager_engines_tokens():
+    """On CUDA (bf16): greedy tokens with CUDA graphs equal the eager engine's, graphs were planned,
+    and after the rollout the actor's layers hold no graph manager and its config says 'none'."""
+    graphed = run_distributed(1, graphs_body, _cfg(), "cuda", True)[0]
+    eager = run_distributed(1, graphs_body, _cfg(), "cuda", False)[0]
+    assert graphed["graph_sizes"] and not eager["graph_sizes"]
+    assert graphed["greedy"] == eager["greedy"] and graphed["again"] == eager["again"]
+    assert graphed["model"] == "none" and graphed["managers_left"] == 0 and graphed["same_storage"]
 
 
 def test_cpu_stand_in_ignores_padding_and_aligns_causality_to_the_last_key():

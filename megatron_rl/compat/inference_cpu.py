@@ -8,21 +8,22 @@ CPU processes only:
 
 * the paged attention kernels -- with a dynamic context ``Attention.forward`` skips the layer
   spec's core attention and calls flash-attn's ``flash_attn_varlen_func`` (prefill and mixed
-  steps) and ``flash_attn_with_kvcache`` (decode-only steps) on the KV pages, after asserting a
-  flash-attn version, or FA3's / FA4's kernels when those are importable.
+  steps) and ``flash_attn_with_kvcache`` (decode-only steps) on the KV pages.
   :func:`sdpa_varlen_paged` and :func:`sdpa_decode_paged` compute the same thing with
   ``scaled_dot_product_attention`` over each request's pages: causal attention aligned to the
   end of the keys (a query at chunk offset ``j`` sees keys ``< kv_len - q_len + j + 1``), GQA,
-  and zeros for padding tokens and padding requests.  They are a CPU stand-in tested for parity
-  with a full-sequence forward, not a model of the GPU kernels' speed;
+  and zeros for padding tokens and padding requests.  The engine installs them as
+  ``rollout.paged_attention=sdpa`` (what ``auto`` picks on the CPU;
+  :mod:`megatron_rl.compat.paged_attention`); they read lengths on the host, so on CUDA the Triton
+  kernel takes their place;
 * the Triton KV-cache append -- ``DynamicInferenceContext.append_key_value_cache`` calls
   ``triton_append_key_value_cache`` whenever triton imports, and that kernel asserts CUDA
   tensors; without it the context writes the pages with its own indexed copy;
 * ``communication_utils._is_cuda`` -- asserts ``tensor.is_cuda`` on the logits the last pipeline
   stage broadcasts (PP >= 2).
 
-On a GPU none of this applies: the engine needs flash-attn >= 2.7.3 (or FA3 / FA4) there, and
-:mod:`megatron_rl.rollout.megatron_engine` says so before it starts.
+On a GPU none of this applies: the paged attention there is flash-attn's or the Triton kernel
+(:mod:`megatron_rl.ops.paged_attention`).
 """
 
 from __future__ import annotations
@@ -194,26 +195,6 @@ def sdpa_decode_paged(q, k_cache, v_cache, cache_seqlens, block_table, softmax_s
     return out
 
 
-def _fa_version_ok(*_args, **_kwargs) -> bool:
-    return True
-
-
-def _patch_paged_attention() -> None:
-    from megatron.core.transformer import attention
-
-    attention.flash_attn_varlen_func = sdpa_varlen_paged
-    attention.flash_attn_with_kvcache = sdpa_decode_paged
-    attention.is_fa_min_version = _fa_version_ok  # only attention.py's dynamic-batching assert reads it
-
-
-def _patch_flash_generation_off() -> None:
-    """Keep ``Attention._resolve_flash_version`` on the FA2 names the stand-ins replace."""
-    from megatron.core.transformer import attention
-
-    attention.HAVE_FA3 = False
-    attention.HAVE_FA4 = False
-
-
 # ----------------------------------------------------------------------------- KV append
 def _patch_triton_kv_append() -> None:
     from megatron.core.inference.contexts import dynamic_context
@@ -361,15 +342,6 @@ register_workaround(
 
 
 _CPU_PATCHES = (
-    ("inference_cpu.paged_attention_sdpa", _patch_paged_attention,
-     "with a DynamicInferenceContext Attention.forward bypasses core_attention and "
-     "Attention.flash_decode_and_prefill calls flash-attn's paged flash_attn_varlen_func / "
-     "flash_attn_with_kvcache (now with window_size, softmax_scale, num_splits) after asserting "
-     "HAVE_FA4 or HAVE_FA3 or flash-attn >= 2.7.3; SDPA over each request's KV pages computes the "
-     "same full causal attention on the CPU (sliding windows and sink softmax refused)"),
-    ("inference_cpu.flash_attn_generation_off", _patch_flash_generation_off,
-     "Attention._resolve_flash_version prefers FA4 (flash_attn.cute) > FA3 (flash_attn_3) > FA2 when "
-     "importable, which would bypass the SDPA stand-ins; HAVE_FA3/HAVE_FA4 are set False on the CPU"),
     ("inference_cpu.triton_kv_append_off", _patch_triton_kv_append,
      "DynamicInferenceContext.append_key_value_cache calls fused_kv_append_kernel."
      "triton_append_key_value_cache whenever triton imports, and it asserts CUDA tensors on every "

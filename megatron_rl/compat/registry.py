@@ -50,7 +50,9 @@ def _load_records() -> None:
     from megatron_rl.compat import (  # noqa: F401
         cpu,
         inference_cpu,
+        inference_graphs,
         megatron_fixes,
+        paged_attention,
         parallel_state,
         rope_host_seqlens,
         safe_unpickling,

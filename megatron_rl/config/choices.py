@@ -55,6 +55,9 @@ ROLLOUT_ENGINES = (AUTO, ROLLOUT_MEGATRON)
 # rollout.batching: how megatron's engine batches -- its dynamic engine (paged KV cache, continuous
 # batching) or its static-batching API (one KV cache per layer, prompts left-padded).
 ROLLOUT_BATCHING = (AUTO, "dynamic", "static")
+# rollout.paged_attention: the kernels behind the dynamic engine's paged attention
+# (megatron_rl/compat/paged_attention.py:KERNELS).
+PAGED_ATTENTION = (AUTO, "flash_attn", "triton", "sdpa")
 
 # rollout.on_limit: what a multi-turn trajectory that hit rollout.max_turns or
 # rollout.max_trajectory_tokens scores: graded as it stands, or 0.

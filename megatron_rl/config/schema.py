@@ -33,6 +33,7 @@ from megatron_rl.config.choices import (
     NORMALIZATIONS,
     OLD_LOGPROB_SOURCES,
     ON_LIMIT,
+    PAGED_ATTENTION,
     PARAMS_DTYPES,
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
@@ -303,6 +304,14 @@ class RolloutConfig:
                      "batching) or static (its static-batching API: distinct prompts left-padded and prefilled once, "
                      "one KV cache per layer); auto: dynamic on CUDA with flash-attn and for MoE and partial rollouts, "
                      "static elsewhere (the CPU).")
+    paged_attention: Literal[PAGED_ATTENTION] = _f(
+        "auto", help="rollout.batching=dynamic: the kernels of the engine's paged attention -- flash_attn (flash-attn "
+                     ">= 2.7.3 on CUDA), triton (the project's Triton kernel: CUDA, or Triton's interpreter on the "
+                     "CPU, for checking) or sdpa (SDPA over each request's pages; no CUDA graphs); auto: flash_attn "
+                     "where it imports on CUDA, else triton on CUDA, sdpa on the CPU.")
+    cuda_graphs: Optional[bool] = _f(None, "rollout.batching=dynamic: decode steps replayed from CUDA graphs captured "
+                                           "for batch sizes up to the rollout's requests (recaptured each rollout, "
+                                           "after the KV cache is rebuilt); null = on with CUDA, off on the CPU.")
     layout: RolloutLayoutConfig = field(default_factory=RolloutLayoutConfig)
     ranks: int = _f(0, "Ranks of the job that only generate (the last ones), with rollout.layout as their layout; "
                        "the others train, and trainer.mode says how far generation runs ahead of the updates; "

@@ -6,6 +6,7 @@ from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
 from megatron_rl.features.base import (
     GPU_UNTESTED,
     TESTED_CPU,
+    Constraint,
     Feature,
     Measured,
     _old_logprob_source,
@@ -49,6 +50,42 @@ def _static_fact(name: str):
     """Whether the fact ``name`` of :func:`~megatron_rl.rollout.choice.batching_facts` is absent (static
     batching can generate), for a config with rollout.batching=static."""
     return lambda c, w: not batching_facts(c, cuda=False)[name]
+
+
+def _kernels_refused(cfg, world):
+    """rollout.paged_attention named where it cannot run (flash-attn on the CPU or not installed)."""
+    from megatron_rl.compat.paged_attention import paged_attention_refusal
+
+    name = cfg.rollout.paged_attention
+    refusal = paged_attention_refusal(name, cfg.distributed.device == "cuda")
+    if not refusal:
+        return None
+    return "rollout.paged_attention", name, refusal, "set rollout.paged_attention=auto"
+
+
+def _graphs_refused(cfg, world):
+    """rollout.cuda_graphs=true where megatron's engine cannot replay graphs."""
+    from megatron_rl.models.arch import is_moe
+    from megatron_rl.rollout.choice import cuda_graphs_refusal
+
+    r = cfg.rollout
+    if not r.cuda_graphs:
+        return None
+    problem = cuda_graphs_refusal(cuda=cfg.distributed.device == "cuda", batching=r.batching,
+                                  kernels=r.paged_attention, moe=is_moe(cfg.model))
+    if not problem:
+        return None
+    return "rollout.cuda_graphs", True, problem, "set rollout.cuda_graphs=null (on where they can run)"
+
+
+PAGED_ATTENTION_CONSTRAINTS = (
+    Constraint("rollout.paged_attention=flash_attn needs CUDA and flash-attn >= 2.7.3 (when generating)",
+               _kernels_refused, "rollout.paged_attention", generation=True),
+)
+CUDA_GRAPH_CONSTRAINTS = (
+    Constraint("rollout.cuda_graphs=true needs CUDA, dynamic batching, graph-safe kernels and a dense model "
+               "(when generating)", _graphs_refused, "rollout.cuda_graphs", generation=True),
+)
 
 
 ROLLOUT_BATCHING_CONSTRAINTS = tuple(
@@ -97,9 +134,9 @@ FEATURES = [
         "the actor trains; greedy tokens equal HF generate's and log-probs HF's teacher-forced ones on TP, PP, TPxPP "
         "and CP. The project's sampler on the true vocabulary (temperature-scaled log-probs, top-k with top-p, n, "
         "every stop id and sequence) with keyed noise: a seed gives the same samples whatever the KV budget or "
-        "scheduling. CPU via compat/inference_cpu.py (SDPA over the KV pages); GPU needs flash-attn >= 2.7.3, runs "
-        "without CUDA graphs, untested there. What rollout.batching=auto (the default) runs for MoE models, partial "
-        "rollouts, sequence parallelism and on CUDA with flash-attn (see the rows below).",
+        "scheduling. Paged attention from rollout.paged_attention (SDPA over the KV pages on the CPU; flash-attn or "
+        "the Triton kernel on CUDA) and CUDA graphs for decode steps on CUDA (rows below); never run on a GPU yet. "
+        "What rollout.batching=auto (the default) runs on CUDA and for MoE models and partial rollouts.",
         ("tests/test_rollout_megatron_engine.py::test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers",
          "tests/test_rollout_megatron_engine.py::test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling",
          "tests/test_rollout_megatron_engine.py::test_stop_on_every_eos_id_and_stop_sequences_and_padded_vocab_never_drawn",
@@ -140,13 +177,48 @@ FEATURES = [
                            "python benchmarks/rollout_throughput.py --workloads prefix"),),
     ),
     Feature(
+        "Paged attention without flash-attn (rollout.paged_attention)", "rollout", TESTED_CPU,
+        "The kernels megatron's dynamic engine calls for its paged KV cache, one registry "
+        "(compat/paged_attention.py): flash_attn (flash-attn >= 2.7.3's own, CUDA), triton (the project's Triton "
+        "kernel, ops/paged_attention.py: prefill chunks and decode rows of every request in one launch, reading the "
+        "block table itself -- GQA, any head size, pages out of order -- with no host synchronisation, so a CUDA "
+        "graph holds it), sdpa (SDPA over each request's pages, CPU). auto: flash_attn where it imports on CUDA, "
+        "else triton; sdpa on the CPU, where Triton runs only in its interpreter. The Triton kernel's math, run by "
+        "Triton's interpreter, equals attention over each request alone (1e-5, fp32) and, inside the engine, gives "
+        "HF generate's greedy tokens and HF's teacher-forced log-probs (<= 1e-5, fp32) on one process, TP2, PP2, "
+        "CP2 and EP2, prefix caching on and off. Compiled on CUDA: not yet run on a GPU "
+        "(benchmarks/gpu_check.py rows (h)); sliding windows and sink softmax are refused.",
+        ("tests/test_paged_attention.py::test_triton_prefill_equals_each_request_attending_alone",
+         "tests/test_paged_attention.py::test_triton_decode_equals_the_stand_in_and_zeroes_padding_requests",
+         "tests/test_paged_attention.py::test_triton_reads_no_slot_past_a_requests_length",
+         "tests/test_rollout_megatron_engine.py::test_triton_paged_kernel_generates_hfs_greedy_tokens_and_logprobs",
+         "tests/test_moe.py::test_megatron_engine_generates_on_expert_parallel_layouts_as_one_process",
+         "tests/test_rollout_choice.py::test_paged_attention_and_cuda_graphs_resolve_off_cuda_and_are_refused_where_they_cannot_run"),
+        config="rollout.paged_attention",
+        constraints=PAGED_ATTENTION_CONSTRAINTS,
+    ),
+    Feature(
+        "CUDA graphs for the dynamic engine's decode steps (rollout.cuda_graphs)", "rollout", GPU_UNTESTED,
+        "On CUDA (null = on there; off for MoE and the sdpa kernels) decode steps replay megatron-core's per-layer "
+        "CUDA graphs, captured for batch sizes halving from the rollout's most requests in flight down to the TP "
+        "size; prefill and mixed steps run eagerly. The graph managers are attached to the actor's layers only while "
+        "the engine builds, resumes and steps (compat/inference_graphs.py), so the training forward runs as built. "
+        "Weights are updated in place (optimizer, refit), and megatron captures again on every resume after the KV "
+        "cache was freed. Not yet run on a GPU: benchmarks/gpu_check.py rows (h) time graphs on / off and check their "
+        "greedy tokens equal.",
+        ("tests/test_rollout_megatron_engine.py::test_cuda_graph_decode_gives_the_eager_engines_tokens",
+         "tests/test_rollout_megatron_engine.py::test_cuda_graphs_are_not_captured_by_the_rollout_engine_on_the_cpu"),
+        config="rollout.cuda_graphs",
+        constraints=CUDA_GRAPH_CONSTRAINTS,
+    ),
+    Feature(
         "Batching chosen by the machine (rollout.batching=auto)", "rollout", TESTED_CPU,
         "megatron's engine is the one generator (rollout.engine=auto names it; the torch and tp_sharded engines are "
-        "gone). rollout.batching=auto (the default): its dynamic engine on CUDA with flash-attn >= 2.7.3 (or FA3), "
-        "and for MoE models and partial rollouts; its static batching elsewhere (the CPU, a "
-        "GPU without flash-attn). One rule (rollout/choice.py) resolved before launch (megatron-rl validate shows it "
+        "gone). rollout.batching=auto (the default): its dynamic engine on CUDA (flash-attn's or the Triton paged "
+        "kernels), and for MoE models and partial rollouts; its static batching on the CPU, where it is measured "
+        "faster (docs/rollout.md). One rule (rollout/choice.py) resolved before launch (megatron-rl validate shows it "
         "with the reason) and read by the engine when it generates; rollout.batching=static where it cannot "
-        "generate exits 2 before launch. The static branch on a GPU has not run there.",
+        "generate exits 2 before launch.",
         ("tests/test_rollout_choice.py::test_auto_batching_is_static_where_the_dynamic_engine_has_no_kernels_and_nothing_needs_it",
          "tests/test_rollout_choice.py::test_config_and_engine_agree_on_this_machine",
          "tests/test_rollout_choice.py::test_the_removed_engines_are_refused_with_the_choices",

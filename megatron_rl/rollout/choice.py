@@ -4,13 +4,15 @@ megatron-core's inference generates on every layout (``rollout.engine=megatron``
 too).  It batches one of two ways (``rollout.batching``):
 
 * ``dynamic`` -- its ``DynamicInferenceEngine``: a paged KV cache, continuous batching, chunked
-  prefill, prefix caching by pages.  Picked by ``auto`` on CUDA with flash-attn's paged kernels,
-  and wherever only it can generate: MoE layers (expert-parallel ranks step together) and partial
+  prefill, prefix caching by pages, CUDA graphs for decode steps.  Picked by ``auto`` on CUDA (its
+  paged attention: flash-attn's kernels or the Triton kernel, ``rollout.paged_attention``), and
+  wherever only it can generate: MoE layers (expert-parallel ranks step together) and partial
   rollouts (requests re-prefilled on a weight push).
 * ``static`` -- its static-batching API (``StaticInferenceContext``): distinct prompts left-padded
   and prefilled once, one KV cache per layer (:mod:`megatron_rl.rollout.static_batching`).
-  Picked by ``auto`` elsewhere: on the CPU, and on a GPU without flash-attn, where the dynamic
-  engine's per-step scheduling costs more than the model (``docs/rollout.md``).
+  Picked by ``auto`` on the CPU, where the dynamic engine's per-step scheduling costs more than
+  the model (``docs/rollout.md``); upstream marks it for removal, so it stays only where it is
+  measured faster.
 
 One rule, read by config resolution (before any process starts) and by the engine when it
 generates, so both see the same choice.
@@ -18,7 +20,7 @@ generates, so both see the same choice.
 
 from __future__ import annotations
 
-from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN, paged_flash_attention_installed
+from megatron_rl.capabilities import paged_kernels_installed
 from megatron_rl.config.choices import ASYNC, ROLLOUT_BATCHING, ROLLOUT_ENGINES
 from megatron_rl.models.arch import is_moe
 
@@ -48,9 +50,8 @@ def batching_reason(batching: str, *, moe: bool, partial: bool, paged_kernels: b
     if partial:
         return "partial rollouts re-prefill requests on a weight push"
     if paged_kernels:
-        return "CUDA with flash-attn's paged kernels"
-    return (f"no paged kernels (flash-attn >= {PAGED_FLASH_ATTN_MIN} on CUDA): the dynamic engine's scheduling "
-            "costs more")
+        return "CUDA with paged attention kernels (flash-attn's or Triton's)"
+    return "the CPU: the dynamic engine's per-step scheduling costs more there (docs/rollout.md)"
 
 
 def batching_refusal(batching: str, *, moe: bool, partial: bool, **_facts) -> str:
@@ -65,11 +66,34 @@ def batching_refusal(batching: str, *, moe: bool, partial: bool, **_facts) -> st
     return ""
 
 
+def cuda_graphs_refusal(*, cuda: bool, batching: str, kernels: str, moe: bool) -> str:
+    """Why decode steps cannot replay CUDA graphs here ('' when they can)."""
+    from megatron_rl.compat.paged_attention import KERNELS
+
+    if not cuda:
+        return "CUDA graphs need CUDA"
+    if batching != DYNAMIC:
+        return f"CUDA graphs are the dynamic engine's (rollout.batching={batching})"
+    if not KERNELS[kernels].graph_safe:
+        return f"rollout.paged_attention={kernels} reads lengths on the host, which a graph cannot hold"
+    if moe:
+        return "megatron graphs MoE layers only in its inference-optimized layers"
+    return ""
+
+
+def pick_cuda_graphs(requested, *, cuda: bool, batching: str, kernels: str, moe: bool) -> tuple[bool, str]:
+    """``rollout.cuda_graphs`` with null resolved -- on wherever they can run -- and why."""
+    if requested is not None:
+        return bool(requested), ""
+    refusal = cuda_graphs_refusal(cuda=cuda, batching=batching, kernels=kernels, moe=moe)
+    return (False, refusal) if refusal else (True, "CUDA, dynamic batching, graph-safe paged kernels")
+
+
 def batching_facts(cfg, cuda: bool) -> dict:
     """What :func:`pick_batching` reads for a full config (a :class:`~megatron_rl.config.schema.Config`)
-    on a machine with or without CUDA; flash-attn's paged kernels looked up where there is CUDA."""
+    on a machine with or without CUDA; paged attention kernels looked up where there is CUDA."""
     return dict(moe=is_moe(cfg.model), partial=cfg.trainer.mode == ASYNC and cfg.trainer.partial_rollouts,
-                paged_kernels=cuda and paged_flash_attention_installed())
+                paged_kernels=cuda and paged_kernels_installed())
 
 
 def rollout_engine(cfg) -> str:
@@ -86,7 +110,7 @@ def rollout_batching(cfg) -> str:
 
 
 def describe_rollout_engine(cfg) -> str:
-    """``"megatron engine, static batching (auto: no paged kernels ...)"``, or without the reason when
+    """``"megatron engine, static batching (auto: the CPU: ...)"``, or without the reason when
     ``rollout.batching`` is set."""
     from megatron_rl.distributed.runtime import resolve_device
 

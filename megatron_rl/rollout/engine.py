@@ -146,4 +146,5 @@ def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing:
     return make_engine(pick_engine(rollout.engine), model_cfg, device=device, max_batch_size=rollout.max_batch_size,
                        kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
                        kv_block_tokens=rollout.kv_block_tokens, record_routing=record_routing,
-                       layout=rollout.layout, prefix_caching=rollout.prefix_caching, batching=rollout.batching)
+                       layout=rollout.layout, prefix_caching=rollout.prefix_caching, batching=rollout.batching,
+                       paged_attention=rollout.paged_attention, cuda_graphs=rollout.cuda_graphs)

@@ -43,10 +43,12 @@ CP group is swapped for a one-rank group while it generates).  With VPP the engi
 model of its own (:mod:`megatron_rl.rollout.refit`, refit from the interleaved chunks before every
 rollout): megatron's inference refuses interleaved chunks.
 
-On a CPU the engine runs through the shims of :mod:`megatron_rl.compat.inference_cpu`; on a GPU
-it needs flash-attn >= 2.7.3 (or FA3 / FA4) for the paged kernels.  CUDA graphs are a
-model-build-time switch in megatron-core 0.19 (``cuda_graph_impl``) that also changes the training
-forward, so the engine runs eagerly.
+Paged attention (``rollout.paged_attention``, :mod:`megatron_rl.compat.paged_attention`):
+flash-attn's kernels where they import on CUDA, else the Triton kernel
+(:mod:`megatron_rl.ops.paged_attention`); on a CPU the SDPA stand-in and the other shims of
+:mod:`megatron_rl.compat.inference_cpu`.  On CUDA decode steps replay megatron's per-layer CUDA
+graphs (``rollout.cuda_graphs``, :mod:`megatron_rl.compat.inference_graphs`), attached to the actor's
+layers only while the engine builds, resumes and steps, so the training forward never sees them.
 
 megatron-core 0.19's inference mode is a process-wide flag (``InferenceMode``) that changes
 ``GPTModel``'s pre- and post-processing (last-token logits among them); it is on only while this
@@ -63,7 +65,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.capabilities import PAGED_FLASH_ATTN_MIN
+from megatron_rl.compat.inference_graphs import DecodeGraphs
+from megatron_rl.compat.paged_attention import install_paged_attention, paged_attention_refusal, pick_paged_attention
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.models.arch import max_positions
 from megatron_rl.rollout.choice import STATIC
@@ -90,17 +93,6 @@ def kv_cache_bytes_for(budget: float, device: torch.device) -> int:
 
         free = psutil.virtual_memory().available
     return int(budget * free)
-
-
-def flash_attention_ready() -> bool:
-    """Whether megatron's dynamic-batching attention has its paged kernels (GPU)."""
-    from megatron.core.transformer import attention
-    from megatron.core.utils import is_fa_min_version
-
-    if attention.HAVE_FA4 or attention.HAVE_FA3:
-        return True
-    # flash_attn_varlen_func is None when flash-attn is not installed (then no version is read)
-    return attention.flash_attn_varlen_func is not None and is_fa_min_version(PAGED_FLASH_ATTN_MIN)
 
 
 class _IdsOnly:
@@ -375,7 +367,8 @@ class MegatronRolloutEngine:
     def __init__(self, model_cfg: ModelConfig, device="cpu", max_batch_size: int = 64, dtype=None, *,
                  kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256,
                  record_routing: bool = False, layout=None,
-                 prefix_caching: bool = True, batching: str = "auto"):
+                 prefix_caching: bool = True, batching: str = "auto", paged_attention: str = "auto",
+                 cuda_graphs: Optional[bool] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -401,6 +394,10 @@ class MegatronRolloutEngine:
         self.prefix_caching = prefix_caching  # prompt pages shared between requests (module doc)
         self.batching = batching  # rollout.batching: dynamic, static, or auto (choice.pick_batching)
         self.last_batching: Optional[str] = None  # what the last generate ran
+        # rollout.paged_attention and rollout.cuda_graphs (None: on with CUDA where the kernels allow)
+        self.paged_attention = paged_attention
+        self.cuda_graphs = cuda_graphs
+        self._graphs: Optional[DecodeGraphs] = None  # megatron's per-layer graph managers, while graphed
         # Static batching: prompts left-padded under an attention mask (None: where the model's core
         # attention applies one, static_batching.honours_attention_masks), else aligned at column 0.
         self.static_left_pad: Optional[bool] = None
@@ -526,11 +523,8 @@ class MegatronRolloutEngine:
 
         model = self._model
         config = model.config
-        if self.device.type == "cuda" and not flash_attention_ready():
-            raise RuntimeError(
-                f"rollout.engine=megatron on GPU needs flash-attn >= {PAGED_FLASH_ATTN_MIN} or FA3 for megatron's "
-                "paged attention (pip install flash-attn), or use rollout.batching=static"
-            )
+        kernels = self.paged_kernels()
+        install_paged_attention(kernels)
         if config.virtual_pipeline_model_parallel_size is not None:
             raise ValueError("megatron's inference refuses virtual pipeline stages: a VPP actor generates on a model "
                              "of its own (rollout.layout), never on its interleaved chunks")
@@ -564,18 +558,53 @@ class MegatronRolloutEngine:
             enable_prefix_caching=self._caching(),
             # A page is shared only while a request holds it: the weights change between rollouts.
             prefix_caching_eviction_policy=PrefixCachingEvictionPolicy.REF_ZERO,
+            **self._graph_options(kernels, max_requests),
         )
         # Layers, heads, head size, dtype and TP/PP sizes come from the model's config.
-        context = _make_context_class(rounder)(model_config=config, inference_config=inference_config)
-        self._kv_bytes = context.kv_block_allocator.total_count * context.block_size_bytes
-        wrapper = _make_wrapper_class()(model, context)
-        wrapper.prefill_tokens = 0
-        controller = _make_controller_class()(wrapper, _IdsOnly())
-        self._engine = DynamicInferenceEngine(controller, context)
+        self._graphs = DecodeGraphs(model) if self._graphed(kernels) else None
+        with self._graphs_on():  # megatron reads cuda_graph_impl while it builds, and captures
+            context = _make_context_class(rounder)(model_config=config, inference_config=inference_config)
+            self._kv_bytes = context.kv_block_allocator.total_count * context.block_size_bytes
+            wrapper = _make_wrapper_class()(model, context)
+            wrapper.prefill_tokens = 0
+            controller = _make_controller_class()(wrapper, _IdsOnly())
+            self._engine = DynamicInferenceEngine(controller, context)
         self._suspended = False
         self._cp_group = None if own or groups.cp.size() == 1 else groups.cp
         if self._cp_group is not None:
             _one_rank_group()  # collective: every rank creates the groups now, at the same time
+
+    def paged_kernels(self) -> str:
+        """``rollout.paged_attention`` resolved for this device (:mod:`megatron_rl.compat.paged_attention`)."""
+        cuda = self.device.type == "cuda"
+        name = pick_paged_attention(self.paged_attention, cuda)
+        refusal = paged_attention_refusal(name, cuda)
+        if refusal:
+            raise ValueError(f"rollout.paged_attention={name}: {refusal}")
+        return name
+
+    def _graphed(self, kernels: str) -> bool:
+        """Whether decode steps replay CUDA graphs (``rollout.cuda_graphs``; None: wherever they can)."""
+        from megatron_rl.models.arch import is_moe
+        from megatron_rl.rollout.choice import DYNAMIC, cuda_graphs_refusal, pick_cuda_graphs
+
+        facts = dict(cuda=self.device.type == "cuda", batching=DYNAMIC, kernels=kernels, moe=is_moe(self.model_cfg))
+        on, _ = pick_cuda_graphs(self.cuda_graphs, **facts)
+        refusal = cuda_graphs_refusal(**facts) if on else ""
+        if refusal:
+            raise ValueError(f"rollout.cuda_graphs=true: {refusal}")
+        return on
+
+    def _graph_options(self, kernels: str, max_requests: int) -> dict:
+        """megatron's InferenceConfig fields for CUDA graphs of decode steps: batch sizes halving from
+        the most requests in flight (the rollout's batch) down to the TP size."""
+        if not self._graphed(kernels):
+            return {}
+        return dict(num_cuda_graphs=max(1, math.ceil(math.log2(max_requests)) + 1),
+                    use_cuda_graphs_for_non_decode_steps=False)
+
+    def _graphs_on(self):
+        return self._graphs.attached() if self._graphs is not None else contextlib.nullcontext()
 
     def _caching(self) -> bool:
         """Prefix caching, unless routing is recorded: a token read from a shared page is not routed."""
@@ -636,11 +665,12 @@ class MegatronRolloutEngine:
     def batching_now(self) -> str:
         """``dynamic`` or ``static``: how the next generate batches (``rollout.batching`` with
         ``auto`` resolved for this model, device and rollout; :func:`~megatron_rl.rollout.choice.pick_batching`)."""
+        from megatron_rl.capabilities import paged_kernels_installed
         from megatron_rl.models.arch import is_moe
         from megatron_rl.rollout.choice import batching_refusal, pick_batching
 
         facts = dict(moe=is_moe(self.model_cfg), partial=self.live_weights is not None,
-                     paged_kernels=self.device.type == "cuda" and flash_attention_ready())
+                     paged_kernels=self.device.type == "cuda" and paged_kernels_installed())
         picked = pick_batching(self.batching, **facts)
         refusal = batching_refusal(picked, **facts) if picked == STATIC else None
         if refusal:
@@ -749,11 +779,13 @@ class MegatronRolloutEngine:
             self._engine = None  # a fraction of what is free now: sized again for this rollout
         if self._engine is not None and self._engine.context.enable_prefix_caching != self._caching():
             self._close()  # record_routing or prefix_caching changed since it was built
+        install_paged_attention(self.paged_kernels())  # another engine of this process may have changed it
         try:
             if self._engine is None:
                 self._build()
             elif self._suspended:
-                self._engine.resume()
+                with self._graphs_on():  # resume captures the graphs again (the KV cache is new)
+                    self._engine.resume()
                 self._suspended = False
         finally:
             InferenceMode.unset_active()  # building and resuming set it: on only while stepping
@@ -777,7 +809,7 @@ class MegatronRolloutEngine:
                             else contextlib.nullcontext())
         try:
             with _without_context_parallel(model, self._cp_group), InferenceMode.active(), \
-                    recording as routing, megatron_records:
+                    recording as routing, megatron_records, self._graphs_on():
                 for rid, (i, _) in enumerate(samples):
                     engine.add_request(rid, list(prompt_ids[i]), request)
                 wrapper = controller.inference_wrapped_model
