@@ -11,6 +11,7 @@ import functools
 import importlib.util
 
 from megatron_rl.compat import cuda_available
+from megatron_rl.compat.paged_attention import paged_flash_attention_installed
 from megatron_rl.config.choices import BACKENDS, DEVICES, TRANSFORMER_IMPLS  # noqa: F401 - read here by users
 from megatron_rl.errors import ConfigError
 
@@ -25,30 +26,6 @@ def te_version() -> str | None:
         return str(version)
     except Exception:  # noqa: BLE001 - an installed but broken TE (no CUDA libraries) raises anything
         return None
-
-
-# megatron-core's dynamic-batching attention calls flash-attn's paged kernels from this version on
-# (or FlashAttention-3, under either of the module names megatron-core imports it by).
-PAGED_FLASH_ATTN_MIN = "2.7.3"
-_FA3_MODULES = ("flash_attn_3", "flashattn_hopper")
-
-
-@functools.lru_cache(maxsize=1)
-def paged_flash_attention_installed() -> bool:
-    """Whether megatron's inference engine finds its paged attention kernels, read from the
-    installed packages (without importing megatron-core or flash-attn)."""
-    if any(importlib.util.find_spec(name) is not None for name in _FA3_MODULES):
-        return True
-    if importlib.util.find_spec("flash_attn") is None:
-        return False
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import Version
-
-    try:
-        return Version(version("flash-attn")) >= Version(PAGED_FLASH_ATTN_MIN)
-    except PackageNotFoundError:
-        return False
 
 
 def paged_kernels_installed() -> bool:

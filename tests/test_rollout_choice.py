@@ -104,7 +104,6 @@ def test_vpp_generates_with_megatrons_engine_on_a_model_of_its_own():
 def test_auto_batches_dynamically_on_cuda_with_paged_kernels(monkeypatch):
     """The choice rule alone (no GPU is used): on CUDA the dynamic engine, with flash-attn's
     kernels where they import and the Triton kernel without them, CUDA graphs on."""
-    from megatron_rl import capabilities
     from megatron_rl.compat import paged_attention
     from megatron_rl.distributed import runtime
     from megatron_rl.rollout import choice
@@ -112,8 +111,7 @@ def test_auto_batches_dynamically_on_cuda_with_paged_kernels(monkeypatch):
     monkeypatch.setattr(runtime, "resolve_device", lambda _distributed: torch.device("cuda"))
     cuda = ["model.num_layers=4", "parallel.pp=2", "parallel.vpp=2", "distributed.device=cuda"]
     for flash, kernels in ((False, "triton"), (True, "flash_attn")):
-        monkeypatch.setattr(capabilities, "paged_flash_attention_installed", lambda flash=flash: flash)
-        monkeypatch.setattr(paged_attention, "_flash_installed", lambda flash=flash: flash)
+        monkeypatch.setattr(paged_attention, "paged_flash_attention_installed", lambda flash=flash: flash)
         monkeypatch.setattr(choice, "paged_kernels_installed", lambda: True)
         cfg = load_config(GRPO, cuda)
         assert rollout_batching(cfg) == DYNAMIC

@@ -210,6 +210,18 @@ def _hf_teacher_forced(model, prompts, responses, temperature: float) -> list[li
     return out
 
 
+def _worst_against_hf(model, rollouts: dict) -> float:
+    """The largest |log-prob - HF's teacher-forced one| over the ``greedy`` (temperature 1) and
+    ``sampled`` rollouts of ``rollouts``."""
+    worst = 0.0
+    for name, temperature in (("greedy", 1.0), ("sampled", SAMPLED.temperature)):
+        batch = rollouts[name]
+        reference = _hf_teacher_forced(model, batch["prompt_ids"], batch["response_ids"], temperature)
+        for logprobs, ref in zip(batch["response_logprobs"], reference):
+            worst = max([worst] + [abs(a - b) for a, b in zip(logprobs, ref)])
+    return worst
+
+
 # TP1, PP2 and CP2 run a Llama checkpoint; TP2 and TP2xPP2 (sequence parallel) a Qwen2 one (QKV
 # biases, tied embeddings -- across pipeline stages at TP2xPP2).
 LAYOUTS = {
@@ -265,12 +277,7 @@ def test_engine_greedy_is_the_argmax_and_logprobs_are_the_trainers(layout, batch
             worst = max([worst] + [abs(a - b) for a, b in zip(logprobs, trainer)])
     hf_greedy = _hf_generate_greedy(hf_model, PROMPTS, GREEDY.max_new_tokens)
     assert first["greedy"]["response_ids"] == hf_greedy
-    worst_hf = 0.0
-    for name, temperature in (("greedy", 1.0), ("sampled", SAMPLED.temperature)):
-        batch = first[name]
-        reference = _hf_teacher_forced(hf_model, batch["prompt_ids"], batch["response_ids"], temperature)
-        for logprobs, ref in zip(batch["response_logprobs"], reference):
-            worst_hf = max([worst_hf] + [abs(a - b) for a, b in zip(logprobs, ref)])
+    worst_hf = _worst_against_hf(hf_model, first)
     changed = sum(a != b for a, b in zip(first["stepped"]["response_ids"], first["greedy"]["response_ids"]))
     print(f"{layout} ({kind}): max |engine logprob - trainer logprob| = {worst:.2e}, "
           f"- HF teacher-forced = {worst_hf:.2e} (fp32); greedy tokens = HF generate's; "
@@ -321,12 +328,7 @@ def test_triton_paged_kernel_generates_hfs_greedy_tokens_and_logprobs(layout, pr
     triton, sdpa = got["triton"], got["sdpa"]
     assert triton["installed"] == "triton" and sdpa["installed"] == "sdpa"
     assert triton["greedy"]["response_ids"] == _hf_generate_greedy(hf_model, PROMPTS, GREEDY.max_new_tokens)
-    worst_hf = 0.0
-    for name, temperature in (("greedy", 1.0), ("sampled", SAMPLED.temperature)):
-        batch = triton[name]
-        reference = _hf_teacher_forced(hf_model, batch["prompt_ids"], batch["response_ids"], temperature)
-        for logprobs, ref in zip(batch["response_logprobs"], reference):
-            worst_hf = max([worst_hf] + [abs(a - b) for a, b in zip(logprobs, ref)])
+    worst_hf = _worst_against_hf(hf_model, triton)
     assert triton["sampled"]["response_ids"] == sdpa["sampled"]["response_ids"]
     worst_sdpa = max(abs(a - b) for u, v in zip(triton["sampled"]["response_logprobs"],
                                                 sdpa["sampled"]["response_logprobs"]) for a, b in zip(u, v))

@@ -19,6 +19,8 @@ functions are kept and put back when ``flash_attn`` is installed again.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 from typing import Callable, Optional
 
 from megatron_rl.compat.records import MEGATRON_TESTED, Workaround, register_workaround
@@ -46,6 +48,31 @@ def _triton_functions():
     return triton_varlen_paged, triton_decode_paged
 
 
+# megatron-core's dynamic-batching attention calls flash-attn's paged kernels from this version on
+# (or FlashAttention-3, under either of the module names megatron-core imports it by).
+PAGED_FLASH_ATTN_MIN = "2.7.3"
+_FA3_MODULES = ("flash_attn_3", "flashattn_hopper")
+
+
+@functools.lru_cache(maxsize=1)
+def paged_flash_attention_installed() -> bool:
+    """Whether megatron's inference engine finds its paged attention kernels, read from the
+    installed packages (without importing megatron-core or flash-attn)."""
+    if any(importlib.util.find_spec(name) is not None for name in _FA3_MODULES):
+        return True
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("flash-attn")) >= Version(PAGED_FLASH_ATTN_MIN)
+    except PackageNotFoundError:
+        return False
+
+
+
 def _sdpa_functions():
     from megatron_rl.compat.inference_cpu import sdpa_decode_paged, sdpa_varlen_paged
 
@@ -53,14 +80,10 @@ def _sdpa_functions():
 
 
 def _flash_installed() -> bool:
-    from megatron_rl.capabilities import paged_flash_attention_installed
-
     return paged_flash_attention_installed()
 
 
 def _triton_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("triton") is not None
 
 

@@ -561,7 +561,10 @@ class MegatronRolloutEngine:
             **self._graph_options(kernels, max_requests),
         )
         # Layers, heads, head size, dtype and TP/PP sizes come from the model's config.
-        self._graphs = DecodeGraphs(model) if self._graphed(kernels) else None
+        if not self._graphed(kernels):
+            self._graphs = None
+        elif self._graphs is None or self._graphs.model is not model:  # one set of managers per model
+            self._graphs = DecodeGraphs(model)
         with self._graphs_on():  # megatron reads cuda_graph_impl while it builds, and captures
             context = _make_context_class(rounder)(model_config=config, inference_config=inference_config)
             self._kv_bytes = context.kv_block_allocator.total_count * context.block_size_bytes
