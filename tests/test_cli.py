@@ -166,3 +166,41 @@ def test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_
     later, _ = cli(*common, "trainer.steps=2")
     assert later.returncode == 0, later.stderr[-2000:]
     assert f"resumed after step 1 from {run / 'checkpoints' / 'step_00000001'}" in later.stdout + later.stderr
+
+
+EARLY_EXIT_REWARDS = '''
+import ctypes
+import os
+
+
+def python_exit(prompts, responses, answers, **kwargs):
+    os._exit(0)
+
+
+def c_exit(prompts, responses, answers, **kwargs):
+    ctypes.CDLL(None).exit(0)  # a C library ending the process: no Python frame to report
+'''
+SHORT_JOB = ["--config", "configs/demo_cpu.yaml", "parallel.tp=1", "parallel.pp=1", "trainer.steps=2",
+             "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
+             "rollout.max_new_tokens=2", "trainer.plot=false"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, reward", [(1, "python_exit"), (2, "python_exit"), (2, "c_exit")])
+def test_a_reward_that_ends_the_process_with_code_0_fails_the_job_naming_the_rank_and_phase(tmp_path, nproc, reward):
+    """Any library a reward imports can call exit(0): the job must not end 0 having trained nothing."""
+    (tmp_path / "early_exit_rewards.py").write_text(EARLY_EXIT_REWARDS)
+    proc, seconds = cli("train", "--nproc", str(nproc), *SHORT_JOB, f"reward.fn=early_exit_rewards:{reward}",
+                        f"run.dir={tmp_path}/runs", env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    print(f"nproc {nproc}, {reward}: exit {proc.returncode} in {seconds:.1f}s\n{proc.stderr[-600:]}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()
+    if reward == "python_exit":
+        line = next(x for x in last if "ended early" in x)
+        assert re.search(r"rank [01] ended early: os\._exit\(0\) was called at ", line), line
+        assert "early_exit_rewards.py:7 in python_exit() while in step 1, reward" in line, line
+    else:
+        assert any(re.search(r"rank [01] exited with code 0 before its work was done \(in step 1, reward\)", x)
+                   for x in last), last
+    assert "Traceback" not in proc.stderr
+    assert not list((tmp_path / "runs").glob("*/checkpoints/step_*"))

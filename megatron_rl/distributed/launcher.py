@@ -27,8 +27,9 @@ import tempfile
 import time
 
 from megatron_rl.distributed.env import free_port
-from megatron_rl.distributed.guard import ERROR_FILE_ENV
+from megatron_rl.distributed.guard import ERROR_FILE_ENV, done_file
 from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
+from megatron_rl.utils.phase import phase_file
 
 POLL_S = 0.1
 GRACE_S = 5.0
@@ -90,6 +91,14 @@ def _first_failure(err_base: str) -> dict | None:
     return min(records, key=lambda r: (r["exit_code"] != EXIT_BAD_INPUT, r["time"])) if records else None
 
 
+def _last_phase(err_base: str, rank: int) -> str:
+    try:
+        with open(phase_file(err_base, rank)) as fh:
+            return fh.read().strip() or "starting"
+    except OSError:
+        return "starting"
+
+
 def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S,
                  rank_names: dict[int, str] | None = None) -> int:
     """Run ``python -m megatron_rl.tools.cli <argv>`` on ``nproc`` ranks; return the job's exit code.
@@ -129,10 +138,14 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
         _ask(procs, signal.SIGTERM if signum == signal.SIGINT else signum)
 
     old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    def left_early(rank: int) -> bool:
+        """Exit code 0 without the mark a finished rank writes (a C library's exit(0))."""
+        return procs[rank].returncode == 0 and not os.path.exists(done_file(err_base, rank))
+
     try:
         while True:
             codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):
+            if any(c not in (None, 0) or c == 0 and left_early(r) for r, c in enumerate(codes)):
                 break
             if all(c == 0 for c in codes):
                 _stop(procs, signal.SIGKILL)  # helpers the ranks left behind
@@ -151,8 +164,15 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
         time.sleep(POLL_S)
         codes = [p.poll() for p in procs]
         killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
+        early = [r for r, c in enumerate(codes) if c == 0 and left_early(r)]
         _end_all(procs)
         record = _first_failure(err_base)
+        if early and not killed and record is None:
+            rank = early[0]
+            print(f"megatron-rl: {named(rank)} exited with code 0 before its work was done (in "
+                  f"{_last_phase(err_base, rank)}): a reward function, tool or library it runs ended the process "
+                  f"without an error; stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
+            return 1
         if killed or record is None:
             rank = killed[0] if killed else next(r for r, c in enumerate(codes) if c not in (None, 0))
             code = procs[rank].returncode

@@ -153,7 +153,7 @@ def _check_tool_paths(args, argv: list[str]) -> list[str]:
 
 def _rank_main(args) -> int:
     from megatron_rl.distributed.env import detect_launch_env
-    from megatron_rl.distributed.guard import run_guarded
+    from megatron_rl.distributed.guard import run_guarded, stop_watching, watch_early_exit
     from megatron_rl.distributed.placement import GENERATOR
     from megatron_rl.distributed.runtime import init_distributed
 
@@ -173,12 +173,14 @@ def _rank_main(args) -> int:
     from megatron_rl.distributed.runtime import shutdown_distributed
 
     started_here = not dist.is_initialized()  # a caller's own process groups (a test worker) are its to keep
+    watch_early_exit()  # os._exit from a reward or a library: a failure with its call site, not exit 0
     try:
         return work() or 0
     except KeyboardInterrupt:  # Ctrl-C before training started, or twice during it
         print("aborted (Ctrl-C); no checkpoint of the current step", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
+        stop_watching()
         if started_here:
             shutdown_distributed()  # back to the interpreter: no gloo thread may outlive the groups
 

@@ -94,6 +94,7 @@ from megatron_rl.trainer.update import (
     mini_batches,
     scheduled_updates,
 )
+from megatron_rl.utils import phase
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
 
@@ -245,8 +246,9 @@ class PPOTrainer:
             seeded_init(self.actor.chunks, cfg.run.seed)
         self.actor.weights_replaced()
         if cfg.trainer.sft_warmup_steps:
-            self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device, self.log,
-                                    make_env=getattr(self.engine, "make_env", None))
+            with phase.entered("SFT warm-up"):
+                self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device,
+                                        self.log, make_env=getattr(self.engine, "make_env", None))
         if self.reference is None and self.critic is None:
             return
         initial = gather_canonical(self.actor.chunks)
@@ -313,7 +315,8 @@ class PPOTrainer:
         if final:
             self.log(f"checkpoint: writing step {step} to {self.ckpt_root} before exiting ...")
         start = time.perf_counter()
-        path = self.save(step)
+        with phase.entered("checkpoint save"):
+            path = self.save(step)
         self.log(f"checkpoint: step {step} saved to {path} in {time.perf_counter() - start:.1f}s")
         return path
 
@@ -329,15 +332,18 @@ class PPOTrainer:
                 self.log(finished_message(cfg, step))
                 return last
             if step == 0 and self.evaluator.due(0):  # the starting weights (a resumed start was evaluated)
-                self.metrics.log(0, self.evaluator.run(0))
+                with phase.entered("evaluation"):
+                    self.metrics.log(0, self.evaluator.run(0))
             if self.remote is not None:
                 self.remote.start(step, list(self.buffer), self.actor.chunks)
             while step < cfg.trainer.steps:
                 step += 1
+                phase.at_step(step)
                 faults.maybe_inject(step)
                 last = self.train_step(step)
                 if self.evaluator.due(step):
-                    last.update(self.evaluator.run(step))
+                    with phase.entered("evaluation"):
+                        last.update(self.evaluator.run(step))
                 self.metrics.log(step, last)
                 if step % max(1, cfg.trainer.log_every) == 0 or step == cfg.trainer.steps:
                     self.metrics.progress(step, last)
