@@ -148,8 +148,9 @@ def test_train_says_what_it_loaded_and_a_finished_rerun_exits_at_once(tmp_path):
 
 def test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_with_it(tmp_path):
     """trainer.resume=never where an earlier run saved step 2: the fresh run's step 1 is kept (the
-    old step 2 used to outrank it, and retention deleted it), the old run is moved aside, not
-    deleted, and a later trainer.resume=auto continues the fresh run."""
+    old step 2 used to outrank it, and retention deleted it), the old run -- its config.yaml
+    included -- is moved aside, not deleted, and can be resumed there; a later
+    trainer.resume=auto continues the fresh run."""
     from tests.support.helpers import TINY
 
     common = ["train", *TINY, f"run.dir={tmp_path}", "run.name=r"]
@@ -162,10 +163,19 @@ def test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_
     (moved,) = os.listdir(run / "replaced")
     assert sorted(os.listdir(run / "replaced" / moved / "checkpoints")) == ["latest", "step_00000002"]
     assert len((run / "replaced" / moved / "metrics.jsonl").read_text().splitlines()) == 2
-    assert "the previous run's checkpoints and metrics moved to" in fresh.stdout + fresh.stderr
+    # The old run's own config.yaml went with it (it used to be overwritten by the fresh run's) ...
+    assert "steps: 2" in (run / "replaced" / moved / "config.yaml").read_text()
+    assert "resume: never" in (run / "config.yaml").read_text()
+    assert f"the previous run (checkpoints, metrics, config.yaml) moved to {run / 'replaced' / moved}" in fresh.stdout
     later, _ = cli(*common, "trainer.steps=2")
     assert later.returncode == 0, later.stderr[-2000:]
     assert f"resumed after step 1 from {run / 'checkpoints' / 'step_00000001'}" in later.stdout + later.stderr
+    # ... so the old run can be resumed where it was moved, from its own record.
+    old_run = run / "replaced" / moved
+    old, _ = cli("train", "--config", str(old_run / "config.yaml"), f"run.dir={run / 'replaced'}",
+                 f"run.name={moved}", "trainer.steps=3")
+    assert old.returncode == 0, old.stderr[-2000:]
+    assert f"resumed after step 2 from {old_run / 'checkpoints' / 'step_00000002'}" in old.stdout + old.stderr
 
 
 EARLY_EXIT_REWARDS = '''

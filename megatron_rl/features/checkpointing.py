@@ -71,8 +71,8 @@ FEATURES = [
     ),
     Feature(
         "Fresh start in a used run directory", "checkpointing", TESTED_CPU,
-        "trainer.resume=never moves the earlier run's checkpoints and metrics to <run dir>/replaced/<time>/; nothing "
-        "deleted, nothing mixed.",
+        "trainer.resume=never moves all the earlier run wrote (checkpoints, metrics, samples, config.yaml) to <run "
+        "dir>/replaced/<time>/, where it can be resumed; nothing deleted, nothing mixed.",
         ("tests/test_cli.py::test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_with_it",),
         config="trainer.resume=never",
     ),

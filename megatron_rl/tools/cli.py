@@ -20,6 +20,7 @@ Distributed commands run under torchrun or srun as they are, or start ``--nproc`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -77,6 +78,45 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("features", help="print the feature matrix and the installed versions")
     p.add_argument("--markdown", action="store_true", help="print docs/feature_matrix.md")
     return parser
+
+
+def _prepare_run_directory(cfg, rank_env: dict[str, str]) -> int | None:
+    """Before any rank starts: an exit code when the run has nothing left to do; with
+    ``trainer.resume=never``, the previous run moved aside whole -- before this run's config.yaml
+    is written over its record."""
+    from megatron_rl.trainer.finished import (
+        SET_ASIDE_ENV,
+        finished_message,
+        finished_step,
+        set_aside_message,
+        set_aside_previous_run,
+    )
+
+    done = finished_step(cfg)
+    if done is not None:  # a re-run of a finished run: one line, no ranks started
+        print(finished_message(cfg, done), flush=True)
+        return 0
+    if cfg.trainer.resume == "never":
+        moved = set_aside_previous_run(_run_dir(cfg))
+        if moved:
+            print(set_aside_message(moved), flush=True)
+        rank_env[SET_ASIDE_ENV] = "1"  # the ranks leave the new run's files where they are
+    return None
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``values`` in ``os.environ`` while the rank runs in this process; the caller's environment after."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _under_launcher() -> bool:
@@ -308,13 +348,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg0 = load_config(args.config, args.overrides)
         nproc = args.nproc or cfg0.distributed.nproc
         cfg, resolution = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command)
+        rank_env: dict[str, str] = {}  # what the launcher side tells the ranks it started
         if args.command == "train":
-            from megatron_rl.trainer.finished import finished_message, finished_step
-
-            done = finished_step(cfg)
-            if done is not None:  # a re-run of a finished run: one line, no ranks started
-                print(finished_message(cfg, done), flush=True)
-                return 0
+            done = _prepare_run_directory(cfg, rank_env)
+            if done is not None:
+                return done
         if args.command in ("train", "smoke"):
             from megatron_rl.engine.checkpoint_space import remove_stale_temporaries
 
@@ -332,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
                 rank_argv = argv[:i] + argv[i + 2 :]
             from megatron_rl.distributed.placement import rank_names
 
-            return launch_local(rank_argv, nproc, grace_s=max(60.0, float(cfg.distributed.timeout_s)),
+            return launch_local(rank_argv, nproc, extra_env=rank_env,
+                                grace_s=max(60.0, float(cfg.distributed.timeout_s)),
                                 rank_names=rank_names(nproc, cfg.rollout.ranks))
-        return _rank_main(args)
+        with _environment(rank_env):
+            return _rank_main(args)
     except UserInputError as err:
         print(str(err), file=sys.stderr)
         return EXIT_BAD_INPUT

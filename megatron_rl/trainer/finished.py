@@ -40,15 +40,24 @@ def finished_message(cfg, step: int) -> str:
             f"or trainer.resume=never (moves this run's checkpoints and metrics to {run_dir}/replaced/)")
 
 
+# What a run writes into its directory; all of it moves together, so a set-aside run is whole.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "samples", "tb", "plot.png", "config.yaml")
+# Set in the environment once the launcher has moved the previous run aside (before it wrote the new
+# run's config.yaml), so the ranks do not move the new run's files.
+SET_ASIDE_ENV = "MEGATRON_RL_PREVIOUS_RUN_SET_ASIDE"
+
+
 def set_aside_previous_run(run_dir: str) -> str | None:
-    """Move an earlier run's checkpoints and metrics out of the way of a fresh start
-    (``trainer.resume=never``) into ``<run_dir>/replaced/<UTC time>/``; returns that directory, or
-    None when there was nothing to move.
+    """Move an earlier run's files (:data:`RUN_FILES`: checkpoints, metrics, samples, TensorBoard,
+    plot, ``config.yaml``) out of the way of a fresh start (``trainer.resume=never``) into
+    ``<run_dir>/replaced/<UTC time>/``; returns that directory, or None when there was nothing to move.
 
     A fresh run must neither resume from nor delete another run's checkpoints: left in place, the
     old run's higher step numbers would outrank the new checkpoints (retention would delete the new
-    ones) and a later ``trainer.resume=auto`` would continue the old run.  Nothing is deleted."""
-    names = [n for n in ("checkpoints", "metrics.jsonl", "samples") if os.path.exists(os.path.join(run_dir, n))]
+    ones) and a later ``trainer.resume=auto`` would continue the old run.  Nothing is deleted, and
+    the moved directory is a run directory of its own: ``--config <it>/config.yaml run.dir=<run
+    dir>/replaced run.name=<time>`` resumes the old run."""
+    names = [n for n in RUN_FILES if os.path.lexists(os.path.join(run_dir, n))]
     if not names:
         return None
     import time
@@ -63,3 +72,7 @@ def set_aside_previous_run(run_dir: str) -> str | None:
     for name in names:
         os.replace(os.path.join(run_dir, name), os.path.join(target, name))
     return target
+
+
+def set_aside_message(moved: str) -> str:
+    return f"trainer.resume=never: the previous run (checkpoints, metrics, config.yaml) moved to {moved}"

@@ -69,7 +69,13 @@ from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.evaluation import Evaluator
 from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
-from megatron_rl.trainer.finished import finished_message, finished_step, set_aside_previous_run
+from megatron_rl.trainer.finished import (
+    SET_ASIDE_ENV,
+    finished_message,
+    finished_step,
+    set_aside_message,
+    set_aside_previous_run,
+)
 from megatron_rl.trainer.guards import check_updates_applied
 from megatron_rl.trainer.metrics import (
     MetricsWriter,
@@ -263,10 +269,12 @@ class PPOTrainer:
     def _resume_or_init(self) -> int:
         mode = self.cfg.trainer.resume
         if mode == "never":
-            moved = set_aside_previous_run(self.run_dir) if _rank0() else None
+            # Under torchrun / srun; the local launcher did this before it wrote the new config.yaml.
+            already = os.environ.get(SET_ASIDE_ENV) == "1"
+            moved = set_aside_previous_run(self.run_dir) if _rank0() and not already else None
             collectives.barrier()
             if moved:
-                self.log(f"trainer.resume=never: the previous run's checkpoints and metrics moved to {moved}")
+                self.log(set_aside_message(moved))
             candidates = []
         elif mode == "auto":
             candidates = list(reversed(checkpoint.list_checkpoints(self.ckpt_root)))
