@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -214,3 +215,73 @@ def test_a_reward_that_ends_the_process_with_code_0_fails_the_job_naming_the_ran
                    for x in last), last
     assert "Traceback" not in proc.stderr
     assert not list((tmp_path / "runs").glob("*/checkpoints/step_*"))
+
+
+def _launched_ranks(launcher_pid: int) -> list[int]:
+    ranks = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == launcher_pid:
+            ranks.append(int(entry))
+    return ranks
+
+
+def _take_the_rendezvous_port(launcher: subprocess.Popen, held: list) -> None:
+    """Bind the port the launcher told its ranks (``MASTER_PORT``) before rank 0 can, as another job or
+    any process binding port 0 may in the seconds rank 0 spends importing torch."""
+    while launcher.poll() is None and not held:
+        for pid in _launched_ranks(launcher.pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    env = dict(item.split(b"=", 1) for item in fh.read().split(b"\0") if b"=" in item)
+            except OSError:
+                continue
+            port = int(env.get(b"MASTER_PORT", b"0"))
+            held.append(port)
+            if port:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.bind(("127.0.0.1", port))
+                    sock.listen()
+                    held.append(sock)
+                except OSError:  # rank 0 was first
+                    sock.close()
+            return
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_a_job_starts_even_when_another_process_binds_the_port_its_ranks_were_told(tmp_path):
+    """A launcher that picks a free port and lets rank 0 bind it seconds later loses it to whoever binds
+    first (EADDRINUSE, the job dies).  The ranks now rendezvous on a port rank 0 itself got from the
+    kernel, so there is no told-but-unbound port to take."""
+    import threading
+
+    launcher = subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *SHORT_JOB,
+                                 "trainer.steps=1", f"run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    held: list = []
+    thief = threading.Thread(target=_take_the_rendezvous_port, args=(launcher, held))
+    thief.start()
+    out, err = launcher.communicate(timeout=300)
+    thief.join()
+    for item in held[1:]:
+        item.close()
+    print(f"ranks were told MASTER_PORT={held[:1]}; taken by another process: {len(held) > 1}")
+    assert launcher.returncode == 0, err[-2000:]
+    assert held, "the test never saw the launched ranks"
+
+
+@pytest.mark.slow
+def test_four_jobs_started_at_once_all_start(tmp_path):
+    """N jobs on one machine at the same moment must not pick the same rendezvous port."""
+    cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *SHORT_JOB, "trainer.steps=1"]
+    jobs = [subprocess.Popen([*cmd, f"run.dir={tmp_path}/{i}"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(4)]
+    results = [job.communicate(timeout=600) for job in jobs]
+    for job, (_, err) in zip(jobs, results):
+        assert job.returncode == 0, err[-2000:]

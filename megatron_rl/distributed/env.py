@@ -19,6 +19,8 @@ class LaunchEnv:
 
 
 SINGLE = "single"
+# Where rank 0 of a local launch publishes the port it bound (:mod:`megatron_rl.distributed.rendezvous`).
+PORT_FILE_ENV = "MEGATRON_RL_PORT_FILE"
 
 
 def _first_slurm_host(nodelist: str) -> str:

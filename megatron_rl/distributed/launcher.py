@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from megatron_rl.distributed.env import free_port
+from megatron_rl.distributed.env import PORT_FILE_ENV
 from megatron_rl.distributed.guard import ERROR_FILE_ENV, done_file
 from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from megatron_rl.utils.phase import phase_file
@@ -109,7 +109,6 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
     def named(rank: int) -> str:
         return f"rank {rank} ({names[rank]})" if rank in names else f"rank {rank}"
 
-    port = free_port()
     tmp = tempfile.mkdtemp(prefix="megatron_rl_launch_")
     err_base = os.path.join(tmp, "error")
     procs = []
@@ -118,8 +117,9 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
         env.update(extra_env or {})
         env.update(
             RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGATRON_RL_LAUNCHER="local",
-            **{ERROR_FILE_ENV: err_base},
+            # Port 0: rank 0 binds one the kernel picks and publishes it (no pick-then-bind race).
+            MASTER_ADDR="127.0.0.1", MASTER_PORT="0", MEGATRON_RL_LAUNCHER="local",
+            **{ERROR_FILE_ENV: err_base, PORT_FILE_ENV: f"{err_base}.port"},
         )
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", *argv],

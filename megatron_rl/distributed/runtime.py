@@ -20,8 +20,9 @@ from megatron_rl.compat import cuda_available, enable_compat
 from megatron_rl.compat.megatron_fixes import default_batch_p2p_comm
 from megatron_rl.compat.parallel_state import destroy_model_parallel_groups
 from megatron_rl.config.schema import DistributedConfig, ParallelConfig
-from megatron_rl.distributed.env import SINGLE, LaunchEnv, detect_launch_env
+from megatron_rl.distributed.env import PORT_FILE_ENV, SINGLE, LaunchEnv, detect_launch_env
 from megatron_rl.distributed.placement import Placement, place
+from megatron_rl.distributed.rendezvous import published_store
 from megatron_rl.errors import ConfigError
 
 
@@ -138,8 +139,12 @@ def init_distributed(dist_cfg: DistributedConfig, launch: LaunchEnv | None = Non
     if dist.is_initialized():
         return where
     timeout = datetime.timedelta(seconds=dist_cfg.timeout_s)
+    port_file = os.environ.get(PORT_FILE_ENV)
     if launch.launcher == SINGLE:
         init = {"store": dist.HashStore()}
+    elif port_file and launch.master_port == 0:  # ranks of the local launcher or the test harness
+        _JOB_STORE = published_store(launch.master_addr, launch.rank, port_file, timeout)
+        init = {"store": dist.PrefixStore(where.role, _JOB_STORE) if where.separate else _JOB_STORE}
     elif where.separate:
         # Under torchrun the agent already serves a store at MASTER_PORT (as torch's env:// init does,
         # every worker is then a client); else rank 0 serves it.

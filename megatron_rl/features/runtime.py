@@ -74,14 +74,20 @@ FEATURES = [
     ),
     Feature(
         "Local launcher (--nproc)", "runtime", TESTED_CPU,
-        "megatron-rl <command> --nproc N starts N local ranks; torchrun and srun are detected from their environment.",
-        ("tests/test_cli.py::test_smoke_command_runs_on_four_processes",),
+        "megatron-rl <command> --nproc N starts N local ranks; torchrun and srun are detected from their environment. "
+        "Rank 0 binds a port the kernel picks and publishes it to the others, so jobs started at once never clash.",
+        ("tests/test_cli.py::test_smoke_command_runs_on_four_processes",
+         "tests/test_cli.py::test_four_jobs_started_at_once_all_start",
+         "tests/test_cli.py::test_a_job_starts_even_when_another_process_binds_the_port_its_ranks_were_told"),
         config="--nproc N or distributed.nproc",
     ),
     Feature(
         "Failing rank ends the job", "runtime", TESTED_CPU,
-        "An exception on any rank stops every rank with a non-zero exit and prints that rank's traceback once.",
+        "An exception on any rank stops every rank with a non-zero exit and prints that rank's traceback once; a rank "
+        "that exits 0 before its work is done (os._exit or a C library's exit(0) in a reward or tool) fails the job "
+        "with one line naming the rank, the call site where Python made it, and the step and phase.",
         ("tests/test_cli.py::test_rank_that_raises_ends_job_with_its_traceback",
+         "tests/test_cli.py::test_a_reward_that_ends_the_process_with_code_0_fails_the_job_naming_the_rank_and_phase",
          "tests/test_cli.py::test_rank_that_hangs_is_stopped_by_the_timeout"),
         config="distributed.timeout_s",
     ),

@@ -43,6 +43,7 @@ import os
 import pickle
 import queue
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -82,10 +83,13 @@ def reset_state() -> None:
         setattr(mod, attr, _DEFAULTS.setdefault((module, attr), getattr(mod, attr)))
 
 
-def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker_main(rank: int, world: int, port_file: str, tasks, results) -> None:
+    from megatron_rl.distributed.env import PORT_FILE_ENV
+
+    # Port 0: rank 0 binds one the kernel picks and publishes it in port_file (pools started at once never clash).
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MEGATRON_RL_LAUNCHER="test",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="0", MEGATRON_RL_LAUNCHER="test", **{PORT_FILE_ENV: port_file},
     )
     try:
         from megatron_rl.config.schema import DistributedConfig
@@ -119,8 +123,6 @@ def _worker_main(rank: int, world: int, port: int, tasks, results) -> None:
 
 class WorkerPool:
     def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT):
-        from megatron_rl.distributed.env import free_port
-
         self.world_size = world_size
         self.timeout = timeout
         ctx = mp.get_context("forkserver")
@@ -128,10 +130,11 @@ class WorkerPool:
         # Not daemonic: megatron's checkpoint writer starts helper processes of its own.
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        self._rendezvous = tempfile.TemporaryDirectory(prefix="megatron_rl_pool_")
+        port_file = os.path.join(self._rendezvous.name, "port")
         self._procs = [
             ctx.Process(
-                target=_worker_main, args=(r, world_size, port, self._tasks[r], self._results), daemon=False
+                target=_worker_main, args=(r, world_size, port_file, self._tasks[r], self._results), daemon=False
             )
             for r in range(world_size)
         ]
@@ -208,6 +211,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=2)
+        self._rendezvous.cleanup()
 
 
 _POOLS: dict[int, WorkerPool] = {}

@@ -48,7 +48,7 @@ _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 # Variables that would make the job (or the CLI inside it) think it already runs in another job.
 _INHERITED_BLOCKLIST = re.compile(r"^(SLURM_|SBATCH_|SRUN_|SALLOC_|TORCHELASTIC_|PET_)|"
                                   r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|"
-                                  r"MASTER_ADDR|MASTER_PORT|MEGATRON_RL_LAUNCHER|MEGATRON_RL_ERROR_FILE)$")
+                                  r"MASTER_ADDR|MASTER_PORT|MEGATRON_RL_LAUNCHER|MEGATRON_RL_ERROR_FILE|MEGATRON_RL_PORT_FILE)$")
 
 
 class SlurmUnavailable(RuntimeError):
