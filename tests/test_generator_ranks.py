@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 
 import pytest
 
@@ -259,6 +260,27 @@ def test_sigterm_checkpoints_the_generated_batches_and_exits_0(tmp_path):
     rows = read_metrics(tmp_path / "stopped")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_that_reaches_only_a_generator_rank_checkpoints_and_exits_0(tmp_path):
+    """A preemption notice can reach any node of a job: SIGTERM to generator rank 0 alone (the
+    launcher never sees it; it used to be ignored and the job ran to its last step) stops the job
+    as one to the launcher does: checkpoint at the trainers' next step boundary, exit 0; the
+    resumed job finishes the run."""
+    common = ("trainer.mode=async", "trainer.max_staleness=2", "trainer.steps=6", "rollout.ranks=1")
+    stopped = _train(tmp_path, "gen_signal", 2, *common,
+                     env={"MEGATRON_RL_FAULT": "sigterm@role=generator:rank=0:step=2"})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    found = re.search(r"signal 15 on generator rank 0 \(job rank 1\): checkpoint after step (\d+) at (\S+); exiting",
+                      stopped.stdout)
+    assert found, stopped.stdout[-3000:]
+    step = int(found.group(1))
+    assert step < 6 and os.path.isdir(found.group(2))
+    assert [r["step"] for r in read_metrics(tmp_path / "gen_signal")] == list(range(1, step + 1))
+    resumed = _train(tmp_path, "gen_signal", 2, *common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "gen_signal")] == list(range(1, 7))
 
 
 def test_a_dead_generator_rank_ends_the_job_with_its_name(tmp_path):

@@ -1,6 +1,7 @@
 """Stopping a job never loses work and never leaves anything running: SIGTERM after a periodic
 save, Ctrl-C with one process (once: checkpoint and exit 0; twice: abort), kill -9 of a rank (its
-helpers do not outlive the job or hold its output open), kill -9 of the launcher (the ranks stop)."""
+helpers do not outlive the job or hold its output open), kill -9 of the launcher (the ranks stop);
+a stop, or a second Ctrl-C, during the evaluation and during the SFT warm-up."""
 
 from __future__ import annotations
 
@@ -154,3 +155,47 @@ def test_kill_9_of_the_launcher_stops_the_ranks(tmp_path):
     assert not survivors, "ranks kept training after their launcher was killed"
     # They stopped the way SIGTERM stops them: a checkpoint of the last step.
     assert f"step_{last_metrics_step(tmp_path):08d}" in checkpoints(tmp_path)
+
+
+EVAL_EACH_STEP = ["data.val_path=task:digit_sum", "eval.max_prompts=4", "trainer.eval_every=1"]
+SFT = ["trainer.sft_warmup_steps=3"]
+
+
+def _job(tmp_path, nproc: int, fault: str, *overrides: str):
+    from tests.test_cli import cli
+
+    return cli("train", "--nproc", str(nproc), *TINY, "trainer.steps=4", f"run.dir={tmp_path}", "run.name=r",
+               *overrides, env={"MEGATRON_RL_FAULT": fault} if fault else None)[0]
+
+
+@pytest.mark.parametrize("phase, nproc, fault, extra", [
+    ("evaluation", 2, "sigterm@rank=1:step=2:phase=evaluation", EVAL_EACH_STEP),
+    ("sft", 1, "sigterm@rank=0:step=2:phase=sft", SFT),
+])
+def test_sigterm_in_evaluation_or_sft_warm_up_checkpoints_and_exits_0(tmp_path, phase, nproc, fault, extra):
+    """A stop asked during the evaluation after step 2 checkpoints step 2; during the SFT warm-up it
+    checkpoints the warmed-up starting weights (step 0), so the resumed job does not warm up again."""
+    stopped = _job(tmp_path, nproc, fault, *extra)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    if phase == "evaluation":
+        assert "checkpoint after step 2" in stopped.stdout, stopped.stdout[-2000:]
+        assert checkpoints(tmp_path)[-1] == "step_00000002"
+    else:
+        assert "sft warm-up 3/3" in stopped.stdout  # the warm-up finished: its weights are what is saved
+        assert "signal 15: checkpoint of the starting weights (step 0)" in stopped.stdout, stopped.stdout[-2000:]
+        assert checkpoints(tmp_path)[-1] == "step_00000000" and steps_done(tmp_path) == 0
+    resumed = _job(tmp_path, nproc, "", *extra)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "sft warm-up" not in resumed.stdout
+    assert checkpoints(tmp_path)[-1] == "step_00000004"
+
+
+@pytest.mark.parametrize("phase, fault, extra", [
+    ("evaluation", "ctrl_c_twice@rank=0:step=2:phase=evaluation", EVAL_EACH_STEP),
+    ("sft", "ctrl_c_twice@rank=0:step=2:phase=sft", SFT),
+])
+def test_ctrl_c_twice_in_evaluation_or_sft_warm_up_aborts_without_a_checkpoint(tmp_path, phase, fault, extra):
+    proc = _job(tmp_path, 1, fault, *extra)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "aborted (Ctrl-C twice); no checkpoint of the current step" in proc.stderr
+    assert "step_00000002" not in checkpoints(tmp_path) and "step_00000000" not in checkpoints(tmp_path)

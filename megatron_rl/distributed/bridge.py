@@ -146,6 +146,21 @@ class Bridge:
     def stopped(self) -> None:
         self.store.set("stopped", "1")
 
+    # ---------------------------------------------------------------- either side
+
+    def stop_asked(self) -> Optional[str]:
+        """Who asked the job to stop from the other world (:func:`ask_to_stop`), if anyone did."""
+        return self.store.get(STOP_ASKED).decode() if self.store.check([STOP_ASKED]) else None
+
+
+STOP_ASKED = "stop_asked"
+
+
+def ask_to_stop(store, who: str) -> None:
+    """A stop signal that reached a generator rank only: the trainers see it at their next step
+    boundary (:meth:`Bridge.stop_asked`) and checkpoint and exit as if it had reached them."""
+    dist.PrefixStore("bridge", store).set(STOP_ASKED, who)
+
 
 class WeightSender:
     """A trainer rank's part of each weight push, run on a thread of its own: ``send(payload)``

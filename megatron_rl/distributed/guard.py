@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -25,6 +26,8 @@ from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, UserInputError
 from megatron_rl.utils import phase
 from megatron_rl.utils.phase import ERROR_FILE_ENV
 
+# Ask a job to checkpoint and exit 0 (a scheduler's preemption notice, Ctrl-C), on any of its ranks.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _REAL_EXIT = os._exit  # ours to leave by; os._exit itself is watched while the work runs
 _watched_pid: list[int] = []
 

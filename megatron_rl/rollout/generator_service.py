@@ -21,8 +21,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatron_rl.config.schema import Config
-from megatron_rl.distributed import collectives, faults
-from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge
+from megatron_rl.distributed import collectives, faults, guard
+from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge, ask_to_stop
 from megatron_rl.distributed.cross_world import data_group, joint_group
 from megatron_rl.distributed.placement import GENERATOR
 from megatron_rl.distributed.runtime import (
@@ -97,13 +97,29 @@ class PushedWeights:
         return True
 
 
+def _pass_stop_signals_to_the_trainers() -> None:
+    """A stop signal (SIGTERM, SIGUSR1, Ctrl-C) that reaches a generator rank -- a preemption notice
+    can reach any node of a job -- asks the trainers to stop: they checkpoint at their next step
+    boundary, then stop the generators, as when the signal reaches them.  A second Ctrl-C aborts."""
+    store, where = job_store(), job_placement()
+    who = f"generator rank {where.rank} (job rank {where.global_rank})"
+    asked: list[int] = []
+
+    def handle(signum, _frame) -> None:
+        if signum == signal.SIGINT and signal.SIGINT in asked:
+            guard.abort_now(f"aborted (Ctrl-C twice on {who}); no checkpoint of the current step")
+        asked.append(signum)
+        ask_to_stop(store, f"signal {signum} on {who}")
+
+    for sig in guard.STOP_SIGNALS:
+        signal.signal(sig, handle)
+
+
 def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     """The generator ranks' main loop; ``cfg`` is resolved for the training world like the trainers'.
     ``wrap_engine(engine)``: the rollout the requests run on (multi-turn: the engine driven by
     ``rollout.env`` or ``rollout.agent``, :func:`megatron_rl.envs.build.with_environment`)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainers checkpoint, then stop us
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _pass_stop_signals_to_the_trainers()
     rank0 = dist.get_rank() == 0
     layout = generator_layout(cfg, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)

@@ -203,6 +203,7 @@ class PPOTrainer:
         if cfg.rollout.ranks:
             self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling,
                                         records_of=self.prompts.records if cfg.rollout.multi_turn else None)
+            self.stop.asked_elsewhere = self.remote.stop_asked  # a signal that reached a generator rank only
         # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
         self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 
@@ -315,8 +316,10 @@ class PPOTrainer:
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
         if self.buffer:  # batches generated for the coming steps
             state["rollout_buffer"] = [{"step": j, **batch.state_dict()} for j, batch in sorted(self.buffer.items())]
+        # Step 0 (a stop before the first update): the optimizers hold no state yet, and megatron's
+        # sharded optimizer state would name moments that were never made; the resumed job starts them.
         return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
-                                          keep_last=self.cfg.trainer.keep_last)
+                                          keep_last=self.cfg.trainer.keep_last, with_optimizer=step > 0)
 
     def _save_and_say(self, step: int, final: bool) -> str:
         """Save, with a line after it; before the last one also a line, since the job waits for it."""
@@ -341,7 +344,10 @@ class PPOTrainer:
                 return last
             if step == 0 and self.evaluator.due(0):  # the starting weights (a resumed start was evaluated)
                 with phase.entered("evaluation"):
+                    faults.maybe_inject(0, phase="evaluation")
                     self.metrics.log(0, self.evaluator.run(0))
+            if stop.agreed():  # asked while the job started (models loading, SFT warm-up, step-0 evaluation)
+                return self._stop_before_training(step)
             if self.remote is not None:
                 self.remote.start(step, list(self.buffer), self.actor.chunks)
             while step < cfg.trainer.steps:
@@ -351,6 +357,7 @@ class PPOTrainer:
                 last = self.train_step(step)
                 if self.evaluator.due(step):
                     with phase.entered("evaluation"):
+                        faults.maybe_inject(step, phase="evaluation")
                         last.update(self.evaluator.run(step))
                 self.metrics.log(step, last)
                 if step % max(1, cfg.trainer.log_every) == 0 or step == cfg.trainer.steps:
@@ -361,8 +368,7 @@ class PPOTrainer:
                     self._phase(None)
                     path = self._save_and_say(step, final=stopping or step == cfg.trainer.steps)
                     if stopping:
-                        self.log(f"signal {stop.signum or 'on another rank'}: checkpoint after step {step} "
-                                 f"at {path}; exiting")
+                        self.log(f"{stop.describe()}: checkpoint after step {step} at {path}; exiting")
                         return last
         finally:
             stop.restore()
@@ -371,6 +377,16 @@ class PPOTrainer:
             plot = plot_metrics(self.metrics.path, os.path.join(self.run_dir, "plot.png"))
             self.log(f"plot: {plot}" if plot else "plot: skipped (pip install matplotlib)")
         return last
+
+    def _stop_before_training(self, step: int) -> dict:
+        """A stop asked before the first step of this job: a fresh start saves what start-up made (the
+        SFT warm-up's weights), so the resumed job does not redo it; a resumed one has its checkpoint."""
+        if step == 0:
+            path = self._save_and_say(0, final=True)
+            self.log(f"{self.stop.describe()}: checkpoint of the starting weights (step 0) at {path}; exiting")
+        else:
+            self.log(f"{self.stop.describe()}: stopped before training; step {step} is saved; exiting")
+        return {}
 
     def train_step(self, step: int) -> dict:
         timings: dict = {}

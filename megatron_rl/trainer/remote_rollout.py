@@ -71,6 +71,10 @@ class RemoteRollout:
         self.pushed: Optional[int] = None
         self.closed = False
 
+    def stop_asked(self) -> Optional[str]:
+        """Who, on the generator ranks, was asked to stop the job (read on trainer rank 0)."""
+        return self.bridge.stop_asked() if self.bridge is not None else None
+
     def start(self, step: int, buffered: list[int], chunks: list) -> None:
         """At the start (or resume) after ``step`` updates, with batches ``buffered`` already at hand."""
         if self.rank0:

@@ -19,6 +19,7 @@ import torch
 from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, PromptSet
 from megatron_rl.data.tokenizer import Tokenizer
+from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sums
 from megatron_rl.engine.forward import BatchPlan, run_sequences
 from megatron_rl.engine.trainable import Trainable, rebuild_optimizer
@@ -97,6 +98,7 @@ def sft_warmup(actor: Trainable, prompts: PromptSet, tokenizer: Tokenizer, cfg: 
     answers = _targets(prompts, cfg)
     head = logprob_head(cfg, temperature=1.0, with_entropy=False)
     for step in range(steps):
+        faults.maybe_inject(step + 1, phase="sft")
         seqs, total = _batch(sampler.next_batch(), prompts, answers, tokenizer, make_env)
         actor.zero_grad()
         _, logs = run_sequences(actor.chunks, seqs, head, plan, device, loss_fn=_nll(total), forward_only=False)

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import Callable, Optional
 
 from megatron_rl.distributed import collectives, guard
 
 
 class StopRequest:
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    SIGNALS = guard.STOP_SIGNALS
 
     def __init__(self):
         self.signum: int | None = None
+        # Set where ranks outside this world take signals too (generator ranks): who asked there, or None.
+        self.asked_elsewhere: Callable[[], Optional[str]] = lambda: None
+        self.elsewhere: Optional[str] = None
         self._previous = {}
         for sig in self.SIGNALS:
             try:
@@ -37,7 +41,15 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """True on every rank when any rank was asked to stop (a collective: call on all ranks)."""
-        return collectives.agree_any(self.signum is not None)
+        if self.signum is None and self.elsewhere is None:
+            self.elsewhere = self.asked_elsewhere()
+        return collectives.agree_any(self.signum is not None or self.elsewhere is not None)
+
+    def describe(self) -> str:
+        """Which signal, for the line that says why the job stopped (on the rank that logs it)."""
+        if self.signum is not None:
+            return f"signal {self.signum}"
+        return self.elsewhere or "signal on another rank"
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
