@@ -58,7 +58,8 @@ def test_pp2_vpp_with_batched_p2p_is_rejected():
 @pytest.mark.parametrize("overrides,expected", [
     (["parallel.tpp=2"],
      "config error: parallel.tpp=2: unknown key (from the command line); fix: did you mean parallel.tp?"),
-    (["parallel.tp=two"], "config error: parallel.tp=two: wrong type, expected an integer; fix: give an integer"),
+    (["parallel.tp=two"], "config error: parallel.tp=two: wrong type, expected an integer >= 1 and <= 2147483647; "
+                          "fix: give an integer >= 1 and <= 2147483647"),
     (["parallel=2"],
      "config error: parallel=2: is a group of keys, not a value; fix: set one key, e.g. parallel.tp=..."),
     (["tp"], "config error: tp: an override must look like key=value; fix: write e.g. parallel.tp=2"),

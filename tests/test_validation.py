@@ -150,8 +150,8 @@ def test_train_refuses_before_starting_any_process(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "config error: rollout.temperature=-1.0: out of range (must be >= 0); "
-        "fix: set rollout.temperature to a value >= 0"]
+        "config error: rollout.temperature=-1.0: out of range (must be >= 0 and <= 3e+38); "
+        "fix: set rollout.temperature to a value >= 0 and <= 3e+38"]
     assert not list(tmp_path.iterdir())
 
 
@@ -200,7 +200,7 @@ def test_config_layer_does_not_import_megatron_core():
     (["rollout.temperature=inf"], "config error: rollout.temperature=inf: not a finite number"),
     (["actor.optim.lr=inf"], "config error: actor.optim.lr=inf: not a finite number"),
     (["critic.optim.lr=nan"], "config error: critic.optim.lr=nan: not a finite number"),
-    (["trainer.steps=0"], "config error: trainer.steps=0: out of range (must be >= 1)"),
+    (["trainer.steps=0"], "config error: trainer.steps=0: out of range (must be >= 1 and <= 99999999)"),
     (["reward.kwargs=[1,2]"], "config error: reward.kwargs=[1,2]: wrong type, expected a mapping"),
 ], ids=["heads-not-multiple-of-kv-heads", "run-name-escapes", "run-name-dotdot", "temperature-inf", "lr-inf",
         "lr-nan", "no-steps", "kwargs-list"])
@@ -217,7 +217,7 @@ def test_string_override_outside_the_basic_multilingual_plane_is_kept(capsys, tm
 def test_prompt_file_that_is_not_utf8_names_the_line(capsys, tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9 1+1=", "answer": "2"}\n')
-    # Only the first record is read before launch; the whole file when the prompts load.
+    # The loader names the line (the check before launch parses every line the same way).
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.data.tokenizer import load_tokenizer
 

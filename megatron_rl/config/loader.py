@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import sys
 import typing
@@ -18,7 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf import errors as oc_errors
 
 from megatron_rl.config import aliases
-from megatron_rl.config.schema import Config, leaf_types, literal_choices
+from megatron_rl.config.schema import (
+    Config,
+    bounds_text,
+    field_bounds,
+    iter_fields,
+    leaf_types,
+    literal_choices,
+    within,
+)
 from megatron_rl.errors import ConfigError, StorageError
 
 _LEAF_TYPES = leaf_types()
@@ -37,6 +46,7 @@ def _type_name(tp) -> str:
 
 _KEY_TYPES = {key: _type_name(tp) for key, tp in _LEAF_TYPES.items()}
 _KNOWN = set(ALL_KEYS)
+_BOUNDS = {key: field_bounds(field, _LEAF_TYPES[key]) for key, field, _ in iter_fields()}
 
 
 _NOTED: set[str] = set()
@@ -95,9 +105,25 @@ def _convert(err: Exception, source: str) -> ConfigError:
             group = next((k for k in ALL_KEYS if k.startswith(key + ".")), None) if key != "?" else None
             where = f"{key} is a group of keys" if group else "not a value key"
             return ConfigError(key, value, where, f"set its keys one by one, e.g. {group or 'parallel.tp'}=...")
-        expected = _TYPE_WORDS.get(_KEY_TYPES[key], "a value of the documented type")
-        return ConfigError(key, value, f"wrong type, expected {expected}", f"give {expected}")
+        return _type_error(key, value)
     return ConfigError(key, None, str(err).splitlines()[0], "check the value against docs/config.md")
+
+
+def _type_error(key: str, value) -> ConfigError:
+    """A value omegaconf refused for ``key``'s type.  For an integer key the message carries its range,
+    and a number outside it (``1e20``, ``inf``) reads as out of range, not as a mere type slip."""
+    expected = _TYPE_WORDS.get(_KEY_TYPES[key], "a value of the documented type")
+    bounds = _BOUNDS.get(key)
+    if not bounds or _KEY_TYPES[key] not in ("int", "Optional[int]"):
+        return ConfigError(key, value, f"wrong type, expected {expected}", f"give {expected}")
+    allowed = f"an integer {bounds_text(bounds)}" + (", or null" if _KEY_TYPES[key].startswith("Optional") else "")
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        number = None
+    if number is not None and not (math.isfinite(number) and within(number, bounds)):
+        return ConfigError(key, value, f"out of range (must be {allowed})", f"set {key} to {allowed}")
+    return ConfigError(key, value, f"wrong type, expected {allowed}", f"give {allowed}")
 
 
 def _parse_override(item: str) -> tuple[str, str]:
@@ -186,7 +212,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
             cfg = OmegaConf.merge(cfg, file_cfg)
         except oc_errors.OmegaConfBaseException as err:
             raise _convert(err, path) from None
-        except (TypeError, ValueError) as err:  # e.g. a list where the schema has a mapping
+        except (TypeError, ValueError, OverflowError) as err:  # e.g. a list where the schema has a mapping
             raise ConfigError("--config", path, f"a value does not fit its key ({err})",
                               "compare the file with docs/config.md") from None
     dotlist = _resolve_overrides(overrides)
@@ -198,6 +224,10 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
         except yaml.YAMLError as err:
             raise ConfigError(key, value, f"not a readable value ({str(err).splitlines()[0]})",
                               "quote the value or remove the characters YAML cannot read") from None
+        except OverflowError:  # an integer too large for a float key (lr=1000...0)
+            allowed = bounds_text(_BOUNDS.get(key, {})) or "that fits a float"
+            raise ConfigError(key, value, f"out of range (must be {allowed})",
+                              f"set {key} to a value {allowed}") from None
         except (TypeError, ValueError):  # e.g. a list for a mapping key
             expected = _TYPE_WORDS.get(_KEY_TYPES[key], "a value of the documented type")
             raise ConfigError(key, value, f"wrong type, expected {expected}",

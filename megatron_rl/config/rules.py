@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import importlib
 import math
-import operator
 import os
 
 from megatron_rl.config.loader import choice_error
-from megatron_rl.config.schema import Config, iter_fields
+from megatron_rl.config.schema import Config, bounds_text, field_bounds, iter_fields, leaf_types, within
 from megatron_rl.errors import ConfigError
 
-_BOUND_TEXT = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+__all__ = ["bounds_text", "check_field_rules", "config_value", "registry_choices"]
+
+_LEAF_TYPES = leaf_types()
 
 
 def config_value(cfg, key: str):
@@ -33,11 +34,6 @@ def registry_choices(spec: str) -> tuple:
     return tuple(registry)
 
 
-def bounds_text(bounds: dict) -> str:
-    """``{"gt": 0, "le": 1}`` -> ``"> 0 and <= 1"`` (for errors and the config reference)."""
-    return " and ".join(f"{_BOUND_TEXT[op][1]} {bound}" for op, bound in bounds.items())
-
-
 def check_field_rules(cfg: Config) -> None:
     """Raise a one-line :class:`ConfigError` for the first value outside its field's bounds or
     choices, then for the few rules between fields that no feature owns (the model's shape, the
@@ -46,11 +42,13 @@ def check_field_rules(cfg: Config) -> None:
         value = config_value(cfg, key)
         if value is None:
             continue
+        bounds = field_bounds(field, _LEAF_TYPES[key])
         if isinstance(value, float) and not math.isfinite(value):
             # No key means infinity or NaN: an infinite learning rate or temperature trains on garbage.
-            raise ConfigError(key, value, "not a finite number", f"set {key} to a finite value")
-        bounds = field.metadata.get("bounds", {})
-        if bounds and not all(_BOUND_TEXT[op][0](value, bound) for op, bound in bounds.items()):
+            allowed = bounds_text(bounds)
+            raise ConfigError(key, value, "not a finite number" + (f" (must be {allowed})" if allowed else ""),
+                              f"set {key} to a finite value {allowed}".strip())
+        if bounds and not within(value, bounds):
             raise ConfigError(key, value, f"out of range (must be {bounds_text(bounds)})",
                               f"set {key} to a value {bounds_text(bounds)}")
         spec = field.metadata.get("choices")

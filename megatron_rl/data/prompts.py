@@ -1,8 +1,12 @@
 """Prompt data: load, tokenize and filter it once, then draw batches deterministically.
 
 All checking happens at load time, before any rank starts generating: a malformed record stops
-the run with its file and line, instead of failing an hour in.  Prompts longer than the prompt
-budget are dropped (not truncated, which would change the question) and the count is logged.
+the run with its file and line, instead of failing an hour in.  Before launch,
+:func:`check_prompt_file` parses every record the same way (:func:`parse_record`) without
+tokenizing, reading files up to :data:`FULL_CHECK_BYTES` whole and the first that many bytes of
+larger ones, so ``validate`` and the launcher stop a bad line before any rank starts.  Prompts
+longer than the prompt budget are dropped (not truncated, which would change the question) and the
+count is logged.
 
 :class:`PromptSampler` makes the data order a pure function of ``(seed, epoch, position)``, so a
 run resumed from a checkpoint draws exactly the batches the uninterrupted run would have drawn.
@@ -18,7 +22,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -29,6 +33,11 @@ logger = logging.getLogger("megatron_rl.data")
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
+
+# The check before launch reads a JSON-lines file whole up to this size (1 GiB), and the lines
+# starting in the first this many bytes of a larger one, saying so: it parses without tokenizing,
+# so it stays well under the time the ranks take to load the file.
+FULL_CHECK_BYTES = 1 << 30
 
 
 # Record fields a reward function may read besides the answer (verl's compute_score takes them).
@@ -95,13 +104,18 @@ def record_keys(record: dict, depth: int = 2) -> list[str]:
     return sorted(out)
 
 
-def _records_jsonl(path: str, key: str) -> Iterator[tuple[int, str, object]]:
+def _records_jsonl(path: str, key: str, max_bytes: Optional[int] = None) -> Iterator[tuple[int, str, object]]:
+    """Every record, or (``max_bytes``) those of the lines that start within the first ``max_bytes``."""
     with open(path, "rb") as f:
         if f.read(4) == b"PAR1":
             raise DataError(key, path, "is a Parquet file with a JSON-lines name",
                             f"rename it to end in {PARQUET_SUFFIXES[0]}")
         f.seek(0)
+        offset = 0
         for lineno, raw in enumerate(f, start=1):
+            if max_bytes is not None and offset >= max_bytes:
+                return
+            offset += len(raw)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
@@ -167,14 +181,16 @@ def _answer(record: dict, key: str, where: str) -> Optional[str]:
                     f"store the {key} as a string, or leave it out")
 
 
-def _records(path: str, key: str = "data.train_path") -> Iterator[tuple[int, str, object]]:
-    """``(source index, location, record)`` for every record of a JSONL or Parquet file; errors
-    about the file itself name ``key``, the config key that points at it."""
+def _records(path: str, key: str = "data.train_path",
+             max_bytes: Optional[int] = None) -> Iterator[tuple[int, str, object]]:
+    """``(source index, location, record)`` for every record of a JSONL or Parquet file (of a JSONL
+    file, with ``max_bytes``, the lines that start within its first ``max_bytes``); errors about the
+    file itself name ``key``, the config key that points at it."""
     if not os.path.isfile(path):
         raise DataError(key, path, "no such file", "check the prompt data path (or use task:<name>)")
     lower = path.lower()
     if lower.endswith(JSONL_SUFFIXES):
-        return _records_jsonl(path, key)
+        return _records_jsonl(path, key, max_bytes)
     if lower.endswith(PARQUET_SUFFIXES):
         return _records_parquet(path)
     raise DataError(key, path, "unknown prompt file type",
@@ -227,22 +243,55 @@ def _check_answer_present(record: dict, answer_key: str, where: str) -> None:
                     f"{fix}, or use a reward function that needs no answers")
 
 
+def parse_record(record, where: str, prompt_key: str, messages_key: str, answer_key: str):
+    """``(kind, prompt, answer)`` of one record, as training reads it (:func:`_prompt_of`,
+    :func:`_answer`); a :class:`DataError` naming ``where`` for a record that does not parse.  The
+    one path both :func:`load_prompts` and :func:`check_prompt_file` take."""
+    kind, prompt = _prompt_of(record, where, prompt_key, messages_key)
+    return kind, prompt, _answer(record, answer_key, where)
+
+
 def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
                       messages_key: str = "messages", key: str = "data.train_path",
-                      needs_answers: bool = False) -> str:
-    """Read only the first record and check it as :func:`load_prompts` would (before any launch);
-    errors about the file itself name ``key``.  Returns the answer key the records are read with
-    (:func:`answer_key_of`).
+                      needs_answers: bool = False, max_bytes: int = FULL_CHECK_BYTES,
+                      note: Optional[Callable[[str], None]] = None) -> str:
+    """Parse every record as :func:`load_prompts` will (:func:`parse_record`; no tokenizing), before
+    any launch: a JSON-lines file whole up to ``max_bytes``, beyond that the lines that start within
+    its first ``max_bytes``, and ``note`` gets one line saying so (Parquet files are read whole, as
+    pyarrow reads them).  Errors name the file and line, or ``key`` for the file itself.  Returns the
+    answer key the records are read with (:func:`answer_key_of`).
 
-    With ``needs_answers`` (the reward function reads answers) the answer key must be in it."""
-    for _, where, record in _records(os.fspath(path), key):
-        _prompt_of(record, where, prompt_key, messages_key)
-        answer_key = answer_key_of(record, answer_key)
-        _answer(record, answer_key, where)
-        if needs_answers:
+    With ``needs_answers`` (the reward function reads answers) the answer key must be in the first
+    record."""
+    path = os.fspath(path)
+    records = 0
+    for _, where, record in _records(path, key, max_bytes):
+        if records == 0:
+            answer_key = answer_key_of(record, answer_key)
+        parse_record(record, where, prompt_key, messages_key, answer_key)
+        if needs_answers and records == 0:
             _check_answer_present(record, answer_key, where)
-        return answer_key
-    raise DataError(key, path, "the file holds no records", "give a prompt file with at least one record")
+        records += 1
+    if records == 0:
+        raise DataError(key, path, "the file holds no records", "give a prompt file with at least one record")
+    size = os.path.getsize(path)
+    if path.lower().endswith(JSONL_SUFFIXES) and size > max_bytes and note is not None:
+        note(f"{key}: checked the first {_mb(_first_line_at(path, max_bytes))} ({records} records) of {path} "
+             f"({_mb(size)} in all; files up to {_mb(max_bytes)} are checked whole); a bad line after them stops "
+             "the run when the ranks load it")
+    return answer_key
+
+
+def _first_line_at(path: str, offset: int) -> int:
+    """Where the first line starting at or after byte ``offset`` (> 0) of ``path`` starts."""
+    with open(path, "rb") as f:
+        f.seek(offset - 1)
+        f.readline()
+        return f.tell()
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**30:.1f} GB" if size >= 2**30 else f"{size / 2**20:.1f} MB" if size >= 2**20 else f"{size} bytes"
 
 
 def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt_key: str = "prompt",
@@ -267,12 +316,11 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     for index, where, record in records:
         if total == 0:
             answer_key = out.answer_key = answer_key_of(record, answer_key)
-        kind, prompt = _prompt_of(record, where, prompt_key, messages_key)
+        kind, prompt, answer = parse_record(record, where, prompt_key, messages_key, answer_key)
         if kind == "text":
             text, ids = prompt, tokenizer.encode_prompt(prompt)
         else:
             text, ids = tokenizer.chat_text(prompt), tokenizer.apply_chat_template(prompt)
-        answer = _answer(record, answer_key, where)
         total += 1
         if len(ids) > max_prompt_tokens:
             out.num_dropped += 1

@@ -2,15 +2,15 @@
 JSONL/Parquet file.
 
 The one place that tells the two apart, for the trainer (load everything) and for the check before
-launch (read one record).  ``key`` names the config key the path came from, for the errors.
+launch (parse every record, up to a size).  ``key`` names the config key the path came from, for the errors.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_rl.config.schema import DataConfig
-from megatron_rl.data.prompts import PromptSet, check_prompt_file, load_prompts
+from megatron_rl.data.prompts import FULL_CHECK_BYTES, PromptSet, check_prompt_file, load_prompts
 from megatron_rl.data.tasks import TASK_PREFIX, check_task, load_task
 from megatron_rl.data.tokenizer import Tokenizer
 
@@ -25,15 +25,18 @@ def load_prompt_source(data: DataConfig, tokenizer: Tokenizer, key: str = TRAIN_
                         data.messages_key, key)
 
 
-def check_prompt_source(data: DataConfig, key: str = TRAIN_KEY, needs_answers: bool = False) -> str:
-    """Raise a one-line error for a task that does not exist or a file whose first record is bad
-    (with ``needs_answers``, also one without ``data.answer_key``); returns the answer key the
+def check_prompt_source(data: DataConfig, key: str = TRAIN_KEY, needs_answers: bool = False,
+                        max_bytes: int = FULL_CHECK_BYTES, note: Optional[Callable[[str], None]] = None) -> str:
+    """Raise a one-line error for a task that does not exist or a file with a record that does not
+    parse (of a file over ``max_bytes``, within its first ``max_bytes``, said to ``note``; with
+    ``needs_answers``, also a first record without ``data.answer_key``); returns the answer key the
     records are read with."""
     path = _path(data, key)
     if path.startswith(TASK_PREFIX):
         check_task(path[len(TASK_PREFIX):], key)
         return data.answer_key
-    return check_prompt_file(path, data.prompt_key, data.answer_key, data.messages_key, key, needs_answers)
+    return check_prompt_file(path, data.prompt_key, data.answer_key, data.messages_key, key, needs_answers,
+                             max_bytes, note)
 
 
 def _path(data: DataConfig, key: str) -> Optional[str]:

@@ -106,9 +106,11 @@ FEATURES = [
     ),
     Feature(
         "Config validation", "runtime", TESTED_CPU,
-        "Unknown keys, wrong types, values outside a key's choices or range, impossible layouts, and what a training "
-        "config points at (prompt file and its first record, reward function, tokenizer and its vocabulary, model "
-        "directories) fail before any process starts: one line naming the key, the value and the fix, exit code 2.",
+        "Unknown keys, wrong types, values outside a key's choices or range (every number has one the runtime "
+        "takes: timeouts, seeds, counts; no NaN or infinity), impossible layouts, and what a training config points "
+        "at (prompt and evaluation files: every line parsed as the loader parses it, of files up to 1 GiB, the first "
+        "GiB of larger ones; reward function, tokenizer and its vocabulary, model directories) fail before any "
+        "process starts: one line naming the key (or file and line), the value and the fix, exit code 2.",
         ("tests/test_config.py::test_bad_layouts_are_rejected_with_the_key",
          "tests/test_cli.py::test_bad_override_exits_2_with_one_line",
          "tests/test_validation.py::test_unknown_choice_is_refused_with_the_choices",
@@ -116,7 +118,11 @@ FEATURES = [
          "tests/test_validation.py::test_prompt_file_whose_first_record_does_not_parse",
          "tests/test_validation.py::test_reward_that_does_not_resolve",
          "tests/test_validation.py::test_tokenizer_vocabulary_larger_than_the_model",
-         "tests/test_validation.py::test_train_refuses_before_starting_any_process"),
+         "tests/test_validation.py::test_train_refuses_before_starting_any_process",
+         "tests/test_config_bounds.py::test_every_numeric_key_declares_a_range_the_runtime_takes",
+         "tests/test_config_bounds.py::test_validate_refuses_extreme_values_with_one_line",
+         "tests/test_prompt_file_check.py::test_validate_names_a_bad_line_500",
+         "tests/test_prompt_file_check.py::test_train_stops_on_line_500_before_any_rank_starts"),
         config="megatron-rl validate CONFIG --world-size N",
     ),
     Feature(

@@ -1,9 +1,11 @@
 """Checks of what a training config points at, before any process starts.
 
 Validation (``megatron_rl/validation.py``) judges the values; this opens what they name: the prompt file
-and the evaluation file (their first records; the answer key when the reward reads answers), the reward
-function (its calling convention), the tokenizer (its vocabulary must fit the model's), the critic's HF
-directory and the initial checkpoint.  Each failure is one line naming the key.
+and the evaluation file (every record parsed as training parses it, of files up to 1 GiB
+(``data.prompts.FULL_CHECK_BYTES``) -- the first GiB of larger ones, said in one line; the answer key
+when the reward reads answers), the reward function (its calling convention), the tokenizer (its
+vocabulary must fit the model's), the critic's HF directory and the initial checkpoint.  Each failure
+is one line naming the key, or the file and line.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import os
 
 from megatron_rl.config.loader import note_once
 from megatron_rl.config.schema import Config
-from megatron_rl.data.sources import VAL_KEY, check_prompt_source, tokenizer_spec
+from megatron_rl.data.sources import TRAIN_KEY, VAL_KEY, check_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.registry import get_reward_fn
+
+LAUNCHER_ENV = "MEGATRON_RL_LAUNCHER"  # set in the ranks our launcher (or the test harness) starts
 
 
 def _check_dir(key: str, path: str | None, what: str) -> None:
@@ -24,14 +28,24 @@ def _check_dir(key: str, path: str | None, what: str) -> None:
         raise ConfigError(key, path, "no such directory", f"point {key} at {what}, or set it to null")
 
 
+def _check_prompts(cfg: Config, key: str, needs: bool) -> str:
+    """The prompt source at ``key`` parses (every record, up to 1 GiB); the answer key.
+
+    A rank of our local launcher reads only the first record: the launcher checked the whole file
+    before starting it, and every rank parses each line again as it loads it."""
+    if os.environ.get(LAUNCHER_ENV):
+        return check_prompt_source(cfg.data, key, needs_answers=needs, max_bytes=1)
+    return check_prompt_source(cfg.data, key, needs_answers=needs, note=note_once)
+
+
 def check_training_inputs(cfg: Config) -> None:
     reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
-    answer_key = check_prompt_source(cfg.data, needs_answers=needs_answers(reward_fn))
+    answer_key = _check_prompts(cfg, TRAIN_KEY, needs_answers(reward_fn))
     if answer_key != cfg.data.answer_key:
         note_once(f"data: answers read from {answer_key} (verl's schema; the records have no "
                   f"'{cfg.data.answer_key}')")
     if cfg.data.val_path:
-        check_prompt_source(cfg.data, VAL_KEY, needs_answers=needs_answers(reward_fn))
+        _check_prompts(cfg, VAL_KEY, needs_answers(reward_fn))
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
     tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
