@@ -529,3 +529,21 @@ def test_math_verify_is_bounded_and_thread_safe():
     for t in threads:
         t.join(120)
     assert results == [[1.0, 1.0]] * 3
+
+
+def test_a_deadline_longer_than_a_thread_can_wait_is_still_watched():
+    """reward.timeout_s (up to 7 days) x a batch's responses can pass what a thread may wait: the
+    watchdog used to die of OverflowError at once, leaving the reward unwatched."""
+    import threading
+    import time
+
+    from megatron_rl.rewards.registry import hard_deadline
+
+    failures = []
+    previous, threading.excepthook = threading.excepthook, lambda args: failures.append(args.exc_value)
+    try:
+        with hard_deadline(7 * 86400 * 20_000.0, RuntimeError("late")):
+            time.sleep(0.3)
+    finally:
+        threading.excepthook = previous
+    assert failures == []

@@ -177,6 +177,9 @@ def hard_deadline(seconds: Optional[float], error: Optional[BaseException]):
         return
     done = threading.Event()
 
+    # reward.timeout_s x the batch's responses can pass what a thread may wait (~292 years): capped.
+    seconds = min(seconds, threading.TIMEOUT_MAX)
+
     def watch() -> None:
         if not done.wait(seconds):
             from megatron_rl.distributed.guard import exit_with_error
