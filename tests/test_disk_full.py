@@ -117,3 +117,61 @@ def test_temporaries_of_a_failed_save_never_block_the_next_run(small_disk):
     code, err = _job(tmp_path, "job")
     assert code == 0, err[-3000:]
     assert _listing(tmp_path, "job") == ["latest", "step_00000002"]
+
+
+WRITERS = {  # the fault's phase -> the file whose write finds the disk full
+    "metrics": "metrics.jsonl",
+    "samples": "samples/step_00000003.jsonl",
+    "tensorboard": "tb",
+    "plot": "plot.png",
+}
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_disk_that_fills_outside_a_save_stops_each_writer_with_one_line(small_disk, writer):
+    """Another writer takes the disk after step 2's checkpoint; the run's next write of its own
+    (the metrics line, the sample log, TensorBoard's events, the plot) stops the job with one line
+    naming the file and what it needed, exit 2: no traceback, no ``.tmp``, no half-written line,
+    step 2's checkpoint intact; with the space back, the same command goes on from there."""
+    tmp_path, run = small_disk
+    extra = "trainer.steps=3 trainer.log_samples=true trainer.tensorboard=true trainer.plot=true"
+    run("8m", _launch(tmp_path, "full", extra, env=f"MEGATRON_RL_FAULT=fill_disk@rank=0:step=3:phase={writer}")
+        + f" ; find $DISK/r -name '*.tmp' > {tmp_path}/tmp.ls; cp $DISK/r/metrics.jsonl {tmp_path}/metrics.jsonl"
+        + " ; rm $DISK/r/disk_filler; " + _launch(tmp_path, "again", extra))
+    code, err = _job(tmp_path, "full")
+    line = _storage_line(err)
+    assert code == 2, err[-3000:]
+    assert line.startswith(f"storage error: {tmp_path}/disk/r/{WRITERS[writer]}"), line
+    assert "the disk is full:" in line and " free; fix: free space on that disk" in line, line
+    if writer != "tensorboard":  # TensorBoard's writer does not say how much it was writing
+        assert "needs " in line and " KiB" in line, line
+    assert (tmp_path / "tmp.ls").read_text() == ""
+    import json
+
+    steps = [json.loads(row)["step"] for row in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == ([1, 2] if writer in ("metrics", "samples") else [1, 2, 3])
+    assert "step_00000002" in _listing(tmp_path, "full")
+    code, err = _job(tmp_path, "again")
+    assert code == 0, err[-3000:]
+    out = (tmp_path / "again.out").read_text()
+    if "step_00000003" in _listing(tmp_path, "full"):  # the plot: written after the last checkpoint
+        assert "run finished: step 3" in out, out[-2000:]
+    else:
+        assert "resumed after step 2" in out, out[-2000:]
+    assert _listing(tmp_path, "again")[-1] == "step_00000003"
+
+
+def test_a_disk_full_before_the_job_starts_stops_at_its_config_with_one_line(small_disk):
+    """The first thing a run writes is its config.yaml: on a full disk the launcher stops there, before
+    any rank starts, with one line saying what the file needs and what is free, and leaves no
+    ``config.yaml.tmp``."""
+    tmp_path, run = small_disk
+    run("1m", "mkdir -p $DISK/r && (dd if=/dev/zero of=$DISK/filler bs=4k 2>/dev/null; true) && "
+        + _launch(tmp_path, "job", "trainer.steps=1") + f" ; ls -a $DISK/r > {tmp_path}/r.ls")
+    code, err = _job(tmp_path, "job")
+    line = _storage_line(err)
+    assert code == 2
+    assert line.startswith(f"storage error: {tmp_path}/disk/r/config.yaml: the disk is full: writing the run's "
+                           "config needs "), line
+    assert " KiB free; fix: free space on that disk" in line, line
+    assert (tmp_path / "r.ls").read_text().split() == [".", ".."]

@@ -28,7 +28,8 @@ from megatron_rl.config.schema import (
     literal_choices,
     within,
 )
-from megatron_rl.errors import ConfigError, StorageError
+from megatron_rl.errors import ConfigError
+from megatron_rl.utils import run_files
 
 _LEAF_TYPES = leaf_types()
 ALL_KEYS = list(_LEAF_TYPES)
@@ -243,16 +244,5 @@ def save_config(cfg: Config, path: str, notes: Iterable[str] = ()) -> None:
     """Write ``cfg`` to ``path`` atomically, ``notes`` as comments at the end (what ``auto`` and
     derived values resolved to: the file stays a loadable config of what was asked); a disk that
     cannot take it stops with one line and leaves no partial file."""
-    tmp = path + ".tmp"
     comments = "".join(f"# {line}\n" for line in notes)
-    try:
-        with open(tmp, "w") as fh:
-            fh.write(to_yaml(cfg) + comments)
-        os.replace(tmp, path)
-    except OSError as err:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise StorageError(path, None, f"cannot write the run's config: {err.strerror or err}",
-                           "free space on that disk, or set run.dir to a writable directory with space") from None
+    run_files.replace_text(path, to_yaml(cfg) + comments, "the run's config")

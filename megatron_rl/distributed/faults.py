@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Sequence
 
 import torch.distributed as dist
 
@@ -46,11 +47,8 @@ def _due(step: int, kinds: tuple[str, ...], role: str = "trainer", phase: str = 
     return kind, spec
 
 
-def maybe_fill_disk(step: int, root: str) -> None:
-    """The ``fill_disk`` fault: write zeros beside ``root`` until the disk refuses more."""
-    if _due(step, SAVE_KINDS) is None:
-        return
-    with open(os.path.join(os.path.dirname(os.path.abspath(root)), "disk_filler"), "wb", buffering=0) as fh:
+def _fill(path: str, mode: str = "wb") -> None:
+    with open(path, mode, buffering=0) as fh:
         for size in (1 << 16, 1 << 10, 1):
             block = bytes(size)
             try:
@@ -58,6 +56,19 @@ def maybe_fill_disk(step: int, root: str) -> None:
                     fh.write(block)
             except OSError:
                 pass
+
+
+def maybe_fill_disk(step: int, root: str, phase: str = "step", appended: Sequence[str] = ()) -> None:
+    """The ``fill_disk`` fault: write zeros beside ``root`` until the disk refuses more.  Without a
+    ``phase`` in the spec: in the checkpoint save of step ``step``; ``phase=metrics``,
+    ``tensorboard``, ``samples``, ``plot``: just before that writer writes for step ``step``.
+    ``appended``: files the writer appends to, whose last block still has room after the disk is
+    full (a 4 KiB page of tmpfs): that room is taken too (with zeros: the file is spoilt)."""
+    if _due(step, SAVE_KINDS, phase=phase) is None:
+        return
+    _fill(os.path.join(os.path.dirname(os.path.abspath(root)), "disk_filler"))
+    for path in appended:
+        _fill(path, "ab")
 
 
 def maybe_inject(step: int, role: str = "trainer", phase: str = "step") -> None:

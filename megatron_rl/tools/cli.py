@@ -355,9 +355,11 @@ def main(argv: list[str] | None = None) -> int:
                 return done
         if args.command in ("train", "smoke"):
             from megatron_rl.engine.checkpoint_space import remove_stale_temporaries
+            from megatron_rl.utils.run_files import remove_run_temporaries
 
             cfg.distributed.nproc = nproc  # the record says how the job was launched, --nproc included
             remove_stale_temporaries(os.path.join(_run_dir(cfg), "checkpoints"))  # a failed save's leftovers
+            remove_run_temporaries(_run_dir(cfg))  # and a killed writer's (metrics, samples, plot)
             resolved = ["resolved at launch for this machine and world size:"] + [
                 f"  {line}" for line in resolution.lines()]
             save_config(cfg, os.path.join(_run_dir(cfg), "config.yaml"), resolved)

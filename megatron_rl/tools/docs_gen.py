@@ -72,9 +72,13 @@ RUNTIME_ERRORS = [
      "partial was kept.",
      "Free space, lower `trainer.keep_last`, or move `run.dir` to a larger disk; the same command resumes from the "
      "last good checkpoint."),
-    ("storage error: <run dir>/config.yaml: cannot write the run's config",
-     "The run directory is full or not writable.",
-     "Free space or choose another `run.dir`."),
+    ("storage error: <run dir>/<file>: the disk is full: writing <what> needs N KiB, M KiB free",
+     "The disk filled outside a checkpoint save: the run's config, a step's metrics line, its sample log, "
+     "TensorBoard's events or the plot did not fit. Nothing was left half-written; the last checkpoint is intact.",
+     "Free space, or move `run.dir` to a disk with space; the same command resumes from the last checkpoint."),
+    ("storage error: <run dir>/<file>: cannot write <what>",
+     "The run directory is not writable.",
+     "Make it writable, or choose another `run.dir`."),
     ("reward error: reward.fn=<name>: did not return within N s", "A plain reward function got `reward.timeout_s` "
      "per response of its batch and did not return; the run stopped.",
      "Make it return in time, raise `reward.timeout_s`, or build it from `@grader` functions (a late sample "

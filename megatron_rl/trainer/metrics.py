@@ -4,10 +4,12 @@ progress line, optional TensorBoard / Weights & Biases, and ``plot.png`` at the 
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import sys
+import threading
 import time
 from typing import Optional, Sequence
 
@@ -15,12 +17,31 @@ import psutil
 import torch
 
 from megatron_rl.algorithms import losses
+from megatron_rl.distributed import faults
 from megatron_rl.engine.trainable import StepResult
 from megatron_rl.trainer.experience import Experience
 from megatron_rl.trainer.old_policy import OldPolicy
+from megatron_rl.utils import run_files
 
 KEY_FIGURES = {"reward/mean": "reward", "actor/kl": "kl", "actor/pg_loss": "pg_loss", "critic/vf_loss": "vf_loss",
                "actor/entropy": "entropy", "response_length/mean": "resp_len", "actor/grad_norm": "grad_norm"}
+
+
+def _quiet_tensorboard_writer_thread() -> None:
+    """TensorBoard writes its events on a thread that prints its OSError as a traceback, then gives
+    it to the next ``flush`` on the main thread -- where :meth:`MetricsWriter.log` reports it in one
+    line.  The thread's own traceback is left out; every other thread's failure prints as before."""
+    previous = threading.excepthook
+    if getattr(previous, "leaves_out_tensorboard", False):  # installed already
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook.leaves_out_tensorboard = True
+    threading.excepthook = hook
 
 
 class MetricsWriter:
@@ -40,6 +61,7 @@ class MetricsWriter:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+                _quiet_tensorboard_writer_thread()
             except ImportError:
                 print("metrics: tensorboard is not installed (pip install tensorboard); skipping it", file=sys.stderr)
         if wandb:
@@ -56,21 +78,24 @@ class MetricsWriter:
             return
         with open(self.path) as fh:
             keep = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as fh:
-            fh.writelines(keep)
-        os.replace(tmp, self.path)
+        run_files.replace_text(self.path, "".join(keep), "the metrics of the steps kept")
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
         record = {"step": step, **{k: _clean(v) for k, v in sorted(metrics.items())}}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        faults.maybe_fill_disk(step, self.path, phase="metrics")
+        run_files.append_text(self.path, json.dumps(record) + "\n", f"the step {step} metrics line")
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+            faults.maybe_fill_disk(step, self.path, phase="tensorboard",
+                                   appended=glob.glob(os.path.join(glob.escape(self._tb.log_dir), "*")))
+            tb, self._tb = self._tb, None  # a writer that failed is not closed: its thread would fail again
+            with run_files.writing(tb.log_dir, f"the step {step} TensorBoard events"):
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)):
+                        tb.add_scalar(key, value, step)
+                tb.flush()  # a full disk is reported at this step, not at some later one
+            self._tb = tb
         if self._wandb is not None:
             self._wandb.log(record, step=step)
 
@@ -90,7 +115,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            with run_files.writing(self._tb.log_dir, "the TensorBoard events"):
+                self._tb.close()
         if self._wandb is not None:
             print("metrics: waiting for Weights & Biases to finish uploading ...", flush=True)
             self._wandb.finish()
@@ -178,8 +204,11 @@ def plot_metrics(metrics_path: str, out_path: str) -> Optional[str]:
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
-    plt.close(fig)
+    try:
+        run_files.replace_file(out_path, "the plot of the metrics",
+                               lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return out_path
 
 

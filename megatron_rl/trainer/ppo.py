@@ -374,6 +374,7 @@ class PPOTrainer:
             stop.restore()
             self.metrics.close()
         if _rank0() and cfg.trainer.plot:
+            faults.maybe_fill_disk(step, self.metrics.path, phase="plot")
             plot = plot_metrics(self.metrics.path, os.path.join(self.run_dir, "plot.png"))
             self.log(f"plot: {plot}" if plot else "plot: skipped (pip install matplotlib)")
         return last

@@ -17,8 +17,10 @@ import re
 
 import torch
 
+from megatron_rl.distributed import faults
 from megatron_rl.trainer.experience import Samples
 from megatron_rl.trainer.one_step_off import generating_versions
+from megatron_rl.utils import run_files
 
 STEP_FILE = "step_{:08d}.jsonl"
 
@@ -44,27 +46,27 @@ class SampleLog:
         batch was generated with."""
         if not self.enabled:
             return
-        os.makedirs(self.dir, exist_ok=True)
         mask = response_mask.float()
         mean_advantage = (advantages.float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         generated_by = generating_versions(samples, version)
+        lines = []
+        for i in range(len(samples)):
+            versions = samples.token_versions[i] if samples.token_versions else None
+            record = {
+                "id": samples.sample_id[i] if samples.sample_id else f"{step}-{i}",
+                "step": step,
+                "version": generated_by[i],
+                "dataset_index": samples.dataset_index[i],
+                "prompt": self.tokenizer.decode(samples.prompt_ids[i]),
+                "response": self.tokenizer.decode(samples.response_ids[i]),
+                "response_tokens": len(samples.response_ids[i]),
+                "finish_reason": samples.finish_reason[i],
+                "reward": float(rewards[i]),
+                "advantage": float(mean_advantage[i]),
+            }
+            if versions:
+                record["token_versions"] = sorted(set(versions))
+            lines.append(json.dumps(record, ensure_ascii=False) + "\n")
         path = os.path.join(self.dir, STEP_FILE.format(step))
-        with open(path + ".tmp", "w") as fh:
-            for i in range(len(samples)):
-                versions = samples.token_versions[i] if samples.token_versions else None
-                record = {
-                    "id": samples.sample_id[i] if samples.sample_id else f"{step}-{i}",
-                    "step": step,
-                    "version": generated_by[i],
-                    "dataset_index": samples.dataset_index[i],
-                    "prompt": self.tokenizer.decode(samples.prompt_ids[i]),
-                    "response": self.tokenizer.decode(samples.response_ids[i]),
-                    "response_tokens": len(samples.response_ids[i]),
-                    "finish_reason": samples.finish_reason[i],
-                    "reward": float(rewards[i]),
-                    "advantage": float(mean_advantage[i]),
-                }
-                if versions:
-                    record["token_versions"] = sorted(set(versions))
-                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        os.replace(path + ".tmp", path)
+        faults.maybe_fill_disk(step, self.dir, phase="samples")
+        run_files.replace_text(path, "".join(lines), f"the step {step} samples")
