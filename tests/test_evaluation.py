@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import sys
-import types
 
 import pytest
 import torch
@@ -50,18 +48,19 @@ def test_evaluation_metrics_of_a_known_batch():
     assert out["eval/pass@3"] == pytest.approx(0.5)
 
 
-def test_metrics_writer_sends_the_step_zero_evaluation_to_tensorboard_and_the_plot(tmp_path, monkeypatch):
+def test_metrics_writer_sends_the_step_zero_evaluation_to_tensorboard_and_the_plot(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from megatron_rl.trainer.metrics import MetricsWriter, plot_metrics
 
-    scalars = []
-    fake = types.ModuleType("torch.utils.tensorboard")
-    fake.SummaryWriter = lambda log_dir: types.SimpleNamespace(add_scalar=lambda *a: scalars.append(a),
-                                                               close=lambda: None)
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     writer = MetricsWriter(str(tmp_path), True, 4, tensorboard=True)
     writer.log(0, {"eval/reward_mean": 0.25, "eval/accuracy": 0.5})
     writer.close()
-    assert sorted(scalars) == [("eval/accuracy", 0.5, 0), ("eval/reward_mean", 0.25, 0)]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = sorted((tag, e.value, e.step) for tag in events.Tags()["scalars"] for e in events.Scalars(tag))
+    assert scalars == [("eval/accuracy", 0.5, 0), ("eval/reward_mean", 0.25, 0)]
     # A run stopped after its first evaluation has only that to plot.
     pytest.importorskip("matplotlib")
     assert plot_metrics(writer.path, str(tmp_path / "plot.png")) == str(tmp_path / "plot.png")
