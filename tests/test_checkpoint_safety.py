@@ -1,10 +1,13 @@
 """A checkpoint from elsewhere cannot run code: every file kind a checkpoint holds, crafted the way
-its author would (a pickle whose ``__reduce__`` runs a command, sizes in ``meta.json`` updated), is
-refused with one ``CheckpointError`` line and exit code 2 by every command that loads checkpoints,
-and the command never runs."""
+its author would (a pickle whose ``__reduce__`` runs a command, sizes and checksums in ``meta.json``
+rewritten), is refused with one ``CheckpointError`` line and exit code 2 by every command that loads
+checkpoints, and the command never runs.  Nothing but the files ``meta.json`` lists is read: a file
+it does not list, a link, a manifest of another shape or a directory it names never reaches a
+loader, and ``trainer.resume=auto`` passes such a step over for the previous one."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -32,19 +35,23 @@ class RunsACommand:
         return (os.system, (f"touch {self.marker}",))
 
 
-def cli(*args, timeout=300):
+def cli(*args, timeout=300, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
+    env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def update_sizes(step_dir: str) -> None:
-    """Rewrite ``meta.json``'s file sizes for the crafted files, as the checkpoint's author would."""
+def update_sizes(step_dir: str, *added: str) -> None:
+    """Rewrite ``meta.json``'s file sizes and checksums for the crafted files (and list ``added``
+    ones), as the checkpoint's author would."""
     path = os.path.join(step_dir, "meta.json")
     with open(path) as fh:
         meta = json.load(fh)
-    meta["files"] = {rel: os.path.getsize(os.path.join(step_dir, rel)) for rel in meta["files"]}
-    meta.pop("checksums", None)
+    names = [*meta["files"], *added]
+    meta["files"] = {rel: os.path.getsize(os.path.join(step_dir, rel)) for rel in names}
+    meta["checksums"] = {rel: hashlib.sha256(open(os.path.join(step_dir, rel), "rb").read()).hexdigest()
+                         for rel in names}
     with open(path, "w") as fh:
         json.dump(meta, fh)
 
@@ -218,3 +225,161 @@ def test_a_single_process_job_that_fails_on_its_checkpoint_tears_its_process_gro
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "code 2 initialized False model_parallel False" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- only what meta.json lists
+
+# Some clusters' images set this; it turns every torch.load that does not pass weights_only into a
+# plain unpickle.
+UNSAFE_ENV = {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+
+
+def copy_of(two_checkpoints, tmp_path):
+    run = tmp_path / "r"
+    shutil.copytree(two_checkpoints, run, symlinks=True)
+    return run, run / "checkpoints" / "step_00000002", run / "checkpoints" / "step_00000001"
+
+
+def resume_explicitly(tmp_path, step, env_extra=None):
+    return cli("train", "--nproc", "1", *TINY, "trainer.steps=3", f"run.dir={tmp_path}", "run.name=r",
+               f"trainer.resume={step}", env_extra=env_extra)
+
+
+def resume_auto(tmp_path, env_extra=None):
+    return cli("train", "--nproc", "1", *TINY, "trainer.steps=2", f"run.dir={tmp_path}", "run.name=r",
+               env_extra=env_extra)
+
+
+def refused_in_one_line(proc, prefix: str) -> None:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(prefix), last
+
+
+def fell_back_with_one_line(proc, skipped, previous, reason: str) -> None:
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    said = (proc.stdout + proc.stderr).splitlines()
+    warnings = [line for line in said if "skipping" in line]
+    assert len(warnings) == 1 and f"checkpoint: skipping {skipped}: {reason}" in warnings[0], warnings
+    assert f"resumed after step 1 from {previous}" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_file_meta_json_does_not_list_is_refused_unread(two_checkpoints, tmp_path):
+    """A pickle dropped in as a part's ``common.pt`` (which megatron-core would open) has no entry
+    and no checksum to forge: the step is refused before any loader runs, even where the
+    environment turns off torch's weights-only default."""
+    run, newest, previous = copy_of(two_checkpoints, tmp_path)
+    marker = tmp_path / "code_ran"
+    torch.save(RunsACommand(str(marker)), newest / "actor" / "common.pt")
+    explicit = resume_explicitly(tmp_path, newest, UNSAFE_ENV)
+    assert not marker.exists(), "the unlisted common.pt was unpickled"
+    refused_in_one_line(explicit, f"checkpoint error: checkpoint={newest}: file actor/common.pt is not listed in "
+                                  "meta.json")
+    auto = resume_auto(tmp_path, UNSAFE_ENV)
+    assert not marker.exists(), "the unlisted common.pt was unpickled"
+    fell_back_with_one_line(auto, newest, previous, "file actor/common.pt is not listed in meta.json")
+
+
+def test_a_listed_common_pt_is_read_weights_only_whatever_the_environment_says(two_checkpoints, tmp_path):
+    run, newest, _ = copy_of(two_checkpoints, tmp_path)
+    marker = tmp_path / "code_ran"
+    torch.save(RunsACommand(str(marker)), newest / "actor" / "common.pt")
+    update_sizes(str(newest), "actor/common.pt")  # listed, with its checksum, by the checkpoint's author
+    proc = resume_explicitly(tmp_path, newest, UNSAFE_ENV)
+    assert not marker.exists(), "common.pt was unpickled"
+    refused_in_one_line(proc, f"checkpoint error: checkpoint={newest}: part 'actor' was refused: common.pt is not "
+                              "plain data")
+
+
+@pytest.mark.parametrize("name", ["trainer_state.pt", "actor"])
+def test_links_in_a_step_directory_are_refused_not_followed(two_checkpoints, tmp_path, name):
+    """The link's target holds exactly what was there (sizes and checksums match): it is the link
+    itself that is refused, since it could as well point at any file of the machine."""
+    run, newest, _ = copy_of(two_checkpoints, tmp_path)
+    outside = tmp_path / "elsewhere" / name
+    outside.parent.mkdir()
+    shutil.move(newest / name, outside)
+    os.symlink(outside, newest / name)
+    proc = resume_explicitly(tmp_path, newest)
+    refused_in_one_line(proc, f"checkpoint error: checkpoint={newest}: {name} is a symbolic link (to {outside})")
+
+
+def _edit_meta(change):
+    def edit(text: str) -> str:
+        meta = json.loads(text)
+        change(meta)
+        return json.dumps(meta)
+    return edit
+
+
+MANIFESTS = {
+    "nested_200k_deep": lambda text: "[" * 200_000,
+    "empty_array": lambda text: "[]",
+    "files_a_list": _edit_meta(lambda m: m.update(files=[1])),
+    "parts_a_number": _edit_meta(lambda m: m.update(parts=5)),
+    "step_a_word": _edit_meta(lambda m: m.update(step="two")),
+    "model_setting_a_word": _edit_meta(lambda m: m["models"]["actor"].update(num_layers="two")),
+}
+
+
+@pytest.mark.parametrize("kind", list(MANIFESTS))
+def test_a_manifest_of_another_shape_marks_the_step_corrupt(two_checkpoints, tmp_path, kind):
+    run, newest, previous = copy_of(two_checkpoints, tmp_path)
+    meta = newest / "meta.json"
+    meta.write_text(MANIFESTS[kind](meta.read_text()))
+    explicit = resume_explicitly(tmp_path, newest)
+    refused_in_one_line(explicit, f"checkpoint error: checkpoint={newest}: meta.json is corrupt")
+    auto = resume_auto(tmp_path)
+    fell_back_with_one_line(auto, newest, previous, "meta.json is corrupt")
+
+
+def test_exports_and_generation_never_open_the_directories_meta_json_names(tmp_path):
+    """``meta.json`` records where the model and tokenizer came from; a crafted one could name any
+    directory.  The checkpoint carries its own copies of the tokenizer files and generation
+    config, and convert and generate read those; the named directory here holds files that would
+    fail both commands, and leak into the export, if they were read."""
+    from tests.support.helpers import make_hf_model
+
+    model_dir = tmp_path / "model"
+    make_hf_model("llama", str(model_dir))
+    assert cli("convert", "--hf-model", str(model_dir), "--out", str(tmp_path / "ckpt")).returncode == 0
+    step = tmp_path / "ckpt" / "step_00000000"
+    assert (step / "tokenizer" / "generation_config.json").is_file()
+    named = tmp_path / "private"
+    named.mkdir()
+    for name in ("tokenizer_config.json", "tokenizer.json", "generation_config.json"):
+        (named / name).write_text("PRIVATE {")
+    meta = json.loads((step / "meta.json").read_text())
+    meta.update(source=str(named), tokenizer=str(named))
+    (step / "meta.json").write_text(json.dumps(meta))
+
+    out = tmp_path / "hf"
+    export = cli("convert", "--checkpoint", str(step), "--hf-out", str(out))
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert not [f.name for f in out.iterdir() if b"PRIVATE" in f.read_bytes()]
+    assert (out / "generation_config.json").read_text() == (model_dir / "generation_config.json").read_text()
+    rows = tmp_path / "in.jsonl"
+    rows.write_text(json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    gen = cli("generate", "--checkpoint", str(step), "--input", str(rows), "--output", str(tmp_path / "out.jsonl"),
+              "rollout.n=1", "rollout.max_new_tokens=2")
+    assert gen.returncode == 0, gen.stderr[-3000:]
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_a_safetensors_index_naming_a_file_outside_the_model_directory_is_refused(tmp_path, where):
+    from tests.support.helpers import make_hf_model
+
+    model_dir = tmp_path / "model"
+    make_hf_model("llama", str(model_dir))
+    outside = tmp_path / "elsewhere" / "model-00001-of-00001.safetensors"
+    outside.parent.mkdir()
+    shutil.move(model_dir / "model.safetensors", outside)
+    from safetensors import safe_open
+
+    with safe_open(str(outside), "pt") as f:
+        names = list(f.keys())
+    shard = "../elsewhere/model-00001-of-00001.safetensors" if where == "parent" else str(outside)
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict.fromkeys(names, shard)}))
+    proc = cli("convert", "--hf-model", str(model_dir), "--out", str(tmp_path / "ckpt"))
+    refused_in_one_line(proc, f"checkpoint error: model.hf_path={model_dir}: model.safetensors.index.json maps ")
+    assert f"to {shard!r}, not a .safetensors file in this directory" in proc.stderr

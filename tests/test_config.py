@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.config.loader import load_config, save_config
+from megatron_rl.config.loader import load_config
 from megatron_rl.errors import ConfigError
+from megatron_rl.utils.run_files import save_config
 from megatron_rl.validation import validate
 
 

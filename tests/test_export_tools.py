@@ -118,8 +118,9 @@ def test_generate_reads_the_newest_checkpoint_under_checkpoints_with_the_runs_to
 
 def _fake_checkpoint(path, **meta):
     path.mkdir(parents=True)
-    (path / "meta.json").write_text(json.dumps({"complete": True, "format": 1, "files": {}, "parts": [],
-                                                "models": {"actor": {}}, **meta}))
+    (path / "meta.json").write_text(json.dumps({"complete": True, "format": 1, "step": int(path.name[5:]),
+                                                "files": {}, "checksums": {}, "parts": [], "models": {"actor": {}},
+                                                **meta}))
 
 
 def test_a_run_or_its_checkpoints_directory_resolves_to_the_newest_complete_step(tmp_path):

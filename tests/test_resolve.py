@@ -9,8 +9,9 @@ import os
 
 import pytest
 
-from megatron_rl.config.loader import load_config, save_config
+from megatron_rl.config.loader import load_config
 from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, NOT_IN_CONFIG, SET, Job, resolve
+from megatron_rl.utils.run_files import save_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_CONFIGS = ["demo_cpu.yaml", "grpo_cpu.yaml", "dapo_cpu.yaml", "gspo_cpu.yaml", "reinforce_pp_cpu.yaml"]

@@ -58,6 +58,7 @@ def _load_records() -> None:
         safe_unpickling,
         torch_varlen,
         warning_filters,
+        weights_only_common,
         yarn,
     )
 

@@ -14,7 +14,8 @@ file that names anything else raises :class:`UnsafeCheckpointFile`, which the ch
 turns into one ``CheckpointError`` line; nothing it names is imported or called.
 
 Our own files (``trainer_state.pt``, ``rng/*.pt``) are read with ``weights_only=True`` by
-:mod:`megatron_rl.engine.checkpoint`; ``common.pt`` is read that way by megatron-core already.
+:mod:`megatron_rl.engine.checkpoint`; a part's legacy ``common.pt``, which megatron-core reads
+without ``weights_only``, by :mod:`megatron_rl.compat.weights_only_common`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from megatron_rl.config.schema import (
     within,
 )
 from megatron_rl.errors import ConfigError
-from megatron_rl.utils import run_files
 
 _LEAF_TYPES = leaf_types()
 ALL_KEYS = list(_LEAF_TYPES)
@@ -240,9 +239,8 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def save_config(cfg: Config, path: str, notes: Iterable[str] = ()) -> None:
-    """Write ``cfg`` to ``path`` atomically, ``notes`` as comments at the end (what ``auto`` and
-    derived values resolved to: the file stays a loadable config of what was asked); a disk that
-    cannot take it stops with one line and leaves no partial file."""
-    comments = "".join(f"# {line}\n" for line in notes)
-    run_files.replace_text(path, to_yaml(cfg) + comments, "the run's config")
+def config_text(cfg: Config, notes: Iterable[str] = ()) -> str:
+    """``cfg`` as YAML, ``notes`` as comments at the end (what ``auto`` and derived values resolved
+    to): the text stays a loadable config of what was asked.  Written by
+    :func:`megatron_rl.utils.run_files.save_config`."""
+    return to_yaml(cfg) + "".join(f"# {line}\n" for line in notes)

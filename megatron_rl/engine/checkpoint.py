@@ -7,11 +7,13 @@ Layout of a checkpoint directory::
         actor/  critic/ ...    one dist_checkpointing directory per model (+ optimizer, scheduler)
         trainer_state.pt       run state shared by all ranks (data position, KL controller, ...)
         rng/rank_00003.pt      each rank's RNG states
+        tokenizer/             the run's tokenizer files and generation_config.json (HF models)
     <root>/latest              name of the newest complete checkpoint
 
 Everything is written into ``step_XXXXXXXX.tmp`` and renamed only after every rank finished and
 ``meta.json`` is on disk, so a crash (or a full disk) mid-save never touches the last good
-checkpoint.  Every file's sha256 is in ``meta.json`` and checked before loading;
+checkpoint.  Every file's sha256 is in ``meta.json`` and checked before loading, and a file it
+does not list, a link or a manifest of another shape makes the checkpoint a bad one;
 :func:`load_newest` (the trainer's ``resume=auto``) skips a checkpoint that does not load and falls
 back to the previous good one, and :func:`find_latest` finds the newest complete one by size alone
 (without reading it).  Tensors are stored sharded by their global names, so a
@@ -30,6 +32,7 @@ import pickle
 import random
 import re
 import shutil
+import stat
 import time
 from typing import Any, Optional
 
@@ -37,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.compat import safe_unpickling
+from megatron_rl.compat import safe_unpickling, weights_only_common
 from megatron_rl.compat.megatron_fixes import (
     distributed_optimizer_checkpoint_metadata,
     init_distributed_optimizer_state,
@@ -49,6 +52,16 @@ from megatron_rl.errors import CheckpointError
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+# The files a checkpoint keeps beside ``meta.json``: the tokenizer and generation config of the run
+# (copied at save time), so that ``convert`` and ``generate`` never open a directory that
+# ``meta.json`` names.
+COMPANIONS_DIR = "tokenizer"
+MANIFEST = "meta.json"
+# A manifest lists a few entries per file; far larger than any real one is not a manifest.
+MANIFEST_MAX_BYTES = 256 << 20
+_PART_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_EARLIER = "use an earlier checkpoint"
 log = logging.getLogger("megatron_rl.checkpoint")
 
 
@@ -157,11 +170,9 @@ def _checksums(root: str, names: list[str]) -> dict[str, str]:
 
 def verify_contents(path: str, meta: dict) -> None:
     """Compare every file with the checksum written beside it (a collective: every rank hashes a
-    share); :class:`CheckpointError` on every rank naming the first altered file.  Checkpoints
-    written before checksums existed are checked by size only."""
-    expected = meta.get("checksums")
-    if not expected:
-        return
+    share); :class:`CheckpointError` on every rank naming the first altered file.  ``meta`` passed
+    :func:`check_checkpoint`: every file there has a checksum."""
+    expected = meta["checksums"]
     got = _checksums(path, sorted(expected))
     bad = [name for name in sorted(expected) if got.get(name) != expected[name]]
     if bad:
@@ -273,6 +284,8 @@ def _write(root: str, tmp: str, final: str, step: int, parts: dict[str, ModelPar
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank_{_rank():05d}.pt"))
     if _rank() == 0 and trainer_state is not None:
         torch.save(trainer_state, os.path.join(tmp, "trainer_state.pt"))
+    if _rank() == 0:
+        _copy_companions(tmp, meta or {})
     _barrier()
     sizes = _file_sizes(tmp)
     sums = _checksums(tmp, sorted(sizes))
@@ -294,46 +307,183 @@ def _write(root: str, tmp: str, final: str, step: int, parts: dict[str, ModelPar
             _prune(root, keep_last)
 
 
+def _copy_companions(tmp: str, meta: dict) -> None:
+    """Copy the tokenizer files and ``generation_config.json`` of the model the run used (the
+    ``source`` and ``tokenizer`` directories ``meta`` records, from this run's own config) into the
+    checkpoint's :data:`COMPANIONS_DIR`: exports and generation read them from there, so a
+    checkpoint never makes a command open a directory its ``meta.json`` names."""
+    source, tokenizer = meta.get("source"), meta.get("tokenizer")
+    if not (source or tokenizer):
+        return
+    from megatron_rl.models.hf_bridge import copy_companion_files
+
+    target = os.path.join(tmp, COMPANIONS_DIR)
+    os.makedirs(target)  # kept when empty: the model has neither, which is what a reader then finds
+    copy_companion_files(target, source, tokenizer or source)
+
+
+def companions_dir(path: str) -> Optional[str]:
+    """The directory of tokenizer files and ``generation_config.json`` the checkpoint at ``path``
+    carries, or None (a model without them, or a checkpoint saved before they were copied)."""
+    target = os.path.join(path, COMPANIONS_DIR)
+    return target if os.path.isdir(target) and not os.path.islink(target) else None
+
+
 def _prune(root: str, keep_last: int) -> None:
     steps = sorted(d for d in os.listdir(root) if _STEP_DIR.match(d))
     for name in steps[:-keep_last]:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def check_checkpoint(path: str) -> dict:
-    """Return meta.json of a complete checkpoint, or raise CheckpointError saying what is wrong."""
-    meta_path = os.path.join(path, "meta.json")
-    if not os.path.isdir(path):
-        raise CheckpointError("checkpoint", path, "no such directory", "give the path of a step_XXXXXXXX directory")
+def _read_manifest(path: str) -> Any:
+    """The parsed ``meta.json`` of ``path``, read without following a link; CheckpointError for
+    anything that is not a JSON file (a link, a directory, deep nesting, bad bytes)."""
+    meta_path = os.path.join(path, MANIFEST)
     try:
-        with open(meta_path) as fh:
-            meta = json.load(fh)
+        info = os.lstat(meta_path)
     except FileNotFoundError:
         if not _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-            raise CheckpointError("checkpoint", path, "not a checkpoint (no meta.json here)",
+            raise CheckpointError("checkpoint", path, f"not a checkpoint (no {MANIFEST} here)",
                                   "give a step_XXXXXXXX directory, a run's checkpoints/ directory or the run "
                                   "directory") from None
-        raise CheckpointError("checkpoint", path, "meta.json is missing (the save did not finish)",
-                              "use an earlier checkpoint") from None
-    except ValueError:
-        raise CheckpointError("checkpoint", path, "meta.json is corrupt", "use an earlier checkpoint") from None
-    if not meta.get("complete") or meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError("checkpoint", path, f"incomplete or unknown format {meta.get('format')}",
-                              "use an earlier checkpoint")
-    for rel, size in meta.get("files", {}).items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full):
-            raise CheckpointError("checkpoint", path, f"file {rel} is missing", "use an earlier checkpoint")
-        if os.path.getsize(full) != size:
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is missing (the save did not finish)",
+                              _EARLIER) from None
+    if stat.S_ISLNK(info.st_mode):
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is a symbolic link (links in a checkpoint are "
+                              "never followed)", f"replace it with the file itself, or {_EARLIER}")
+    if not stat.S_ISREG(info.st_mode) or info.st_size > MANIFEST_MAX_BYTES:
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is corrupt (not a manifest file)", _EARLIER)
+    try:
+        fd = os.open(meta_path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as fh:
+            return json.loads(fh.read(MANIFEST_MAX_BYTES + 1))
+    except RecursionError:  # json's parser recurses once per nesting level
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is corrupt (nested too deep)", _EARLIER) from None
+    except (ValueError, OSError) as err:
+        why = "not JSON" if isinstance(err, ValueError) else err.strerror
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is corrupt ({why})", _EARLIER) from None
+
+
+def _json_text(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _whole(value: Any, least: int) -> bool:
+    return type(value) is int and value >= least
+
+
+def _manifest_problem(meta: dict) -> Optional[str]:
+    """What makes ``meta`` (a dict) something other than the manifest :func:`save_checkpoint`
+    writes, naming the key; None when it is one.  Every reader of a checkpoint relies on these
+    types, so a crafted manifest stops here as a bad checkpoint rather than as an exception deep
+    in a rank."""
+    from megatron_rl.config.model_io import model_dict_problem
+
+    if not _whole(meta.get("step"), 0):
+        return f'"step" is {_json_text(meta.get("step"))}, expected a whole number >= 0'
+    parts = meta.get("parts")
+    if not isinstance(parts, list) or not all(isinstance(p, str) and _PART_NAME.match(p) for p in parts) \
+            or len(set(parts)) != len(parts):
+        return f'"parts" is {_json_text(parts)}, expected a list of distinct part names like ["actor"]'
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(_whole(size, 0) for size in files.values()):
+        return f'"files" is {_json_text(files)}, expected {{"<file>": <size in bytes>, ...}}'
+    sums = meta.get("checksums")
+    if sums is None:
+        return f"it lists no {CHECKSUM} checksums (written before checksums existed, or not by this project)"
+    if not isinstance(sums, dict) or not all(isinstance(v, str) and _SHA256.match(v) for v in sums.values()):
+        return f'"checksums" is {_json_text(sums)}, expected {{"<file>": "<{CHECKSUM} hex>", ...}}'
+    unsummed = sorted(set(files) ^ set(sums))
+    if unsummed:
+        where = '"checksums"' if unsummed[0] in files else '"files"'
+        return f"file {unsummed[0]} has no entry in {where} (every file needs its size and {CHECKSUM})"
+    if "with_optimizer" in meta and type(meta["with_optimizer"]) is not bool:
+        return f'"with_optimizer" is {_json_text(meta["with_optimizer"])}, expected true or false'
+    if "world_size" in meta and not _whole(meta["world_size"], 1):
+        return f'"world_size" is {_json_text(meta["world_size"])}, expected a whole number >= 1'
+    for key in ("source", "tokenizer"):
+        if key in meta and not isinstance(meta[key], str):
+            return f'"{key}" is {_json_text(meta[key])}, expected a string'
+    if "hf_config" in meta and not isinstance(meta["hf_config"], dict):
+        return f'"hf_config" is {_json_text(meta["hf_config"])}, expected an object'
+    models = meta.get("models", {})
+    if not isinstance(models, dict):
+        return f'"models" is {_json_text(models)}, expected {{"<part>": {{<model settings>}}, ...}}'
+    for name, config in models.items():
+        problem = model_dict_problem(config)
+        if problem:
+            return f'"models.{name[:40]}": {problem}'
+    return None
+
+
+def _scan_files(path: str) -> dict[str, int]:
+    """``{relative name: size}`` of every file under ``path`` but ``meta.json``, without following
+    links: a link (to a file or a directory, inside or outside) or a special file is refused with
+    CheckpointError, so nothing outside the step directory is ever read as part of it."""
+    found: dict[str, int] = {}
+    pending = [""]
+    while pending:
+        rel_dir = pending.pop()
+        try:
+            with os.scandir(os.path.join(path, rel_dir)) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError as err:
+            raise CheckpointError("checkpoint", path, f"cannot list {rel_dir or '.'} ({err.strerror})",
+                                  _EARLIER) from None
+        for entry in entries:
+            rel = os.path.join(rel_dir, entry.name)
+            if entry.is_symlink():
+                target = os.readlink(entry.path)
+                raise CheckpointError("checkpoint", path, f"{rel} is a symbolic link (to {target}); links in a "
+                                      "checkpoint are never followed",
+                                      f"copy the checkpoint with its files (cp -rL), or {_EARLIER}")
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(rel)
+            elif entry.is_file(follow_symlinks=False):
+                found[rel] = entry.stat(follow_symlinks=False).st_size
+            else:
+                raise CheckpointError("checkpoint", path, f"{rel} is not a regular file", _EARLIER)
+    found.pop(MANIFEST, None)
+    return found
+
+
+def check_checkpoint(path: str) -> dict:
+    """Return meta.json of a complete checkpoint, or raise CheckpointError saying what is wrong:
+    a manifest of another shape, a listed file missing or of another size, a file it does not
+    list, a link.  Reads the manifest and the directory listing only (no file contents)."""
+    if not os.path.isdir(path):
+        raise CheckpointError("checkpoint", path, "no such directory", "give the path of a step_XXXXXXXX directory")
+    meta = _read_manifest(path)
+    if not isinstance(meta, dict):
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is corrupt (it holds {_json_text(meta)[:20]}, not a "
+                              "manifest object)", _EARLIER)
+    if meta.get("complete") is not True or type(meta.get("format")) is not int or meta["format"] != FORMAT_VERSION:
+        raise CheckpointError("checkpoint", path, f"incomplete or unknown format {_json_text(meta.get('format'))}",
+                              _EARLIER)
+    problem = _manifest_problem(meta)
+    if problem:
+        raise CheckpointError("checkpoint", path, f"{MANIFEST} is corrupt: {problem}", _EARLIER)
+    found = _scan_files(path)
+    for rel, size in meta["files"].items():
+        if rel not in found:
+            raise CheckpointError("checkpoint", path, f"file {rel} is missing", _EARLIER)
+        if found[rel] != size:
             raise CheckpointError("checkpoint", path, f"file {rel} is truncated or altered "
-                                  f"({os.path.getsize(full)} bytes, {size} written)", "use an earlier checkpoint")
-    for name in meta.get("parts", []):
-        part_dir = os.path.join(path, name)
-        if not os.path.isfile(os.path.join(part_dir, "metadata.json")):
-            raise CheckpointError("checkpoint", path, f"part {name!r} has no metadata.json",
-                                  "use an earlier checkpoint")
-        if not any(f.endswith(".distcp") for f in os.listdir(part_dir)):
-            raise CheckpointError("checkpoint", path, f"part {name!r} has no tensor files", "use an earlier checkpoint")
+                                  f"({found[rel]} bytes, {size} written)", _EARLIER)
+    unlisted = sorted(set(found) - set(meta["files"]))
+    if unlisted:
+        raise CheckpointError("checkpoint", path, f"file {unlisted[0]} is not listed in {MANIFEST} "
+                              f"({len(unlisted)} unlisted file(s); a checkpoint loads only the files it lists)",
+                              f"remove it if you put it there, else {_EARLIER}")
+    for name in meta["parts"]:
+        if f"{name}/metadata.json" not in found:
+            raise CheckpointError("checkpoint", path, f"part {name!r} has no metadata.json", _EARLIER)
+        if not any(rel.startswith(f"{name}/") and rel.endswith(".distcp") for rel in found):
+            raise CheckpointError("checkpoint", path, f"part {name!r} has no tensor files", _EARLIER)
     return meta
 
 
@@ -370,14 +520,16 @@ def list_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, d) for d in sorted(os.listdir(root)) if _STEP_DIR.match(d)]
 
 
-def find_latest(root: str) -> Optional[str]:
-    """Newest checkpoint under ``root`` that passes :func:`check_checkpoint` (warns about others)."""
+def find_latest(root: str, warn: bool = True) -> Optional[str]:
+    """Newest checkpoint under ``root`` that passes :func:`check_checkpoint` (warns about others,
+    unless ``warn`` is False: a probe whose caller's own load reports them)."""
     for path in reversed(list_checkpoints(root)):
         try:
             check_checkpoint(path)
             return path
         except CheckpointError as err:
-            log.warning("skipping %s: %s", path, err)
+            if warn:
+                log.warning("skipping %s: %s", path, err)
     return None
 
 
@@ -445,6 +597,7 @@ def load_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException  # 2 s to import: not at launch
 
     safe_unpickling.install()
+    weights_only_common.install()
     meta = check_checkpoint(path)
     verify_contents(path, meta)
     if model_config is not None:

@@ -14,7 +14,6 @@ never stops a run.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -25,9 +24,8 @@ import torch.distributed as dist
 
 from megatron_rl.distributed import collectives
 from megatron_rl.errors import StorageError
+from megatron_rl.utils.run_files import SPACE_ERRNOS
 
-# The errors a write gives when the disk (or the user's quota, or the file-size limit) is full.
-SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 STEP_TEMPORARY_SUFFIX = ".tmp"
 MIB = 1 << 20
 # A disk with less than this free after a failed save is full, whatever the failure said.
@@ -109,19 +107,25 @@ def remove_stale_temporaries(root: str) -> list[str]:
 
 
 def _newest_size(root: str) -> int:
-    """Bytes of the newest complete checkpoint under ``root`` (from its ``meta.json``), or 0."""
+    """Bytes of the newest complete checkpoint under ``root`` (from its ``meta.json``), or 0.  A
+    ``meta.json`` that is not a manifest (not JSON, nested too deep, sizes that are not whole
+    numbers) is passed over: the loader reports it, and the save must not stop on it."""
     if not os.path.isdir(root):
         return 0
     for name in sorted(os.listdir(root), reverse=True):
         meta = os.path.join(root, name, "meta.json")
-        if not (name.startswith("step_") and os.path.isfile(meta)):
+        if not (name.startswith("step_") and os.path.isfile(meta) and not os.path.islink(meta)):
             continue
         try:
             with open(meta) as fh:
-                files = json.load(fh).get("files") or {}
-            return int(sum(files.values())) + os.path.getsize(meta)
-        except (OSError, ValueError, TypeError, AttributeError):
+                info = json.load(fh)
+        except (OSError, ValueError, RecursionError):
             continue
+        files = info.get("files") if isinstance(info, dict) and info.get("complete") is True else None
+        sizes = list(files.values()) if isinstance(files, dict) else None
+        if sizes is None or not all(type(size) is int and size >= 0 for size in sizes):
+            continue
+        return sum(sizes) + os.path.getsize(meta)
     return 0
 
 

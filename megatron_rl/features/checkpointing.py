@@ -24,8 +24,12 @@ FEATURES = [
     ),
     Feature(
         "Preemption (SIGTERM / SIGUSR1)", "checkpointing", TESTED_CPU,
-        "A signal on any rank: every rank stops after the same step, checkpoints and exits 0.",
-        ("tests/test_ppo.py::test_sigterm_checkpoints_then_resume_continues",),
+        "A signal on any rank, generator ranks included, and in any phase (evaluation, SFT warm-up): every rank "
+        "stops after the same step, checkpoints and exits 0.",
+        ("tests/test_ppo.py::test_sigterm_checkpoints_then_resume_continues",
+         "tests/test_generator_ranks.py::test_a_stop_signal_that_reaches_only_a_generator_rank_checkpoints_and_exits_0",
+         "tests/test_signals.py::test_sigterm_in_evaluation_or_sft_warm_up_checkpoints_and_exits_0",
+         "tests/test_signals.py::test_ctrl_c_twice_in_evaluation_or_sft_warm_up_aborts_without_a_checkpoint"),
         config="(always on)",
     ),
     Feature(
@@ -42,10 +46,14 @@ FEATURES = [
     ),
     Feature(
         "Checkpoint integrity (sha256) and fallback", "checkpointing", TESTED_CPU,
-        "Every file's sha256 in meta.json, checked before loading (hashed in shares over the ranks); resume=auto falls "
+        "Every file's sha256 in meta.json, checked before loading (hashed in shares over the ranks); a file meta.json "
+        "does not list, a symbolic link, or a meta.json of another shape makes the step a bad one; resume=auto falls "
         "back past a checkpoint that does not load; a changed architecture names the setting; non-finite weights are "
         "never saved.",
         ("tests/test_checkpoint_safety.py::test_a_corrupted_checkpoint_is_named_and_resume_auto_falls_back",
+         "tests/test_checkpoint_safety.py::test_a_manifest_of_another_shape_marks_the_step_corrupt",
+         "tests/test_checkpoint_safety.py::test_a_file_meta_json_does_not_list_is_refused_unread",
+         "tests/test_checkpoint_safety.py::test_links_in_a_step_directory_are_refused_not_followed",
          "tests/test_checkpoint_safety.py::test_resuming_with_another_model_shape_names_the_setting",
          "tests/test_trainer_guards.py::test_infinite_learning_rate_applies_no_update_and_nan_weights_are_never_saved"),
         config="trainer.resume=auto",
@@ -63,10 +71,16 @@ FEATURES = [
     ),
     Feature(
         "Checkpoints never run code", "checkpointing", TESTED_CPU,
-        "trainer_state, RNG files and byte items load with weights_only=True, .metadata through an allow-list "
-        "unpickler; a crafted file is refused with one line (exit 2) by train, convert and generate. TE's FP8 extra "
-        "state under weights_only not yet checked on GPU.",
-        ("tests/test_checkpoint_safety.py::test_crafted_checkpoints_are_refused_and_run_nothing",),
+        "trainer_state, RNG files, byte items and a listed common.pt load with an explicit weights_only=True "
+        "(whatever TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD says), .metadata through an allow-list unpickler; a crafted file "
+        "is refused with one line (exit 2) by train, convert and generate; convert and generate read the tokenizer "
+        "the checkpoint carries, never a directory its meta.json names, and an HF index names only shards beside it. "
+        "TE's FP8 extra state under weights_only not yet checked on GPU.",
+        ("tests/test_checkpoint_safety.py::test_crafted_checkpoints_are_refused_and_run_nothing",
+         "tests/test_checkpoint_safety.py::test_a_listed_common_pt_is_read_weights_only_whatever_the_environment_says",
+         "tests/test_checkpoint_safety.py::test_exports_and_generation_never_open_the_directories_meta_json_names",
+         "tests/test_checkpoint_safety.py::"
+         "test_a_safetensors_index_naming_a_file_outside_the_model_directory_is_refused"),
         config="(always on)",
     ),
     Feature(
@@ -86,5 +100,15 @@ FEATURES = [
          "tests/test_disk_full.py::test_a_disk_that_fills_during_the_save_keeps_the_last_checkpoint_and_resumes",
          "tests/test_disk_full.py::test_temporaries_of_a_failed_save_never_block_the_next_run"),
         config="(always on); trainer.keep_last, run.dir",
+    ),
+    Feature(
+        "Full disk outside a save", "checkpointing", TESTED_CPU,
+        "The run's other writers -- config.yaml, the metrics line, the sample log, TensorBoard's events, the plot -- "
+        "stop on a full disk with one line naming the file, what it needed and what was free (exit 2); a file is the "
+        "old one or the new one, never a part (no .tmp left, no half line), the last checkpoint is intact and the same "
+        "command resumes once there is space.",
+        ("tests/test_disk_full.py::test_a_disk_that_fills_outside_a_save_stops_each_writer_with_one_line",
+         "tests/test_disk_full.py::test_a_disk_full_before_the_job_starts_stops_at_its_config_with_one_line"),
+        config="(always on); run.dir",
     ),
 ]

@@ -103,6 +103,29 @@ def _fc1_module(rest: str) -> Optional[str]:
 GENERATION_CONFIG = "generation_config.json"
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def read_weight_map(hf_dir: str, index: str) -> dict[str, str]:
+    """The ``weight_map`` of a sharded model's index: every tensor's shard, a ``.safetensors`` file
+    in ``hf_dir`` itself.  A shard named by a path (``../x``, ``/x``, ``sub/x``) is refused, so an
+    index never makes a command read a file outside the model directory."""
+    fix = "re-download or re-save the model (save_pretrained writes its shards beside the index)"
+    try:
+        with open(index) as fh:
+            weight_map = json.load(fh)["weight_map"]
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as err:
+        raise CheckpointError("model.hf_path", hf_dir, f"{SAFETENSORS_INDEX} is not a safetensors index "
+                              f"({type(err).__name__})", fix) from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError("model.hf_path", hf_dir, f"{SAFETENSORS_INDEX}: weight_map is not an object", fix)
+    for name, shard in weight_map.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors") and os.path.basename(shard) == shard):
+            raise CheckpointError("model.hf_path", hf_dir, f"{SAFETENSORS_INDEX} maps {name} to {shard!r}, not a "
+                                  ".safetensors file in this directory", fix)
+    return weight_map
+
+
 class HFReader:
     """Lazy, slice-wise access to the tensors of a local HF safetensors checkpoint."""
 
@@ -110,10 +133,9 @@ class HFReader:
         from safetensors import safe_open
 
         self.dir = hf_dir
-        index = os.path.join(hf_dir, "model.safetensors.index.json")
+        index = os.path.join(hf_dir, SAFETENSORS_INDEX)
         if os.path.isfile(index):
-            with open(index) as fh:
-                self.weight_map = json.load(fh)["weight_map"]
+            self.weight_map = read_weight_map(hf_dir, index)
         elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
             with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
                 self.weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 - not a dict

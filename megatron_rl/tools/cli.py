@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         if _under_launcher():
             return _rank_main(args)
         # Launcher side: validate for the world we are about to start, then start it.
-        from megatron_rl.config.loader import load_config, save_config
+        from megatron_rl.config.loader import load_config
+        from megatron_rl.utils.run_files import save_config
 
         cfg0 = load_config(args.config, args.overrides)
         nproc = args.nproc or cfg0.distributed.nproc

@@ -9,7 +9,8 @@ checkpoint) and writes HF names, shapes, dtypes and config; a critic is written 
 head as ``score`` (``*ForTokenClassification``, one label) and without the LM head.  Beside the
 weights go the tokenizer the run used (``data.tokenizer``, else the model's own; every tokenizer
 file, ``chat_template.jinja`` included, so chats render as in training) and the model's
-``generation_config.json``: the checkpoint records both directories (``tokenizer``, ``source``).
+``generation_config.json``, from the copies the checkpoint carries (its ``tokenizer/``); the
+directories its ``meta.json`` names are never opened.
 ``--checkpoint`` may be a run directory or its ``checkpoints/``: the newest complete step is read.
 """
 
@@ -25,7 +26,13 @@ import torch.distributed as dist
 from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
-from megatron_rl.engine.checkpoint import ModelPart, check_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.engine.checkpoint import (
+    ModelPart,
+    check_checkpoint,
+    companions_dir,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_rl.errors import CheckpointError
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import attach_value_head
@@ -77,19 +84,24 @@ def megatron_to_hf(cfg: Config, checkpoint: str, hf_out: str, part: str = "actor
     export_hf(chunks, hf_out, hf_config, model_cfg, drop_lm_head=part == "critic")
     if dist.get_rank() == 0:
         print(f"exported {part} of {checkpoint} -> {hf_out}")
-        print(_companions_line(hf_out, meta.get("source"), meta.get("tokenizer") or meta.get("source")), flush=True)
+        carried = companions_dir(checkpoint)
+        recorded = meta.get("tokenizer") or meta.get("source")
+        print(_companions_line(hf_out, carried, carried, recorded), flush=True)
     return hf_out
 
 
-def _companions_line(hf_out: str, model_dir: str | None, tokenizer_dir: str | None) -> str:
+def _companions_line(hf_out: str, model_dir: str | None, tokenizer_dir: str | None,
+                     recorded: str | None = None) -> str:
     """Copy the tokenizer and generation config the run used beside the export; say what was copied
-    or why nothing was (a chat model exported without its template renders chats differently)."""
+    or why nothing was (a chat model exported without its template renders chats differently).
+    ``recorded`` (the directory the checkpoint names) is only named, never read."""
     copied = copy_companion_files(hf_out, model_dir, tokenizer_dir)
     if not copied:
         where = tokenizer_dir or model_dir
-        why = f"{where} no longer exists or holds none" if where else "the checkpoint records no tokenizer directory"
+        why = f"{where} holds none" if where else "the checkpoint carries no tokenizer files"
+        origin = f" ({recorded}, if you trust it)" if recorded else ""
         return (f"no tokenizer or generation_config.json copied ({why}); copy them into {hf_out} from the "
-                "model the run started from")
+                f"model the run started from{origin}")
     by_dir: dict[str, list[str]] = {}
     for name, where in copied.items():
         by_dir.setdefault(where, []).append(name)

@@ -95,16 +95,24 @@ def load_generation_tokenizer(cfg: Config, source: str | None):
     return load_tokenizer(spec)
 
 
-def _model_from_checkpoint(checkpoint: str, part: str):
+def _model_from_checkpoint(checkpoint: str, part: str, tokenizer: str | None = None):
+    """The model settings, and the directory of the tokenizer and generation config the checkpoint
+    carries (its own copies: a directory its ``meta.json`` names is never opened).  A checkpoint
+    of an HF model saved before checkpoints carried them needs ``data.tokenizer`` (``tokenizer``)."""
     from megatron_rl.config.model_io import model_config_from_dict
-    from megatron_rl.engine.checkpoint import check_checkpoint
+    from megatron_rl.engine.checkpoint import check_checkpoint, companions_dir
 
     meta = check_checkpoint(checkpoint)
     if part not in meta.get("models", {}):
         raise CheckpointError("--part", part, f"the checkpoint holds {sorted(meta.get('models', {}))}",
                               "choose one of those parts")
-    model_dir = meta.get("source")
-    return model_config_from_dict(meta["models"][part]), model_dir, meta.get("tokenizer") or model_dir
+    carried = companions_dir(checkpoint)
+    recorded = meta.get("tokenizer") or meta.get("source")
+    if carried is None and recorded and not tokenizer:
+        raise CheckpointError("--checkpoint", checkpoint, "it carries no tokenizer files (saved before checkpoints "
+                              f"carried them); the directory its meta.json names ({recorded}) is not opened",
+                              f"pass data.tokenizer={recorded} if you trust that directory")
+    return model_config_from_dict(meta["models"][part]), carried, carried
 
 
 def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
@@ -119,7 +127,7 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
 
     model_cfg, model_dir, tokenizer_dir = cfg.model, hf_dir, hf_dir
     if checkpoint:
-        model_cfg, model_dir, tokenizer_dir = _model_from_checkpoint(checkpoint, part)
+        model_cfg, model_dir, tokenizer_dir = _model_from_checkpoint(checkpoint, part, cfg.data.tokenizer)
     tokenizer = load_generation_tokenizer(cfg, tokenizer_dir)
     records: list = []
     prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size, records)

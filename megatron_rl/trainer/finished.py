@@ -23,12 +23,14 @@ def finished_step(cfg) -> Optional[int]:
     from megatron_rl.engine import checkpoint
     from megatron_rl.errors import CheckpointError
 
-    path = checkpoint.find_latest(os.path.join(run_dir_of(cfg), "checkpoints")) if mode == "auto" else mode
+    # A probe: a checkpoint passed over here is reported once, by the trainer's own load.
+    path = checkpoint.find_latest(os.path.join(run_dir_of(cfg), "checkpoints"), warn=False) if mode == "auto" \
+        else mode
     if path is None:
         return None
     try:
-        step = int(checkpoint.check_checkpoint(path)["step"])
-    except (CheckpointError, KeyError, ValueError):
+        step = checkpoint.check_checkpoint(path)["step"]  # a whole number once the manifest passed
+    except CheckpointError:
         return None  # the trainer's own load reports what is wrong with it
     return step if step >= cfg.trainer.steps else None
 

@@ -16,7 +16,7 @@ import errno
 import glob
 import os
 import shutil
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from megatron_rl.errors import StorageError
 
@@ -117,3 +117,10 @@ def remove_run_temporaries(run_dir: str) -> list[str]:
     for path in found:
         _remove(path)
     return found
+
+
+def save_config(cfg, path: str, notes: Iterable[str] = ()) -> None:
+    """The run's ``config.yaml`` (:func:`megatron_rl.config.loader.config_text`), written whole or not at all."""
+    from megatron_rl.config.loader import config_text
+
+    replace_text(path, config_text(cfg, notes), "the run's config")
