@@ -58,6 +58,14 @@ RUNTIME_ERRORS = [
     ("checkpoint error: checkpoint=<dir>: file ... is truncated or altered / does not match its sha256 checksum",
      "A checkpoint file changed after it was written (disk or copy problem); every file's sha256 is in meta.json.",
      "`trainer.resume=auto` falls back to the newest checkpoint that loads; or pass another path."),
+    ("checkpoint error: checkpoint=<dir>: file <name> is not listed in meta.json / <name> is a symbolic link",
+     "A file was added to the step directory after the save, or the checkpoint was copied with its links; a "
+     "checkpoint loads only the files its manifest lists with their sha256, and never follows a link.",
+     "Remove the added file, or copy the checkpoint with its files (`cp -rL`); `trainer.resume=auto` falls back to "
+     "the previous complete step."),
+    ("checkpoint error: checkpoint=<dir>: meta.json is corrupt / \"<field>\" is ..., expected ...",
+     "The manifest does not have the shape megatron_rl writes (edited, truncated, or from another tool).",
+     "`trainer.resume=auto` skips the step with one warning and loads the previous one; or pass another path."),
     ("checkpoint error: checkpoint=<dir>: ... was refused: it names <module>.<name> / asks to load code or classes",
      "A checkpoint file would run code when loaded (a crafted or foreign file); nothing from it ran.",
      "Load only checkpoints megatron_rl wrote; convert others from Hugging Face safetensors."),
