@@ -114,6 +114,14 @@ RUNTIME_ERRORS = [
     ("megatron-rl: rank N died (signal 9) without a Python traceback",
      "The rank was killed, usually by the out-of-memory killer.",
      "Lower memory per rank: `batch.max_tokens_per_rank`, recompute, more parallelism (`megatron-rl plan`)."),
+    ("rank N ended early: os._exit(0) was called at <file>:<line> in <fn>() while in step S, <phase>",
+     "A reward function, tool or library it imports ended the process with exit code 0 while the job was "
+     "working; the job fails (exit 1) instead of ending 0 having trained nothing.",
+     "Make that code return or raise instead of exiting."),
+    ("megatron-rl: rank N exited with code 0 before its work was done (in step S, <phase>)",
+     "The same from C code (a library's exit(0)): no Python frame to name, only the step and phase the rank was in.",
+     "Find what that phase runs (the reward function for `reward`, the tool for a multi-turn step) and make it "
+     "return."),
 ]
 
 
