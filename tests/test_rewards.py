@@ -388,6 +388,15 @@ def test_grader_that_raises_in_the_worker_names_the_prompt():
     assert compute_rewards(fn, ["p"] * 2, ["12", "8"], [None] * 2, [0, 1], timeout_s=5.0).tolist() == [2.0, 1.0]
 
 
+def test_a_grading_worker_that_exits_with_code_0_is_a_reward_failure():
+    """A grader (or what it imports) that ends its worker with exit code 0 fails the batch's
+    rewards: no sample is silently scored 0 and training does not go on as if it were graded."""
+    fn = batch_reward(reward_graders.exits_on_seven, "exits_on_seven")
+    with pytest.raises(RewardFunctionError) as info:
+        compute_rewards(fn, ["p"] * 3, ["12", "7", "8"], [None] * 3, [20, 21, 22], timeout_s=5.0)
+    assert "grading worker exited (code 0)" in str(info.value) and "prompt index 21" in str(info.value)
+
+
 def test_register_grader_by_name_and_import_path():
     from megatron_rl.rewards import registry
 

@@ -1,7 +1,9 @@
-"""Graders for the tests of the bounded worker: one that loops on a given response, one that raises.
+"""Graders for the tests of the bounded worker: one that loops on a given response, one that raises,
+one that ends its process with code 0.
 
 Torch-free on purpose: the worker process imports this module."""
 
+import os
 import time
 
 from megatron_rl.rewards.registry import grader
@@ -19,4 +21,11 @@ def loops_on(response, answer, forever="loop"):
 def raises_on_seven(response, answer):
     if response == "7":
         raise ValueError("seven is not allowed")
+    return float(len(response))
+
+
+@grader
+def exits_on_seven(response, answer):
+    if response == "7":
+        os._exit(0)  # as a library the grader imports might
     return float(len(response))
