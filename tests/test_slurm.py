@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import textwrap
 import time
 
 import pytest
 
-from tests.support.helpers import TINY
+from tests.support.helpers import TINY, read_or_reason, started_or_skipped, venv_dir
 from tests.support.local_slurm import TERMINAL_STATES, LocalSlurm, SlurmUnavailable, run_log_path
 
 pytestmark = pytest.mark.slow
@@ -32,47 +31,29 @@ JOB_TIMEOUT = 300
 @pytest.fixture(scope="module")
 def slurm():
     cluster = LocalSlurm()
-    try:
-        cluster.start()
-    except SlurmUnavailable as err:
-        pytest.skip(f"no local Slurm: {err}")
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from started_or_skipped(cluster, cluster.start, cluster.stop, SlurmUnavailable, "no local Slurm")
 
-
-def _venv() -> str:
-    # The interpreter running the tests is the stack the jobs must use.
-    return sys.prefix if sys.prefix != sys.base_prefix else os.path.join(REPO, ".venv")
 
 
 def _knobs(run_dir, **extra) -> dict:
     knobs = dict(COMMAND="smoke", CONFIG="configs/smoke_cpu.yaml", NODES="1", NPROC_PER_NODE="4",
-                 RUN_DIR=str(run_dir), RUN_NAME="smoke", VENV=_venv())
+                 RUN_DIR=str(run_dir), RUN_NAME="smoke", VENV=venv_dir())
     knobs.update(extra)
     return knobs
 
 
-def _read(path) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return fh.read()
-    except OSError as err:
-        return f"<{err}>"
-
 
 def _job_output(tmp_path, job, run_name="smoke", restart=0) -> str:
     """The job's log in the run dir, plus Slurm's own output file, for assertion messages."""
-    return (_read(run_log_path(os.path.join(tmp_path, run_name), job, restart))
-            + "\n--- sbatch --output ---\n" + _read(os.path.join(tmp_path, f"slurm-{job}.out")))
+    return (read_or_reason(run_log_path(os.path.join(tmp_path, run_name), job, restart))
+            + "\n--- sbatch --output ---\n" + read_or_reason(os.path.join(tmp_path, f"slurm-{job}.out")))
 
 
 def test_smoke_job_on_one_node_with_four_ranks(slurm, tmp_path):
     job = slurm.sbatch(SCRIPT, f"--output={tmp_path}/slurm-%j.out",
                        env=_knobs(tmp_path, OVERRIDES="smoke.steps=3"), cwd=REPO)
     state, code = slurm.wait(job, timeout=JOB_TIMEOUT)
-    log = _read(run_log_path(os.path.join(tmp_path, "smoke"), job))
+    log = read_or_reason(run_log_path(os.path.join(tmp_path, "smoke"), job))
     assert (state, code) == ("COMPLETED", 0), _job_output(tmp_path, job)
     assert re.search(r"^step\s+3\s+loss\s+\d", log, re.M), log
     assert "4 proc(s), command=smoke" in log
@@ -85,7 +66,7 @@ def test_bad_override_fails_the_job_with_the_config_error(slurm, tmp_path, where
     knobs = _knobs(tmp_path, OVERRIDES="parallel.tp=3", PREFLIGHT="1" if where == "preflight" else "0")
     job = slurm.sbatch(SCRIPT, f"--output={tmp_path}/slurm-%j.out", env=knobs, cwd=REPO)
     state, code = slurm.wait(job, timeout=JOB_TIMEOUT)
-    log = _read(run_log_path(os.path.join(tmp_path, "smoke"), job))
+    log = read_or_reason(run_log_path(os.path.join(tmp_path, "smoke"), job))
     assert state == "FAILED" and code != 0, (state, code, _job_output(tmp_path, job))
     errors = [line for line in log.splitlines() if line.startswith("config error: parallel.tp=3:")]
     assert errors, log
@@ -160,12 +141,12 @@ def test_usr1_checkpoints_and_requeues_with_stub_trainer(slurm, tmp_path):
     slurm.release(job)
     state, code = slurm.wait(job, timeout=JOB_TIMEOUT, restarts=1)
     second = run_log_path(os.path.join(tmp_path, "stub"), job, restart=1)
-    logs = _read(first) + _read(second)
-    assert (state, code) == ("COMPLETED", 0), (_job_output(tmp_path, job, "stub") + _read(second)
+    logs = read_or_reason(first) + read_or_reason(second)
+    assert (state, code) == ("COMPLETED", 0), (_job_output(tmp_path, job, "stub") + read_or_reason(second)
                                                + "\n" + slurm.daemon_logs())
-    assert "requeue=1" in _read(first) and "signal 10: checkpoint after step" in _read(first), logs
-    assert f"requeued: job {job} starts again as restart 1" in _read(first), logs
-    assert "resumed after step" in _read(second), logs
+    assert "requeue=1" in read_or_reason(first) and "signal 10: checkpoint after step" in read_or_reason(first), logs
+    assert f"requeued: job {job} starts again as restart 1" in read_or_reason(first), logs
+    assert "resumed after step" in read_or_reason(second), logs
     steps = [int(n) for n in re.findall(r"^step (\d+)$", logs, re.M)]
     assert steps == list(range(1, 16)), logs
     # Requeued, not ended: back in the queue with a restart counted and no failure recorded.
@@ -199,8 +180,8 @@ def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
     first, second = run_log_path(run_dir, job), run_log_path(run_dir, job, restart=1)
 
     def logs() -> str:
-        return (_job_output(tmp_path, job, "ppo") + "\n--- restart 1 ---\n" + _read(second)
-                + "\n--- metrics.jsonl ---\n" + _read(os.path.join(run_dir, "metrics.jsonl")))
+        return (_job_output(tmp_path, job, "ppo") + "\n--- restart 1 ---\n" + read_or_reason(second)
+                + "\n--- metrics.jsonl ---\n" + read_or_reason(os.path.join(run_dir, "metrics.jsonl")))
 
     deadline = time.monotonic() + PPO_BUDGET
 
@@ -224,7 +205,7 @@ def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
     assert (state, code) == ("COMPLETED", 0), logs() + "\n" + slurm.daemon_logs()
 
     # First run: "trainer.resume=auto" from the script, one checkpoint line (rank 0), exit 0, requeue.
-    log1, log2 = _read(first), _read(second)
+    log1, log2 = read_or_reason(first), read_or_reason(second)
     assert "trainer.resume=auto" in log1, logs()
     stops = re.findall(r"^signal (?:10|on another rank): checkpoint after step (\d+) at (\S+); exiting$", log1, re.M)
     assert len(stops) == 1, logs()
@@ -243,7 +224,7 @@ def test_preempted_ppo_job_resumes_from_checkpoint(slurm, tmp_path):
     assert steps == list(range(1, PPO_STEPS + 1)), logs()
     # The checkpoint directory ends at the final step.
     ckpts = os.path.join(run_dir, "checkpoints")
-    assert _read(os.path.join(ckpts, "latest")).strip() == f"step_{PPO_STEPS:08d}", sorted(os.listdir(ckpts))
+    assert read_or_reason(os.path.join(ckpts, "latest")).strip() == f"step_{PPO_STEPS:08d}", sorted(os.listdir(ckpts))
     with open(os.path.join(ckpts, f"step_{PPO_STEPS:08d}", "meta.json")) as fh:
         meta = json.load(fh)
     assert (meta["step"], meta["complete"], meta["world_size"]) == (PPO_STEPS, True, 2), meta
@@ -259,7 +240,7 @@ def test_a_job_with_generator_ranks_runs_under_the_script(slurm, tmp_path):
                    OVERRIDES=" ".join(overrides))
     job = slurm.sbatch(SCRIPT, f"--output={tmp_path}/slurm-%j.out", env=knobs, cwd=REPO)
     state, code = slurm.wait(job, timeout=JOB_TIMEOUT)
-    log = _read(run_log_path(os.path.join(tmp_path, "gen"), job))
+    log = read_or_reason(run_log_path(os.path.join(tmp_path, "gen"), job))
     assert (state, code) == ("COMPLETED", 0), _job_output(tmp_path, job, "gen")
     assert "layout: tp=1 pp=1 cp=1 dp=2" in log and "generators: 1 rank(s)" in log, log
     with open(os.path.join(tmp_path, "gen", "metrics.jsonl")) as fh:

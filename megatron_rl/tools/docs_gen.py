@@ -63,7 +63,7 @@ RUNTIME_ERRORS = [
      "checkpoint loads only the files its manifest lists with their sha256, and never follows a link.",
      "Remove the added file, or copy the checkpoint with its files (`cp -rL`); `trainer.resume=auto` falls back to "
      "the previous complete step."),
-    ("checkpoint error: checkpoint=<dir>: meta.json is corrupt / \"<field>\" is ..., expected ...",
+    ("checkpoint error: checkpoint=<dir>: meta.json is corrupt (not a manifest file) / <field> is ..., expected ...",
      "The manifest does not have the shape megatron_rl writes (edited, truncated, or from another tool).",
      "`trainer.resume=auto` skips the step with one warning and loads the previous one; or pass another path."),
     ("checkpoint error: checkpoint=<dir>: ... was refused: it names <module>.<name> / asks to load code or classes",

@@ -431,3 +431,35 @@ def spec_logits_body(impl: str, weights, moe: dict | None = None):
     positions = torch.arange(64, device=device).expand(2, 64)
     hidden = chunk(tokens, positions, None)
     return weights, (hidden.float() @ chunk.output_weight().float().t()).cpu()
+
+
+def started_or_skipped(resource, start, stop, unavailable: type[Exception], what: str):
+    """A fixture's body for a machine resource (a local Slurm, network namespaces): ``start()`` it --
+    the tests skip with the reason where this machine cannot -- yield ``resource``, ``stop()`` it."""
+    import pytest
+
+    try:
+        start()
+    except unavailable as err:
+        pytest.skip(f"{what}: {err}")
+    try:
+        yield resource
+    finally:
+        stop()
+
+
+def venv_dir() -> str:
+    """The virtual environment the tests run in (the sbatch script's VENV): the stack the jobs must use."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return sys.prefix if sys.prefix != sys.base_prefix else os.path.join(root, ".venv")
+
+
+def read_or_reason(path) -> str:
+    """A log's text for an assertion message, or why it could not be read."""
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()
+    except OSError as err:
+        return f"<{err}>"
