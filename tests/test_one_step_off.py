@@ -89,27 +89,51 @@ def test_a_sync_run_resumed_from_one_step_off_trains_the_waiting_batch_first(tmp
     assert _stable(switched[:3]) == _stable(straight[:3])  # up to the switch: the one_step_off run
 
 
+# Seeds of the learning comparison: one seed's 20-step trajectory rides on the CPU's kernels.
+LEARNING_SEEDS = (1234, 1, 2)
+
+
 @pytest.mark.slow
 def test_grpo_learns_the_demo_task_one_step_off_as_sync_does(tmp_path):
-    """configs/grpo_cpu.yaml (add_small) in both modes, same steps and samples: the reward rises
-    one step off, by at least half of what the synchronous run gains."""
+    """configs/grpo_cpu.yaml (add_small) in both modes, the same 20 steps, samples and seeds: the
+    mean reward rise one step off is at least half of what the synchronous runs gain.
+
+    The bound is on the mean over three seeds.  Rises (first 5 -> last 5 steps) measured on one
+    AVX-512 machine under torch's three CPU kernel sets (``ATEN_CPU_CAPABILITY``), seeds 1234 / 1 / 2:
+
+    ============  ===================  ===================
+    kernels       sync                 one_step_off
+    ============  ===================  ===================
+    avx2          0.173 0.248 0.217    0.192 0.222 0.227
+    avx512        0.170 0.248 0.208    0.183 0.222 0.164
+    default       0.173 0.248 0.238    0.183 0.222 0.181
+    ============  ===================  ===================
+
+    One seed's one_step_off rise spans 0.164-0.227 with the seed and the kernels; the means are
+    0.214 / 0.190 / 0.195 against sync's 0.213 / 0.209 / 0.220 (0.89-1.00x).  Asserted: the
+    one_step_off mean >= 0.12 (with ``actor.optim.lr=0`` the rise is -0.019) and >= 0.5x the sync
+    mean."""
     import os
     import time
 
     from tests.support.helpers import train_body
 
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "grpo_cpu.yaml")
-    rises = {}
-    for mode in ("sync", "one_step_off"):
-        start = time.monotonic()
-        run_distributed(1, train_body, config, [f"trainer.mode={mode}", "trainer.steps=20", f"run.dir={tmp_path}",
-                                                f"run.name={mode}"], timeout=900)
-        rewards = [r["reward/mean"] for r in read_metrics(tmp_path / mode)]
-        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-        rises[mode] = last - first
-        print(f"GRPO {mode}: reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of {len(rewards)}) in "
-              f"{time.monotonic() - start:.0f} s")
-    assert rises["one_step_off"] >= 0.12 and rises["one_step_off"] >= 0.5 * rises["sync"], rises
+    rises: dict = {"sync": [], "one_step_off": []}
+    for seed in LEARNING_SEEDS:
+        for mode in rises:
+            name = f"{mode}_{seed}"
+            start = time.monotonic()
+            run_distributed(1, train_body, config, [f"trainer.mode={mode}", "trainer.steps=20", f"run.seed={seed}",
+                                                    f"run.dir={tmp_path}", f"run.name={name}"], timeout=900)
+            rewards = [r["reward/mean"] for r in read_metrics(tmp_path / name)]
+            first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+            rises[mode].append(last - first)
+            print(f"GRPO {mode} seed {seed}: reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of "
+                  f"{len(rewards)}) in {time.monotonic() - start:.0f} s")
+    mean = {mode: sum(r) / len(r) for mode, r in rises.items()}
+    print(f"mean rise over seeds {LEARNING_SEEDS}: {mean}")
+    assert mean["one_step_off"] >= 0.12 and mean["one_step_off"] >= 0.5 * mean["sync"], rises
 
 
 @pytest.mark.parametrize("overrides,key", [

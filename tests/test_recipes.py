@@ -2,8 +2,8 @@
 
 * dynamic sampling keeps the batch size and always terminates (a fake rollout, fast);
 * the 7B / 32k GPU recipes pass config validation for 8 ranks (not run);
-* every CPU recipe runs 2 steps; the DAPO and GSPO recipes learn on the demo task (slow: about a
-  minute and a half each on an idle 2-core machine);
+* every CPU recipe runs 2 steps; the DAPO recipe learns on the demo task (one seed) and the GSPO
+  recipe on the mean of three seeds (slow: about a minute each on an idle 2-core machine);
 * rollout correction, overlong shaping and GSPO over context parallelism in a real run.
 """
 
@@ -178,20 +178,31 @@ def test_cpu_recipe_runs_two_steps(recipe, tmp_path):
         assert rows[0]["actor/kl_coef"] == 0.01 and rows[0]["actor/kl_loss"] == 0.0  # the KL is in the reward
 
 
-def _learning_run(recipe: str, steps: int, tmp_path, reward_key: str):
-    run_distributed(1, train_body, config_path(recipe), [f"trainer.steps={steps}", f"run.dir={tmp_path}", "run.name=r"],
+# Seeds of the learning runs: one seed's trajectory rides on the CPU's kernels.
+LEARNING_SEEDS = (1234, 1, 2)
+
+
+def _learning_run(recipe: str, steps: int, tmp_path, reward_key: str, seed: int = 1234):
+    name = f"r{seed}"
+    run_distributed(1, train_body, config_path(recipe), [f"trainer.steps={steps}", f"run.seed={seed}",
+                                                         f"run.dir={tmp_path}", f"run.name={name}"],
                     timeout=LEARNING_TIMEOUT_S)
-    rows = read_metrics(tmp_path / "r")
+    rows = read_metrics(tmp_path / name)
     assert len(rows) == steps and all(_finite(r) for r in rows)
     rewards = [r[reward_key] for r in rows]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    print(f"{recipe}: {reward_key} {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of {steps})")
+    print(f"{recipe} seed {seed}: {reward_key} {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of {steps})")
     return rows, first, last
 
 
 @pytest.mark.slow
 def test_dapo_recipe_learns(tmp_path):
-    """The DAPO recipe on add_small: the reward over every drawn sample (before filtering) rises."""
+    """The DAPO recipe on add_small: the reward over every drawn sample (before filtering) rises.
+
+    One seed: its rise sits far above the bound on every kernel set.  Rises (first 5 -> last 5 of
+    24 steps) measured on one AVX-512 machine, seeds 1234 / 1 / 2, under ``ATEN_CPU_CAPABILITY``
+    avx2 0.238 / 0.339 / 0.334, avx512 0.246 / 0.333 / 0.297, default 0.257 / 0.355 / 0.293; with
+    ``actor.optim.lr=0`` -0.023.  Asserted: seed 1234's rise >= 0.15."""
     rows, first, last = _learning_run("dapo_cpu", 24, tmp_path, "reward/drawn_mean")
     assert last - first >= 0.15, (first, last)
     assert all(1 <= r["dynamic_sampling/rounds"] <= 4 for r in rows)
@@ -200,9 +211,21 @@ def test_dapo_recipe_learns(tmp_path):
 
 @pytest.mark.slow
 def test_gspo_recipe_learns(tmp_path):
-    rows, first, last = _learning_run("gspo_cpu", 24, tmp_path, "reward/mean")
-    assert last - first >= 0.12, (first, last)
-    assert max(r["actor/clipfrac"] for r in rows) > 0  # the sequence clip acted on the second mini-batch
+    """The GSPO recipe on add_small: the mean reward rise over three seeds.
+
+    Rises (first 5 -> last 5 of 24 steps) measured on one AVX-512 machine under torch's three CPU
+    kernel sets (``ATEN_CPU_CAPABILITY``), seeds 1234 / 1 / 2: avx2 0.111 / 0.166 / 0.222 (mean
+    0.166), avx512 0.128 / 0.175 / 0.230 (0.178), default 0.102 / 0.181 / 0.230 (0.171).  Seed 1234
+    alone failed a bound of 0.12 under avx2 and default.  Asserted: the mean >= 0.12 (with
+    ``actor.optim.lr=0`` the rise is -0.019)."""
+    rises = []
+    for seed in LEARNING_SEEDS:
+        rows, first, last = _learning_run("gspo_cpu", 24, tmp_path, "reward/mean", seed)
+        rises.append(last - first)
+        assert max(r["actor/clipfrac"] for r in rows) > 0  # the sequence clip acted on the second mini-batch
+    mean = sum(rises) / len(rises)
+    print(f"gspo_cpu: mean rise over seeds {LEARNING_SEEDS}: {mean:.3f}")
+    assert mean >= 0.12, rises
 
 
 @pytest.mark.slow

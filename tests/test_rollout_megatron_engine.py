@@ -777,25 +777,41 @@ def test_training_after_generating_with_sequence_parallelism():
 
 # RL steps after the recipe's supervised warm-up: enough for the reward to rise clearly.
 LEARNING_STEPS = 20
+# Seeds of the learning run: one seed's trajectory rides on the CPU's kernels.
+LEARNING_SEEDS = (1234, 1, 2)
 
 
 @pytest.mark.slow
 def test_grpo_learns_the_demo_task_with_the_megatron_engine(tmp_path):
     """The GRPO recipe on the demo task (configs/grpo_cpu.yaml, add_small) generating with
-    rollout.engine=megatron: the reward rises, and the trainer's old log-probs match the engine's."""
+    rollout.engine=megatron: the mean reward rise over three seeds, and the trainer's old log-probs
+    match the engine's.
+
+    Rises (first 5 -> last 5 of 20 steps) measured on one AVX-512 machine under torch's three CPU
+    kernel sets (``ATEN_CPU_CAPABILITY``), seeds 1234 / 1 / 2: avx2 0.173 / 0.248 / 0.217 (mean
+    0.213), avx512 0.170 / 0.248 / 0.208 (0.209), default 0.173 / 0.248 / 0.238 (0.220); one seed
+    alone spans 0.170-0.248.  Asserted: the mean >= 0.15 (with ``actor.optim.lr=0`` the rise is
+    -0.019)."""
     from tests.support.helpers import read_metrics, train_body
 
-    overrides = ["rollout.engine=megatron", "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16",
-                 f"trainer.steps={LEARNING_STEPS}", f"run.dir={tmp_path}", "run.name=r"]
-    start = time.monotonic()
-    run_distributed(1, train_body, os.path.join(ROOT, "configs", "grpo_cpu.yaml"), overrides, timeout=900)
-    rows = read_metrics(tmp_path / "r")
-    rewards = [r["reward/mean"] for r in rows]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    print(f"GRPO with the megatron engine: reward {first:.3f} (first 5 steps) -> {last:.3f} (last 5 of "
-          f"{len(rows)}) in {time.monotonic() - start:.0f} s")
-    assert len(rows) == LEARNING_STEPS and last - first >= 0.12, (first, last)
-    assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
+    rises = []
+    for seed in LEARNING_SEEDS:
+        name = f"r{seed}"
+        overrides = ["rollout.engine=megatron", "rollout.kv_cache_memory=4e6", "rollout.kv_block_tokens=16",
+                     f"trainer.steps={LEARNING_STEPS}", f"run.seed={seed}", f"run.dir={tmp_path}", f"run.name={name}"]
+        start = time.monotonic()
+        run_distributed(1, train_body, os.path.join(ROOT, "configs", "grpo_cpu.yaml"), overrides, timeout=900)
+        rows = read_metrics(tmp_path / name)
+        rewards = [r["reward/mean"] for r in rows]
+        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+        rises.append(last - first)
+        print(f"GRPO with the megatron engine, seed {seed}: reward {first:.3f} (first 5 steps) -> {last:.3f} "
+              f"(last 5 of {len(rows)}) in {time.monotonic() - start:.0f} s")
+        assert len(rows) == LEARNING_STEPS
+        assert max(r["rollout/logprob_mismatch_max"] for r in rows) < 1e-4
+    mean = sum(rises) / len(rises)
+    print(f"mean rise over seeds {LEARNING_SEEDS}: {mean:.3f}")
+    assert mean >= 0.15, rises
 
 
 def test_config_sends_virtual_pipeline_stages_to_a_model_of_their_own():
