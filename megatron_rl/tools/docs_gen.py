@@ -119,7 +119,8 @@ RUNTIME_ERRORS = [
      "working; the job fails (exit 1) instead of ending 0 having trained nothing.",
      "Make that code return or raise instead of exiting."),
     ("megatron-rl: rank N exited with code 0 before its work was done (in step S, <phase>)",
-     "The same from C code (a library's exit(0)): no Python frame to name, only the step and phase the rank was in.",
+     "The same from C code (a library's exit(0)): no Python frame to name, only the step and phase the rank was in. "
+     "Seen where the launcher watches the ranks (--nproc 2 and more); a one-process run sees only os._exit.",
      "Find what that phase runs (the reward function for `reward`, the tool for a multi-turn step) and make it "
      "return."),
 ]
