@@ -10,19 +10,13 @@ other ranks read it there.  Under torchrun or srun the port is the user's ``MAST
 from __future__ import annotations
 
 import datetime
-import os
 import time
 
 import torch.distributed as dist
 
+from megatron_rl.utils import run_files
+
 _POLL_S = 0.02
-
-
-def _publish(path: str, port: int) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(str(port))
-    os.replace(tmp, path)  # readers never see a partial number
 
 
 def _published(path: str, timeout: datetime.timedelta) -> int:
@@ -43,6 +37,6 @@ def published_store(addr: str, rank: int, port_file: str, timeout: datetime.time
     common = dict(timeout=timeout, wait_for_workers=False, multi_tenant=True)
     if rank == 0:
         store = dist.TCPStore(addr, 0, is_master=True, **common)
-        _publish(port_file, store.port)
+        run_files.replace_text(port_file, str(store.port), "the job's port")  # never read half-written
         return store
     return dist.TCPStore(addr, _published(port_file, timeout), is_master=False, **common)
