@@ -242,7 +242,8 @@ FEATURES = [
         "Metrics, plot, TensorBoard, W&B", "runtime", TESTED_CPU,
         "metrics.jsonl per step (reward, lengths, losses, KL, entropy, clipfrac, grad norms, explained variance, "
         "timings, throughput, memory), console progress, plot.png; TensorBoard/W&B optional.",
-        ("tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts", "tests/test_ppo.py::test_run_ppo_sh_demo_learns"),
+        ("tests/test_ppo.py::test_ppo_two_steps_on_parallel_layouts", "tests/test_ppo.py::test_run_ppo_sh_demo_learns",
+         "tests/test_evaluation.py::test_metrics_writer_sends_the_step_zero_evaluation_to_tensorboard_and_the_plot"),
         config="trainer.tensorboard, trainer.wandb, trainer.plot",
     ),
     Feature(
