@@ -13,6 +13,7 @@ nothing, so it is safe for pieces of text such as responses.
 
 from __future__ import annotations
 
+import json
 import os
 import string
 from typing import Optional, Protocol, Sequence, runtime_checkable
@@ -22,6 +23,7 @@ from megatron_rl.errors import DataError
 KEY = "data.tokenizer"
 
 Messages = Sequence[dict]
+Tools = Optional[Sequence[dict]]  # OpenAI's tool definitions, [{"type": "function", "function": {...}}]
 
 # The files of a Hugging Face tokenizer, as transformers 4 and 5 write them: the chat template
 # is ``chat_template.jinja`` (transformers 5) or a key of ``tokenizer_config.json`` (4).
@@ -35,6 +37,8 @@ _TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=#.,:?()\n"
 GENERATION_PROMPT = "assistant: "
+# The first line of the system turn the plain template renders tool definitions in (one JSON per line after it).
+TOOLS_HEADER = 'tools, called one per reply as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:'
 
 
 @runtime_checkable
@@ -50,14 +54,22 @@ class Tokenizer(Protocol):
 
     def encode_prompt(self, text: str) -> list[int]: ...
 
-    def chat_text(self, messages: Messages) -> str: ...
+    def chat_text(self, messages: Messages, tools: Tools = None) -> str: ...
 
-    def apply_chat_template(self, messages: Messages) -> list[int]: ...
+    def apply_chat_template(self, messages: Messages, tools: Tools = None) -> list[int]: ...
 
 
-def plain_chat_text(messages: Messages) -> str:
-    """The fallback chat template: ``role: content`` lines, then ``assistant: ``."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + GENERATION_PROMPT
+def plain_tools_turn(tools: Tools) -> str:
+    """The system turn that shows the model its tools in the plain template ('' without tools), so a
+    character vocabulary sees them as a Hugging Face template would."""
+    if not tools:
+        return ""
+    return f"system: {TOOLS_HEADER}\n" + "".join(json.dumps(tool) + "\n" for tool in tools)
+
+
+def plain_chat_text(messages: Messages, tools: Tools = None) -> str:
+    """The fallback chat template: the tools' system turn, ``role: content`` lines, then ``assistant: ``."""
+    return plain_tools_turn(tools) + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + GENERATION_PROMPT
 
 
 class CharTokenizer:
@@ -97,13 +109,13 @@ class CharTokenizer:
         """``<bos>`` followed by the characters of ``text``."""
         return [self.bos_id] + self.encode(text)
 
-    def chat_text(self, messages: Messages) -> str:
+    def chat_text(self, messages: Messages, tools: Tools = None) -> str:
         """The plain ``role: content`` rendering (a character vocabulary has no chat template)."""
-        return plain_chat_text(messages)
+        return plain_chat_text(messages, tools)
 
-    def apply_chat_template(self, messages: Messages) -> list[int]:
+    def apply_chat_template(self, messages: Messages, tools: Tools = None) -> list[int]:
         """Prompt ids for a chat, generation prompt included."""
-        return self.encode_prompt(self.chat_text(messages))
+        return self.encode_prompt(self.chat_text(messages, tools))
 
 
 class HFTokenizer:
@@ -144,18 +156,20 @@ class HFTokenizer:
         """Token ids of a plain prompt, with the special tokens the tokenizer adds in front (BOS)."""
         return list(self.tok.encode(text, add_special_tokens=True))
 
-    def chat_text(self, messages: Messages) -> str:
-        """The model's chat template with the generation prompt, or the plain fallback."""
+    def chat_text(self, messages: Messages, tools: Tools = None) -> str:
+        """The model's chat template with the generation prompt (``tools`` as transformers hands them
+        to the template), or the plain fallback."""
         if not self.has_chat_template:
-            return plain_chat_text(messages)
-        return self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            return plain_chat_text(messages, tools)
+        return self.tok.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                            add_generation_prompt=True)
 
-    def apply_chat_template(self, messages: Messages) -> list[int]:
+    def apply_chat_template(self, messages: Messages, tools: Tools = None) -> list[int]:
         """Prompt ids for a chat, generation prompt included."""
         if not self.has_chat_template:
-            return self.encode_prompt(plain_chat_text(messages))
+            return self.encode_prompt(plain_chat_text(messages, tools))
         # The rendered template already holds BOS and every marker, so add nothing more.
-        return self.encode(self.chat_text(messages))
+        return self.encode(self.chat_text(messages, tools))
 
 
 def has_tokenizer_files(path: str) -> bool:

@@ -11,7 +11,11 @@ Agents run at once, each in a worker process of its own (:mod:`megatron_rl.rewar
 sandboxed: an agent needs the endpoint), bounded by ``rollout.agent_timeout_s``: an agent past it is
 killed, its session keeps what was served (counted in ``env/agent_timeouts``).  A session the agent
 never started is trained on as a one-token trajectory with no loss (counted in
-``env/agent_no_reply``) and scores 0.
+``env/agent_no_reply``) and scores 0.  Sessions the endpoint served that belong to no sample (a
+request without the sample's session id is a session of its own) are counted in
+``env/agent_stray_sessions``, spread evenly over the step's samples (stray sessions per sample), so
+any share of the samples reports the step's rate.  The trainer warns about both once and stops a
+step in which no sample reached its session (:class:`megatron_rl.trainer.reward_signal.AgentSessions`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ from megatron_rl.rollout.engine import RolloutBatch
 from megatron_rl.rollout.sampling import SamplingParams
 
 AGENT_THREADS = 32  # agents run at once per generator (each in its own process)
+
+
+def stray_sessions(endpoint: ChatEndpoint, sample_ids: list[str]) -> int:
+    """Sessions the endpoint served that belong to no sample: requests that named no session id
+    (each is a session of its own) or a wrong one.  Nothing of theirs is trained on."""
+    samples = set(sample_ids)
+    return sum(sid not in samples for sid in list(endpoint.sessions))
 
 
 class AgentRollout(EngineWrapper):
@@ -58,9 +69,10 @@ class AgentRollout(EngineWrapper):
         batch = dict(prompt_index=[], prompt_ids=[], response_ids=[], response_logprobs=[], finish_reason=[],
                      response_mask=[], env_info=[])
         served = self.endpoint.trajectories([sid for _, sid in samples])
+        stray_rate = stray_sessions(self.endpoint, [sid for _, sid in samples]) / len(samples)
         for (i, _), (reward, timed_out), t in zip(samples, outcomes, served):
             info = {"turns": 0, "env_reward": reward, "limit": "", "final_turn": [0, 0],
-                    "agent_timeouts": int(timed_out), "agent_no_reply": 0}
+                    "agent_timeouts": int(timed_out), "agent_no_reply": 0, "agent_stray_sessions": stray_rate}
             if t is None or not t["turns"]:  # no reply served: nothing to train on
                 t = {"prompt_ids": list(prompt_ids[i]), "response_ids": [self.tokenizer.eos_id], "logprobs": [0.0],
                      "mask": [0], "turns": 0, "final_turn": [0, 0], "limit": ""}

@@ -18,7 +18,7 @@ import inspect
 from typing import Callable, Protocol, Sequence, Union, runtime_checkable
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.rewards.worker import import_spec
+from megatron_rl.rewards.locations import import_spec
 
 KEY = "rollout.env"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import uuid
 from typing import Optional
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -48,3 +49,11 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(data["name"], arguments))
     return calls
+
+
+def openai_tool_calls(text: str) -> list[dict]:
+    """The calls of ``text`` that parse, in OpenAI's ``tool_calls`` form (arguments as a JSON string);
+    a call that does not parse stays in the text, where the agent sees it."""
+    return [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+            for call in parse_tool_calls(text) if call.error is None]

@@ -93,7 +93,7 @@ def call_tool(spec: str, arguments: dict, timeout_s: Optional[float]) -> str:
     ``timeout_s`` (None: in this process, unbounded; for tests and debugging).  Raises
     :class:`ToolTimeout`, or the worker's error (a ``GraderError`` naming the exception)."""
     if timeout_s is None:
-        from megatron_rl.rewards.worker import import_spec
+        from megatron_rl.rewards.locations import import_spec
 
         return str(import_spec(spec)(**arguments))
     values, late = _worker().grade(spec, [()], arguments, timeout_s, result="text")

@@ -40,6 +40,26 @@ MAX_TURNS, MAX_TOKENS = "max_turns", "max_tokens"
 TOOL_THREADS = 8  # environments stepped at once (each tool call runs in its own worker process)
 
 
+def fitting_calls(lengths: list[int], room: list[int], cap: int,
+                  limit: Optional[int]) -> list[tuple[list[int], int]]:
+    """``[(members, max_new_tokens)]``: engine calls for contexts of ``lengths`` generated together,
+    each allowed ``room[k]`` new tokens (at most ``cap``).  One call, with the largest room, unless a
+    context plus that room passes the engine's positions (``limit``, its ``max_sequence_length``):
+    megatron's engine refuses such a request even when its reply would be cut shorter.  Then the
+    contexts that fit go first and the rest take further calls with the largest room among them;
+    each context's call leaves it at least ``min(cap, its room)`` new tokens, as one call would."""
+    left = sorted(range(len(lengths)), key=lambda k: -room[k])
+    calls = []
+    while left:
+        max_new = max(1, min(cap, room[left[0]]))
+        if limit is not None and lengths[left[0]] + max_new > limit:
+            max_new = max(1, limit - lengths[left[0]])
+        members = {k for k in left if limit is None or lengths[k] + max_new <= limit} or {left[0]}
+        calls.append((sorted(members), max_new))  # in the given order: the same samples as one call
+        left = [k for k in left if k not in members]
+    return calls
+
+
 @dataclasses.dataclass(frozen=True)
 class TrajectoryLimits:
     max_turns: int
@@ -189,22 +209,8 @@ class EnvironmentRollout(EngineWrapper):
                 self._observe(t, answer, last)
 
     def _turn_calls(self, active: list[_Trajectory], room: list[int], cap: int) -> list[tuple[list[int], int]]:
-        """``[(trajectories, max_new_tokens)]``: the engine calls of one policy turn.  One call, with
-        the largest room, unless a trajectory's context plus that room passes the engine's
-        positions (``max_sequence_length``); then the trajectories that fit go first and the rest
-        take further calls with the largest room among them.  Each trajectory's call leaves it at
-        least ``min(cap, its room)`` new tokens, as one call would."""
-        limit = getattr(self.engine, "max_sequence_length", None)
-        left = sorted(range(len(active)), key=lambda k: -room[k])
-        calls = []
-        while left:
-            max_new = max(1, min(cap, room[left[0]]))
-            if limit is not None and active[left[0]].length + max_new > limit:
-                max_new = max(1, limit - active[left[0]].length)
-            members = {k for k in left if limit is None or active[k].length + max_new <= limit} or {left[0]}
-            calls.append((sorted(members), max_new))  # in turn order: the same samples as one call
-            left = [k for k in left if k not in members]
-        return calls
+        """The engine calls of one policy turn (:func:`fitting_calls`)."""
+        return fitting_calls([t.length for t in active], room, cap, getattr(self.engine, "max_sequence_length", None))
 
     def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int,
                      keys: Optional[list[int]] = None) -> None:
@@ -267,7 +273,8 @@ class EnvironmentRollout(EngineWrapper):
 
 
 # Counts an environment may report per turn (Turn.info) that become env/* metrics (per sample, mean).
-_COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "tool_parse_errors", "agent_timeouts", "agent_no_reply")
+_COUNTED = ("tool_calls", "tool_errors", "tool_timeouts", "tool_parse_errors", "agent_timeouts", "agent_no_reply",
+            "agent_stray_sessions")
 
 
 def env_metrics(samples) -> dict:

@@ -104,10 +104,17 @@ FEATURES = [
         "POST /v1/chat/completions served by the rollout engine (concurrent requests generated together), sessions "
         "by session_id; each session records the exact ids and log-probs served, later messages rendered once after "
         "the last reply (never the reply again), an edited history refused; rollout.agent=module:function runs an "
-        "outside agent per sample in a worker process bounded by rollout.agent_timeout_s and trains on its sessions.",
+        "outside agent per sample in a worker process bounded by rollout.agent_timeout_s and trains on its sessions. "
+        "As the openai SDK drives it: stream=True (server-sent chunks, tool-call deltas), tools rendered through the "
+        "chat template, tool_choice auto/none, every request field honoured or refused by name, OpenAI-shaped "
+        "errors for malformed HTTP requests.",
         ("tests/test_environments.py::test_the_endpoint_serves_two_tool_turns_and_records_the_exact_ids",
          "tests/test_environments.py::test_an_agent_job_trains_on_what_the_endpoint_served",
-         "tests/test_environments.py::test_the_endpoint_and_agents_stop_at_their_limits"),
+         "tests/test_environments.py::test_the_endpoint_and_agents_stop_at_their_limits",
+         "tests/test_endpoint_clients.py::test_streamed_replies_equal_the_non_streamed_ones_and_the_trajectory_is_token_exact",
+         "tests/test_endpoint_clients.py::test_hf_chat_templates_render_tools_as_transformers_does",
+         "tests/test_endpoint_clients.py::test_each_request_field_is_honoured_or_refused_by_name",
+         "tests/test_endpoint_clients.py::test_malformed_requests_get_openai_shaped_errors_and_nothing_on_stderr"),
         config="rollout.agent, rollout.agent_timeout_s",
     ),
     Feature(

@@ -88,7 +88,7 @@ from megatron_rl.trainer.metrics import (
 from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
 from megatron_rl.trainer.one_step_off import GeneratedBatch, buffered_batches, staleness_metrics
 from megatron_rl.trainer.remote_rollout import RemoteRollout
-from megatron_rl.trainer.reward_signal import RewardSignal
+from megatron_rl.trainer.reward_signal import AgentSessions, RewardSignal, stderr_line
 from megatron_rl.trainer.sample_log import SampleLog
 from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
@@ -170,6 +170,7 @@ class PPOTrainer:
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
         self.reward_signal = RewardSignal(self.prompts.answer_key, needs_answers(self.reward_fn), self.log)
+        self.agent_sessions = AgentSessions(cfg.rollout.agent, stderr_line if _rank0() else (lambda *_: None))
         self.kl_ctl = make_kl_controller(alg.kl_controller, alg.kl_coef, alg.kl_target, alg.kl_horizon)
         self.sampling = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
@@ -499,6 +500,7 @@ class PPOTrainer:
         a batch without answers or a run without reward signal is reported (``reward_signal.py``)."""
         prompts, rows = self.prompts, samples.dataset_index
         answers, indices = [prompts.answers[i] for i in rows], [prompts.source_index[i] for i in rows]
+        self.agent_sessions.check(samples.env_info)
         self.reward_signal.check_answers(answers, indices)
         graded = rewards_on_every_rank(
             self.reward_fn,

@@ -8,10 +8,16 @@ is 0, the run looks healthy and learns nothing.  Two checks catch it early:
 * when every group's rewards are equal (every reward, for groups of one) in each of the first
   :data:`NO_SIGNAL_BATCHES` scored batches, one warning line says so.  A batch is a step, or one
   draw of dynamic sampling.
+
+In agent mode (``rollout.agent``) a sample whose agent never reached its session (its requests named
+no session id, or it sent none) trains nothing and scores 0: :class:`AgentSessions` stops a batch in
+which no sample reached its session, as a batch without answers stops, and warns once about one in
+which some did not.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -56,3 +62,39 @@ class RewardSignal:
             self.log(f"warning: no learning signal: all groups had equal rewards in each of the first {self.batches} "
                      f"steps (mean rewards {means}), so every advantage is 0; check data.answer_key "
                      f"({self.answer_key}) and the reward function (docs/rewards.md)")
+
+
+SESSION_FIX = ('pass every request the session id the agent is called with: extra_body={"session_id": session_id} '
+               "or user=session_id (both as the openai SDK takes them)")
+
+
+def stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class AgentSessions:
+    """Checks that a batch's agents reached the sessions the trainer trains on (``env_info`` of
+    :class:`megatron_rl.envs.agent.AgentRollout`)."""
+
+    def __init__(self, agent: str, warn: Callable[[str], None] = stderr_line):
+        self.agent, self.warn = agent, warn
+        self.warned = False
+
+    def check(self, env_info: Sequence[dict]) -> None:
+        """Stop when no sample reached its session; warn once when some did not."""
+        if not self.agent or not env_info:
+            return
+        missed = sum(int(i.get("agent_no_reply", 0)) for i in env_info)
+        if not missed:
+            return
+        stray = round(sum(float(i.get("agent_stray_sessions", 0)) for i in env_info))
+        strays = f" (the endpoint served {stray} sessions that belong to no sample)" if stray else ""
+        if missed == len(env_info):
+            raise DataError("rollout.agent", self.agent,
+                            f"none of this step's {missed} samples reached its session{strays}, so nothing would "
+                            "train", SESSION_FIX)
+        if not self.warned:
+            self.warned = True
+            self.warn(f"warning: rollout.agent={self.agent}: {missed} of this step's {len(env_info)} samples never "
+                      f"reached their session{strays}, so they train nothing and score 0 (env/agent_no_reply); "
+                      f"fix: {SESSION_FIX}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from megatron_rl.envs.base import Turn
@@ -98,3 +99,70 @@ class SlowFirstStepEnv(ScriptedEnv):
 
 
 STEP_TIMES: list = []
+
+
+def _sdk_ask(base_url: str, record: dict, **session) -> None:
+    """One request through the official openai SDK (what agents are written with)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+    client.chat.completions.create(model="megatron_rl", messages=[{"role": "user", "content": record["prompt"]}],
+                                   **session)
+
+
+def sdk_agent_without_session_id(base_url: str, session_id: str, record: dict) -> None:
+    """Plain SDK use: no ``user=`` and no ``extra_body``, so the request is a session of its own."""
+    _sdk_ask(base_url, record)
+
+
+def sdk_agent_reaching_half(base_url: str, session_id: str, record: dict) -> None:
+    """Names its session (``user=``) for the first sample of each prompt only."""
+    _sdk_ask(base_url, record, **({"user": session_id} if session_id.endswith("-0") else {}))
+
+
+CALCULATOR = {"type": "function", "function": {"name": "calculator", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}}}}
+
+
+def _streamed_reply(stream) -> tuple[str, list[dict], str]:
+    """``(content, tool calls, finish reason)`` put back together from the chunks, as agents do."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for call in delta.tool_calls or ():
+                slot = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = call.id or slot["id"]
+                if call.function is not None:
+                    slot["name"] += call.function.name or ""
+                    slot["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def sdk_streaming_tool_agent(base_url: str, session_id: str, record: dict) -> None:
+    """An agent as users write it with the openai SDK: streamed replies, the record's tools offered
+    (``tools=``), every tool call run and answered (``role: tool``) until a reply calls none."""
+    from openai import OpenAI
+
+    from megatron_rl.envs.tools import calculator
+
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+    messages = [dict(m) for m in record["messages"]]
+    for _ in range(4):
+        stream = client.chat.completions.create(model="megatron_rl", messages=messages, tools=record["tools"],
+                                                stream=True, user=session_id)
+        content, calls, finish = _streamed_reply(stream)
+        messages.append({"role": "assistant", "content": content, "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls]} if calls else {"role": "assistant", "content": content})
+        if finish != "tool_calls":
+            return None
+        for call in calls:
+            try:
+                result = calculator(**json.loads(call["arguments"]))
+            except (TypeError, ValueError) as err:
+                result = f"error: {err}"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return None
