@@ -54,7 +54,7 @@ def test_verl_parquet_reads_nested_answer_chat_prompt_and_record_fields(tmp_path
     assert ps.answers == ["0", "2", "4", "6"]
     assert ps.prompts[3] == "user: 3+3=\nassistant: "  # the chat under 'prompt', through the chat template
     assert ps.prompt_ids[3] == CHAR.apply_chat_template([{"role": "user", "content": "3+3="}])
-    assert ps.record_fields([1]) == [{"data_source": "openai/gsm8k", "extra_info": {"split": "train", "index": 1}}]
+    assert ps.record_fields([1]) == [verl_records()[1]]  # every column of the record
 
 
 def test_dotted_keys_for_prompt_and_messages_and_a_literal_dotted_key_wins(tmp_path):
@@ -65,7 +65,7 @@ def test_dotted_keys_for_prompt_and_messages_and_a_literal_dotted_key_wins(tmp_p
     ps = load_prompts(path, CHAR, 64, prompt_key="q.text", answer_key="a.b", messages_key="q.chat")
     assert ps.prompts == ["1+1=", "user: 2+2=\nassistant: "]
     assert ps.answers == ["literal", "4"]  # the record's own "a.b" key wins over the path a -> b
-    assert ps.record_fields([0, 1]) == [{}, {}]
+    assert ps.record_fields([0, 1]) == rows  # every column, as the file holds it
 
 
 def test_a_bad_chat_under_the_prompt_key_names_the_key(tmp_path):

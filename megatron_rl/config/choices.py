@@ -65,7 +65,7 @@ ON_LIMIT_GRADE, ON_LIMIT_ZERO = "grade", "zero"
 ON_LIMIT = (ON_LIMIT_GRADE, ON_LIMIT_ZERO)
 
 # --- rewards
-REWARD_CONVENTIONS = (AUTO, "batch", "verl")  # how reward.fn is called (megatron_rl/rewards/conventions.py)
+REWARD_CONVENTIONS = (AUTO, "batch", "verl", "trl")  # how reward.fn is called (megatron_rl/rewards/conventions.py)
 
 
 def require_same(implemented, declared: tuple, what: str) -> None:

@@ -89,6 +89,23 @@ FEATURES = [
                            "pytest tests/test_verl_data.py -k end_to_end"),),
     ),
     Feature(
+        "TRL reward functions, dataset columns, reward files", "rewards", TESTED_CPU,
+        "TRL's fn(completions, **kwargs) detected by its completions parameter (or reward.convention=trl), called by "
+        "keyword with prompts, completions (chat messages for conversational data), completion_ids and every dataset "
+        "column by name; None scores 0 and is reported once; batch functions bind by parameter name and names that "
+        "fit no convention are refused before launch; every dataset column reaches batch functions and graders by "
+        "name; reward.fn=path/file.py:name imported by path in every process that grades.",
+        ("tests/test_reward_conventions.py::test_trl_functions_are_detected_and_get_completions_prompts_and_columns_by_name",
+         "tests/test_reward_conventions.py::test_names_bind_the_arguments_and_names_fitting_no_convention_are_refused",
+         "tests/test_reward_conventions.py::test_columns_follow_their_samples_to_the_rank_that_grades_them",
+         "tests/test_reward_conventions.py::test_reward_fn_as_a_file_path_imports_by_path_here_and_in_the_grading_worker",
+         "tests/test_reward_conventions.py::test_trl_reward_functions_unchanged"),
+        config="reward.fn, reward.convention",
+        measured=(Measured("2-step runs of TRL-style format and accuracy rewards in a file, on TRL-format data: every "
+                           "logged reward equals what the function computes on the logged response",
+                           "pytest tests/test_reward_conventions.py -k unchanged"),),
+    ),
+    Feature(
         "Reward signal checks", "rewards", TESTED_CPU,
         "A batch in which no sample has an answer, for a reward that reads answers, stops the run with one line "
         "(exit 2); equal rewards in every group for the first 3 steps give one 'no learning signal' warning.",

@@ -7,8 +7,10 @@ per sample, and each sample has ``timeout_s`` from the previous result.  A sampl
 scores 0 and is counted; the child is killed and a fresh one grades the rest.  The child imports
 no torch, so a replacement starts in about a tenth of a second.
 
-The grader crosses the process boundary by name (``module:qualname``), so it must be a module-level
-function of an importable module; its keyword arguments and the samples must pickle.
+The grader crosses the process boundary by name (``module:qualname``, or ``path.py:qualname`` for a
+reward file, which the child imports by its path), so it must be a module-level function of an
+importable module or file; its keyword arguments and the samples (with their dataset columns) must
+pickle.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Callable, Optional, Sequence
+
+from megatron_rl.rewards.locations import file_of_module
 
 DEFAULT_TIMEOUT_S = 5.0
 STARTUP_TIMEOUT_S = 120.0  # starting a child and importing the grader is not charged to a sample
@@ -48,12 +52,13 @@ class Scores(list):
 
 
 def grader_spec(fn: Callable) -> str:
-    """``module:qualname`` of a module-level function, which the worker imports."""
+    """``module:qualname`` of a module-level function, which the worker imports (``path.py:qualname``
+    for a function of a reward file imported by its path)."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or "<" in qualname:
         raise ValueError(f"{fn!r} must be a module-level function of an importable module to run in a "
                          "grading worker (or pass timeout_s=None to grade in this process, unbounded)")
-    return f"{module}:{qualname}"
+    return f"{file_of_module(module) or module}:{qualname}"
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -117,9 +122,10 @@ class Worker:
             raise GraderError(f"grading worker exited (code {code}) on sample {index}") from None
 
     def grade(self, spec: str, items: Sequence[tuple], kwargs: dict, timeout_s: float,
-              result: str = "float") -> tuple[list, list[int]]:
+              result: str = "float", item_kwargs: Optional[Sequence[dict]] = None) -> tuple[list, list[int]]:
         """Scores of ``items`` and the indices that ran past ``timeout_s`` (scored 0); with
-        ``result="text"`` the function's return values as strings (None where it ran late)."""
+        ``result="text"`` the function's return values as strings (None where it ran late).
+        ``item_kwargs``: keywords of each item's call of its own (a record's dataset columns)."""
         if os.getpid() != self.owner:  # forked: the child process belongs to the parent
             self.proc, self.owner = None, os.getpid()
         scores: list = [0.0 if result == "float" else None] * len(items)
@@ -128,7 +134,8 @@ class Worker:
         while done < len(items):
             if self.proc is None or self.proc.poll() is not None:
                 self._start()
-            self.outbox.send(("grade", spec, kwargs, list(items[done:]), result))
+            own = list(item_kwargs[done:]) if item_kwargs is not None else None
+            self.outbox.send(("grade", spec, kwargs, list(items[done:]), result, own))
             if not self._wait(STARTUP_TIMEOUT_S):
                 self.stop()
                 raise GraderError(f"grading worker did not load {spec} within {STARTUP_TIMEOUT_S:.0f} s")
@@ -165,27 +172,29 @@ def _thread_worker() -> Worker:
 
 
 def bounded_map(score: Callable, items: Sequence[tuple], kwargs: Optional[dict] = None,
-                timeout_s: Optional[float] = DEFAULT_TIMEOUT_S, workers: int = 1) -> Scores:
-    """``score(*item, **kwargs)`` for every item, each bounded by ``timeout_s`` seconds.
+                timeout_s: Optional[float] = DEFAULT_TIMEOUT_S, workers: int = 1,
+                item_kwargs: Optional[Sequence[dict]] = None) -> Scores:
+    """``score(*item, **item_kwargs[i], **kwargs)`` for every item, each bounded by ``timeout_s`` seconds.
 
     ``timeout_s=None`` grades in this process without a bound (for benchmarks and debugging).
     ``workers > 1`` splits the items round-robin over that many child processes graded at once."""
     kwargs = dict(kwargs or {})
     if not items:
         return Scores()
+    own = list(item_kwargs) if item_kwargs is not None else [{}] * len(items)
     if timeout_s is None:
-        return Scores([float(score(*item, **kwargs)) for item in items])
+        return Scores([float(score(*item, **mine, **kwargs)) for item, mine in zip(items, own)])
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     spec = grader_spec(score)
     workers = max(1, min(int(workers), len(items)))
     if workers == 1:
-        values, late = _thread_worker().grade(spec, items, kwargs, timeout_s)
+        values, late = _thread_worker().grade(spec, items, kwargs, timeout_s, item_kwargs=own)
         return Scores(values, len(late))
     shares = [list(range(w, len(items), workers)) for w in range(workers)]
     with ThreadPoolExecutor(workers) as pool:
-        outs = list(pool.map(lambda idx: _thread_worker().grade(spec, [items[i] for i in idx], kwargs, timeout_s),
-                             shares))
+        outs = list(pool.map(lambda idx: _thread_worker().grade(spec, [items[i] for i in idx], kwargs, timeout_s,
+                                                                 item_kwargs=[own[i] for i in idx]), shares))
     values = [0.0] * len(items)
     for idx, (share_values, _) in zip(shares, outs):
         for i, v in zip(idx, share_values):

@@ -14,6 +14,7 @@ need not be picklable.
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -21,7 +22,9 @@ import torch.distributed as dist
 
 from megatron_rl.distributed import collectives
 from megatron_rl.errors import UserInputError
-from megatron_rl.rewards.registry import Graded, RewardFn, grade_batch
+from megatron_rl.rewards.registry import Graded, RewardFn, grade_batch, reward_name
+
+logger = logging.getLogger("megatron_rl.rewards")
 
 _SCORES, _USER_ERROR, _CRASH = "scores", "user_error", "crash"
 
@@ -69,30 +72,37 @@ def rewards_from_rank0(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
 def rewards_on_every_rank(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
                           answers: Sequence[Optional[str]], prompt_indices: Sequence[int],
                           timeout_s: Optional[float] = None, fields: Optional[Sequence[dict]] = None,
-                          **kwargs) -> Graded:
+                          completion_ids: Optional[Sequence[Sequence[int]]] = None, **kwargs) -> Graded:
     """The checked rewards of the whole batch on every rank, each rank grading every world-th sample.
 
     A collective: call it on all ranks with the same batch.  Only this rank's share of
     ``responses`` is read (by index), so a lazily decoding sequence decodes a share only.
     ``timeout_s`` bounds each sample of a grader (:func:`megatron_rl.rewards.registry.grade_batch`);
-    ``Graded.timed_out`` is the number of timed-out samples over all ranks.  ``fields``: each
-    sample's record fields, for functions that take them (verl's).
+    ``Graded.timed_out`` and ``Graded.no_reward`` are counted over all ranks.  ``fields``: each
+    sample's record (its dataset columns).  ``completion_ids``: the responses' token ids (default:
+    the ``response_ids`` of a lazily decoding ``responses``), for functions that take them (TRL's).
     """
     n = len(responses)
+    if completion_ids is None:
+        completion_ids = getattr(responses, "response_ids", None)
     if getattr(fn, "whole_batch", False):
-        return rewards_from_rank0(lambda: grade_batch(fn, list(prompts), [responses[i] for i in range(n)],
-                                                      list(answers), list(prompt_indices), timeout_s, fields,
-                                                      **kwargs))
+        graded = rewards_from_rank0(lambda: grade_batch(fn, list(prompts), [responses[i] for i in range(n)],
+                                                        list(answers), list(prompt_indices), timeout_s, fields,
+                                                        completion_ids, **kwargs))
+        _report_no_reward(fn, graded.no_reward, n)
+        return graded
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = range(rank, n, world)
 
-    def grade_share() -> tuple[list[float], int]:
+    def share(values):
+        return [values[i] for i in mine] if values is not None else None
+
+    def grade_share() -> tuple[list[float], int, int]:
         if not mine:
-            return [], 0
-        graded = grade_batch(fn, [prompts[i] for i in mine], [responses[i] for i in mine],
-                             [answers[i] for i in mine], [prompt_indices[i] for i in mine], timeout_s,
-                             [fields[i] for i in mine] if fields is not None else None, **kwargs)
-        return graded.scores.tolist(), graded.timed_out
+            return [], 0, 0
+        graded = grade_batch(fn, share(prompts), share(responses), share(answers), share(prompt_indices),
+                             timeout_s, share(fields), share(completion_ids), **kwargs)
+        return graded.scores.tolist(), graded.timed_out, graded.no_reward
 
     box, failure = _outcome(grade_share)
     boxes = collectives.all_gather_object(box)
@@ -107,6 +117,23 @@ def rewards_on_every_rank(fn: RewardFn, prompts: Sequence[str], responses: Seque
             raise error_type(*fields)
         raise RewardsFailedOnRank(f"rank {first} failed computing rewards ({payload}); see rank {first}'s traceback")
     scores = torch.empty(n, dtype=torch.float32)
-    for r, (_, (values, _)) in enumerate(boxes):
+    for r, (_, (values, _, _)) in enumerate(boxes):
         scores[r::world] = torch.tensor(values, dtype=torch.float32)
-    return Graded(scores, sum(timed_out for _, (_, timed_out) in boxes))
+    no_reward = sum(none for _, (_, _, none) in boxes)
+    _report_no_reward(fn, no_reward, n)
+    return Graded(scores, sum(timed_out for _, (_, timed_out, _) in boxes), no_reward)
+
+
+_REPORTED: set = set()  # reward functions whose None scores were reported (once per process)
+
+
+def _report_no_reward(fn: RewardFn, count: int, n: int) -> None:
+    """One warning line (rank 0, first time) when a TRL function returned None for some samples."""
+    name = reward_name(fn)
+    if not count or name in _REPORTED:
+        return
+    _REPORTED.add(name)
+    if dist.get_rank() == 0:
+        logger.warning(f"warning: reward.fn={name} returned None for {count} of {n} samples of a batch: each is "
+                       "scored 0, as TRL's sum over reward functions scores a sample no function rewards; return "
+                       "0.0 to say so (reported once)")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from megatron_rl.rewards import columns
 from megatron_rl.rewards.bounded import DEFAULT_TIMEOUT_S, Scores, bounded_map
+from megatron_rl.rewards.locations import file_of_module
 
 RewardFn = Callable[..., object]
 
@@ -33,22 +35,27 @@ def register_reward(name: str, *aliases: str):
 def batch_reward(score: RewardFn, name: Optional[str] = None, module: Optional[str] = None) -> RewardFn:
     """The batch reward of a per-sample grader ``score(response, answer, **kwargs) -> float``.
 
-    It returns :class:`Scores` (a list that also counts timed-out samples) and takes two keyword
-    arguments of its own: ``timeout_s`` (per sample; None grades in-process, unbounded) and
-    ``grading_workers`` (child processes grading at once, default 1).  ``name`` and ``module`` say
-    where the batch function is bound, so that it pickles by reference."""
+    It returns :class:`Scores` (a list that also counts timed-out samples) and takes three keyword
+    arguments of its own: ``timeout_s`` (per sample; None grades in-process, unbounded),
+    ``grading_workers`` (child processes grading at once, default 1) and ``fields`` (each sample's
+    record: the dataset columns ``score`` names, or all of them for ``**kwargs``, reach it per sample).
+    ``name`` and ``module`` say where the batch function is bound, so that it pickles by reference."""
+    params = columns.parameters(score) or []
+    own = columns.positional_names(params, 2)
 
     def reward(prompts, responses, answers, timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
-               grading_workers: int = 1, **kwargs) -> Scores:
+               grading_workers: int = 1, fields: Optional[list] = None, **kwargs) -> Scores:
         for response in responses:
             if not isinstance(response, str):
                 raise TypeError(f"a response must be a str, got {type(response).__name__}")
-        return bounded_map(score, list(zip(responses, answers)), kwargs, timeout_s, grading_workers)
+        per_sample = columns.per_record(params, fields, set(own) | set(kwargs)) if fields is not None else None
+        return bounded_map(score, list(zip(responses, answers)), kwargs, timeout_s, grading_workers, per_sample)
 
     reward.__name__ = reward.__qualname__ = name or score.__name__
     reward.__module__ = module or score.__module__
     reward.__doc__ = score.__doc__
     reward.bounded = True
+    reward.takes_fields = True
     reward.grader = score
     score.batch_reward = reward
     return reward
@@ -74,8 +81,9 @@ def register_grader(name: str, *aliases: str):
 
 
 def _qualified(fn: RewardFn) -> str:
+    """``module:qualname`` (``path.py:qualname`` for a reward file imported by its path), else the repr."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    return f"{module}:{qualname}" if module and qualname else repr(fn)
+    return f"{file_of_module(module) or module}:{qualname}" if module and qualname else repr(fn)
 
 
 def reward_name(fn: RewardFn) -> str:

@@ -1,4 +1,4 @@
-"""Reward functions: lookup by name or import path, and a checked batched call.
+"""Reward functions: lookup by name, import path or file path, and a checked batched call.
 
 A reward function is user code, so the trainer never trusts what it returns: every value is
 checked before it reaches the advantage computation, and any failure is reported as a one-line
@@ -13,6 +13,8 @@ A *grader* is the per-sample form, ``score(response, answer, **kwargs) -> float`
 :func:`grader`, :func:`register_grader` or :func:`batch_reward` turns it into a batch reward that grades each
 sample in a worker process bounded by ``reward.timeout_s`` (:mod:`megatron_rl.rewards.bounded`).
 The built-in math rewards are graders; a plain batch function is called as written, unbounded.
+verl's and TRL's forms are wrapped into this contract (:mod:`megatron_rl.rewards.conventions`), and
+every form gets the dataset columns its parameters name (:mod:`megatron_rl.rewards.columns`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import numbers
+import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence, Union
@@ -31,7 +34,9 @@ from megatron_rl.errors import UserInputError
 if TYPE_CHECKING:
     import torch
 
+from megatron_rl.rewards import columns
 from megatron_rl.rewards.conventions import Misfit, as_batch_reward
+from megatron_rl.rewards.locations import import_file, is_file_location
 from megatron_rl.rewards.registration import (  # noqa: F401 - resolved and listed here
     _NAMES,
     _REWARDS,
@@ -45,6 +50,7 @@ from megatron_rl.rewards.registration import (  # noqa: F401 - resolved and list
 )
 
 KEY = "reward.fn"
+VERL_DEFAULT_NAME = "compute_score"  # the function of a reward file named without one, as verl defaults
 
 class RewardFunctionError(UserInputError):
     def one_line(self) -> str:
@@ -88,6 +94,8 @@ def _resolve(spec: str) -> RewardFn:
     spec = spec.strip()
     if spec in _REWARDS:
         return _REWARDS[spec]
+    if is_file_location(spec.rpartition(":")[0] if ":" in spec else spec):
+        return _resolve_file(spec)
     if ":" not in spec:
         hint = f" or write it as '{spec.rpartition('.')[0]}:{spec.rpartition('.')[2]}'" if "." in spec else ""
         raise RewardFunctionError(KEY, spec, "unknown reward function",
@@ -103,10 +111,33 @@ def _resolve(spec: str) -> RewardFn:
             raise RewardFunctionError(KEY, spec, f"module {module_name!r} has no attribute {attr_path!r}",
                                       f"check the function name after ':' (it must be defined in {module_name})")
         obj = getattr(obj, attr)
+    return _callable(obj, spec, attr_path)
+
+
+def _callable(obj, spec: str, attr_path: str) -> RewardFn:
     if not callable(obj):
         raise RewardFunctionError(KEY, spec, f"{attr_path!r} is a {type(obj).__name__}, not a function",
                                   "point reward.fn at a function fn(prompts, responses, answers, **kwargs)")
     return getattr(obj, "batch_reward", obj)  # a grader registered with register_grader
+
+
+def _resolve_file(spec: str) -> RewardFn:
+    """``path.py:name`` (``path.py`` alone: verl's default name ``compute_score``), the file imported by
+    its path, relative to the working directory (the grading worker imports it the same way)."""
+    path, _, name = spec.rpartition(":") if ":" in spec else (spec, ":", VERL_DEFAULT_NAME)
+    try:
+        module = import_file(path)
+    except FileNotFoundError:
+        raise RewardFunctionError(KEY, spec, f"no such file {os.path.abspath(path)}",
+                                  "give the path of a Python file (absolute, or relative to the working "
+                                  "directory) and the function after ':'") from None
+    except Exception as err:  # noqa: BLE001 - a user file may fail on import in any way
+        raise RewardFunctionError(KEY, spec, f"cannot import the file {path} ({type(err).__name__}: {err})",
+                                  "fix the error in the file") from err
+    if not hasattr(module, name):
+        raise RewardFunctionError(KEY, spec, f"the file {path} has no function {name!r}",
+                                  f"name a function defined in {path} after ':' (path.py:function)")
+    return _callable(getattr(module, name), spec, name)
 
 
 def _short(obj, limit: int = 80) -> str:
@@ -193,24 +224,53 @@ def hard_deadline(seconds: Optional[float], error: Optional[BaseException]):
         done.set()
 
 
-def _first_failing_item(fn, prompts, responses, answers, kwargs) -> tuple[Optional[int], Optional[BaseException]]:
-    kwargs = dict(kwargs)
-    fields = kwargs.pop("fields", None)
+def _call(fn, prompts, responses, answers, fields, completion_ids, kwargs):
+    """One call of ``fn`` with what its convention takes besides the three lists: the records
+    (``takes_fields``: verl's, TRL's, graders') or the dataset columns its parameters name, as lists
+    (a plain batch function), and the response token ids (``takes_completion_ids``: TRL's)."""
+    extra: dict = {}
+    if getattr(fn, "takes_fields", False):
+        extra["fields"] = list(fields) if fields is not None else [{} for _ in responses]
+    elif fields is not None:
+        params = columns.parameters(fn)
+        extra = columns.as_lists(params, fields, set(columns.positional_names(params or [], 3)) | set(kwargs))
+    if getattr(fn, "takes_completion_ids", False) and completion_ids is not None:
+        extra["completion_ids"] = list(completion_ids)
+    return fn(prompts, responses, answers, **extra, **kwargs)
+
+
+def _first_failing_item(fn, prompts, responses, answers, fields, completion_ids,
+                        kwargs) -> tuple[Optional[int], Optional[BaseException]]:
     for i in range(len(responses)):
         try:
-            one = {"fields": [fields[i]]} if fields is not None else {}
-            fn([prompts[i]], [responses[i]], [answers[i]], **one, **kwargs)
+            _call(fn, [prompts[i]], [responses[i]], [answers[i]], None if fields is None else [fields[i]],
+                  None if completion_ids is None else [completion_ids[i]], kwargs)
         except Exception as err:  # noqa: BLE001
             return i, err
     return None, None
 
 
+def _check_columns(fn, name: str, fields: Optional[Sequence[dict]], n: int, indices: Sequence[int]) -> None:
+    """A dataset column the function requires by name and a record lacks: one line, before the call."""
+    required = getattr(fn, "required_columns", ())
+    records = list(fields) if fields is not None else [{}] * n
+    gap = columns.missing(required, records) if required else None
+    if gap is not None:
+        i, column = gap
+        raise RewardFunctionError(
+            KEY, name, f"requires the dataset column {column!r}, which the record of prompt index {indices[i]} "
+            f"lacks (its columns: {_short(sorted(records[i]), 60)})",
+            f"add a '{column}' column to every record, or give the parameter {column} a default")
+
+
 @dataclass
 class Graded:
-    """Checked rewards of one batch and how many of its samples ran out of time (scored 0)."""
+    """Checked rewards of one batch, how many of its samples ran out of time (scored 0) and how many
+    the function gave no reward (None, TRL's form: scored 0)."""
 
     scores: torch.Tensor
     timed_out: int = 0
+    no_reward: int = 0
 
 
 def grade_batch(
@@ -221,13 +281,17 @@ def grade_batch(
     prompt_indices: Optional[Sequence[int]] = None,
     timeout_s: Optional[float] = None,
     fields: Optional[Sequence[dict]] = None,
+    completion_ids: Optional[Sequence[Sequence[int]]] = None,
     **kwargs,
 ) -> Graded:
     """Call ``fn`` once on the batch; return checked rewards and the timed-out count.
 
     ``timeout_s`` (``reward.timeout_s``) reaches rewards built from graders (they bound each
-    sample by it); a plain batch function never sees it.  ``fields`` (each sample's record fields,
-    ``PromptSet.record_fields``) reach a function with ``takes_fields`` (verl's).  ``prompt_indices``
+    sample by it); a plain batch function never sees it.  ``fields`` (each sample's record, every
+    dataset column: ``PromptSet.record_fields``) reach a function with ``takes_fields`` (verl's,
+    TRL's, graders') whole, and a plain batch function as the columns its parameters name (all of
+    them for ``**kwargs``), one list each; ``completion_ids`` (the responses' token ids) reach TRL's
+    functions.  ``prompt_indices``
     (default ``0..B-1``) are what error messages call "prompt index": pass the prompt's line in the data file
     (``PromptSet.source_index``) so users can find it.  If the batch call raises, the items are
     retried one by one to name the first prompt that fails alone.
@@ -236,14 +300,13 @@ def grade_batch(
         fn = get_reward_fn(fn)
     if timeout_s is not None and getattr(fn, "bounded", False):
         kwargs = {**kwargs, "timeout_s": timeout_s}
-    if getattr(fn, "takes_fields", False):
-        kwargs = {**kwargs, "fields": list(fields) if fields is not None else [{}] * len(responses)}
     indices = list(range(len(responses))) if prompt_indices is None else [int(i) for i in prompt_indices]
     if not len(prompts) == len(responses) == len(answers) == len(indices):
         raise ValueError(f"compute_rewards: lengths differ: {len(prompts)} prompts, {len(responses)} responses, "
                          f"{len(answers)} answers, {len(indices)} prompt indices")
     name = reward_name(fn)
     prompts, responses, answers = list(prompts), list(responses), list(answers)
+    _check_columns(fn, name, fields, len(responses), indices)
     bound = None
     if timeout_s is not None and not getattr(fn, "bounded", False) and responses:
         bound = timeout_s * len(responses)
@@ -254,13 +317,13 @@ def grade_batch(
             "@grader functions, which score a sample that overruns 0 instead of stopping the run")
     try:
         with hard_deadline(bound, late if bound else None):
-            out = fn(prompts, responses, answers, **kwargs)
+            out = _call(fn, prompts, responses, answers, fields, completion_ids, kwargs)
     except SystemExit as err:  # would end this rank with the function's exit code and no message
         raise RewardFunctionError(KEY, name, f"called sys.exit({err.code!r}) on a batch of {len(responses)} responses",
                                   "return a reward for every response; raise an exception to report a "
                                   "failure") from None
     except Exception as err:  # noqa: BLE001 - user code
-        i, item_err = _first_failing_item(fn, prompts, responses, answers, kwargs)
+        i, item_err = _first_failing_item(fn, prompts, responses, answers, fields, completion_ids, kwargs)
         if i is None:
             raise RewardFunctionError(
                 KEY, name, f"raised {type(err).__name__}: {err} on a batch of {len(responses)} responses "
@@ -270,8 +333,7 @@ def grade_batch(
             KEY, name, f"raised {type(item_err).__name__}: {item_err} on prompt index {indices[i]} "
             f"(response {_short(responses[i], 60)}, answer {_short(answers[i], 40)})",
             f"fix the reward function or the data for prompt index {indices[i]}") from err
-    timed_out = int(getattr(out, "timed_out", 0))
-    return Graded(_as_floats(out, name, indices), timed_out)
+    return Graded(_as_floats(out, name, indices), int(getattr(out, "timed_out", 0)), int(getattr(out, "no_reward", 0)))
 
 
 def compute_rewards(

@@ -2,7 +2,8 @@
 environments (:mod:`megatron_rl.envs.tools`).
 
 Reads ``("path", sys_path)``, ``("sandbox", directory)`` and ``("grade", spec, kwargs, items,
-result)`` messages; for a batch it imports the function (and calls its ``prepare`` attribute, if
+result, item_kwargs)`` messages (``item_kwargs``: None, or one dict of keywords per item, such as a
+record's dataset columns); for a batch it imports the function (and calls its ``prepare`` attribute, if
 any), answers ``("ready",)`` (or ``("error", why)``), then sends one ``("score", i, ok, value)`` per
 item, the value a float (``result="float"``, graders) or a string (``"text"``, tools).  The parent
 kills it when an item overruns; it exits by itself when the parent's end of the pipe closes.
@@ -15,21 +16,13 @@ operating-system sandbox: code that means harm can undo it.
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
 
-
-def import_spec(spec: str):
-    """The object ``"package.module:qualname"`` names."""
-    module_name, _, qualname = spec.partition(":")
-    obj = importlib.import_module(module_name)
-    for attr in qualname.split("."):
-        obj = getattr(obj, attr)
-    return obj
+from megatron_rl.rewards.locations import import_spec
 
 
 def _no_network(*args, **kwargs):
@@ -64,7 +57,7 @@ def main(read_fd: int, write_fd: int) -> None:
         if message[0] == "sandbox":
             enter_sandbox(message[1])
             continue
-        _, spec, kwargs, items, result = message
+        _, spec, kwargs, items, result, item_kwargs = message
         try:
             score = import_spec(spec)
             prepare = getattr(score, "prepare", None)
@@ -76,7 +69,8 @@ def main(read_fd: int, write_fd: int) -> None:
         outbox.send(("ready",))
         for i, item in enumerate(items):
             try:
-                outbox.send(("score", i, True, _convert(score(*item, **kwargs), result)))
+                own = item_kwargs[i] if item_kwargs else {}
+                outbox.send(("score", i, True, _convert(score(*item, **own, **kwargs), result)))
             except Exception as err:  # noqa: BLE001 - the parent names the sample and raises
                 outbox.send(("score", i, False, f"{type(err).__name__}: {err}"))
 

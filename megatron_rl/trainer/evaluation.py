@@ -106,11 +106,12 @@ class Evaluator:
                                          seed=derive_seed(self.cfg.run.seed, "eval", step), records=records)
         self.engine.release_weights()
         index = rollout.prompt_index
+        responses = graded_responses(rollout.response_ids, rollout.env_info)
         graded = rewards_on_every_rank(
-            self.reward_fn, [prompts.prompts[i] for i in index],
-            [self.tokenizer.decode(r) for r in graded_responses(rollout.response_ids, rollout.env_info)],
+            self.reward_fn, [prompts.prompts[i] for i in index], [self.tokenizer.decode(r) for r in responses],
             [prompts.answers[i] for i in index], [prompts.source_index[i] for i in index],
-            timeout_s=self.cfg.reward.timeout_s, fields=prompts.record_fields(index), **dict(self.cfg.reward.kwargs),
+            timeout_s=self.cfg.reward.timeout_s, fields=prompts.record_fields(index), completion_ids=responses,
+            **dict(self.cfg.reward.kwargs),
         )
         scores = trajectory_scores(rollout, graded.scores)
         out = evaluation_metrics(scores, [len(r) for r in rollout.response_ids], ev.n, ev.correct_threshold)
