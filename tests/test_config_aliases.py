@@ -61,8 +61,8 @@ def test_same_meaning_alias_is_accepted_with_one_note(capsys, typed, ours, value
 
 
 @pytest.mark.parametrize("typed,fix", [
-    ("algorithm.ppo_mini_batch_size", "see algorithm.mini_batches (verl gives prompts per mini-batch"),
-    ("data.max_prompt_length", "see data.max_prompt_tokens"),
+    ("critic.ppo_micro_batch_size", "see batch.micro_batch_size (one setting here for every model and pass"),
+    ("actor_rollout_ref.rollout.prompt_length", "see data.max_prompt_tokens"),
     ("trainer.lr", "see actor.optim.lr"),
     ("ulysses_sequence_parallel_size", "set parallel.cp=4 parallel.cp_comm_type=a2a"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "set parallel.cp=4 parallel.cp_comm_type=a2a"),
@@ -88,15 +88,19 @@ def test_ulysses_size_is_not_sent_to_megatrons_sequence_parallel():
     assert "a2a" in CP_COMM_TYPES
 
 
-@pytest.mark.parametrize("typed", ["actor_rollout_ref.rollout.tensor_model_parallel_size",
-                                   "actor_rollout_ref.rollout.data_parallel_size",
-                                   "actor_rollout_ref.rollout.pipeline_model_parallel_size",
-                                   "actor_rollout_ref.rollout.expert_parallel_size"])
-def test_generation_layout_keys_are_refused_not_read_as_the_training_layout(typed):
-    """In verl these size the inference engine; reading them as parallel.* would change training."""
+@pytest.mark.parametrize("typed,ours", [("actor_rollout_ref.rollout.tensor_model_parallel_size", "tp"),
+                                        ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "pp"),
+                                        ("actor_rollout_ref.rollout.expert_parallel_size", "ep")])
+def test_generation_layout_keys_set_the_rollout_layout_not_the_training_one(typed, ours):
+    """In verl these size the inference engine: they are rollout.layout.*, never parallel.*."""
+    cfg = load_config(None, [f"{typed}=2"])
+    assert getattr(cfg.rollout.layout, ours) == 2 and getattr(cfg.parallel, ours) == 1
+
+
+def test_the_generation_data_parallel_size_is_refused_as_derived():
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"{typed}=2"])
-    assert "generation runs on the training layout today" in str(info.value)
+        load_config(None, ["actor_rollout_ref.rollout.data_parallel_size=2"])
+    assert "replicas are the ranks its layout leaves" in str(info.value)
 
 
 @pytest.mark.parametrize("typed", ["actor_rollout_ref.model.use_liger", "trainer.balance_batch",
@@ -174,13 +178,17 @@ def test_two_names_for_one_key_with_different_values_are_refused(capsys, overrid
     assert capsys.readouterr().err == ""  # the refusal is the only line: no note on a name that was not used
 
 
-def test_a_verl_section_in_a_config_file_points_at_the_mapping(tmp_path):
+def test_verl_keys_in_a_config_file_are_read_as_on_the_command_line(tmp_path, capsys):
     path = tmp_path / "verl.yaml"
-    path.write_text("actor_rollout_ref:\n  rollout:\n    tensor_model_parallel_size: 2\n")
-    with pytest.raises(ConfigError, match="section of verl's config: docs/coming_from_trl_verl.md maps its keys"):
+    path.write_text("actor_rollout_ref:\n  rollout:\n    data_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="rollout.data_parallel_size=2: verl's generation-side setting"):
         load_config(str(path))
     path.write_text("data:\n  train_files: prompts.jsonl\n")
-    with pytest.raises(ConfigError, match=r"did you mean data\.train_path\? \(data\.train_files is verl's name"):
+    assert load_config(str(path)).data.train_path == "prompts.jsonl"
+    note = "verl key data.train_files=prompts.jsonl read as our data.train_path=prompts.jsonl"
+    assert note in capsys.readouterr().err
+    path.write_text("actor_rollout_ref: 3\n")
+    with pytest.raises(ConfigError, match="section of verl's config: docs/coming_from_trl_verl.md maps its keys"):
         load_config(str(path))
 
 

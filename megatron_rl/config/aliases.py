@@ -3,7 +3,8 @@
 A name is looked up by its full dotted path in verl's table (``verl_keys.VERL`` and its group
 patterns), else by its last two or last one dotted parts in the bare-name tables, so
 ``num_generations``, ``rollout.num_generations`` and ``algorithm.beta`` resolve.  A same-meaning
-name is accepted and rewritten; the others are refused with one line saying how ours differs.
+name is accepted and rewritten; a name read by its value (``BY_VALUE``) is accepted when its value
+means what ours does; the others are refused with one line saying how ours differs.
 A bare name found inside someone else's section (``critic.tensor_model_parallel_size``) is only
 suggested, never applied: the section may change its meaning, as verl's rollout TP does.
 ``docs/coming_from_trl_verl.md`` is generated from these tables.
@@ -16,21 +17,12 @@ from fnmatch import fnmatchcase
 from typing import NamedTuple, Optional
 
 from megatron_rl.config import verl_keys
-from megatron_rl.config.verl_keys import DIFFERENT, GENERATION, NO_EQUIVALENT, SAME, Alias, differs, same
+from megatron_rl.config.trl_keys import TRL
+from megatron_rl.config.verl_keys import BY_VALUE, DIFFERENT, GENERATION, NO_EQUIVALENT, SAME, Alias
 
-__all__ = ["Alias", "SAME", "DIFFERENT", "GENERATION", "NO_EQUIVALENT", "TRL", "lookup", "refusal", "suggestion"]
+__all__ = ["Alias", "SAME", "BY_VALUE", "DIFFERENT", "GENERATION", "NO_EQUIVALENT", "TRL", "lookup", "refusal",
+           "suggestion"]
 
-TRL = {
-    "num_generations": same("rollout.n", "TRL"), "beta": same("algorithm.kl_coef", "TRL"),
-    "learning_rate": same("actor.optim.lr", "TRL"), "max_completion_length": same("rollout.max_new_tokens", "TRL"),
-    "max_steps": same("trainer.steps", "TRL"), "num_iterations": same("algorithm.ppo_epochs", "TRL"),
-    "epsilon": same("algorithm.clip_low", "TRL"), "epsilon_high": same("algorithm.clip_high", "TRL"),
-    "per_device_train_batch_size": differs("batch.micro_batch_size", "or a token budget: batch.max_tokens_per_rank",
-                                           "TRL"),
-    "gradient_checkpointing": differs("model.recompute.granularity", "set full or selective", "TRL"),
-    "lr": differs("actor.optim.lr", "actor and critic have their own: actor.optim.lr, critic.optim.lr", "TRL"),
-    "output_dir": differs("run.dir", "the run directory is run.dir/run.name", "TRL"),
-}
 NAMES = {**verl_keys.VERL_NAMES, **TRL}
 
 # Sections whose keys are read the same wherever a bare name sits in them; any other section
@@ -75,7 +67,7 @@ def refusal(match: Match, value: str, known: set[str]) -> tuple[str, str]:
     if alias.kind == SAME:
         return ("unknown key (from the command line)",
                 f"did you mean {alias.ours}? ({match.name} is {origin}'s name for it)")
-    if alias.kind == DIFFERENT:
+    if alias.kind in (DIFFERENT, BY_VALUE):
         return f"{origin}'s name for a setting that differs here", f"see {alias.ours} ({note})"
     if alias.kind == GENERATION:
         return f"{origin}'s generation-side setting", note

@@ -406,12 +406,14 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = _f("digit_sum", "Registered reward name or 'package.module:function'.")
+    fn: str = _f("digit_sum", "Registered reward name, 'package.module:function' or 'path/to/file.py:function' "
+                              "(a file alone: its compute_score).")
     kwargs: dict = _f({}, "Keyword arguments passed to the reward function.")
     convention: Literal[REWARD_CONVENTIONS] = _f(
         "auto", "How reward.fn is called: batch fn(prompts, responses, answers, **kwargs), verl "
-        "compute_score(data_source, solution_str, ground_truth, extra_info) per sample, or auto (verl when it "
-        "has solution_str and ground_truth parameters); docs/rewards.md.")
+        "compute_score(data_source, solution_str, ground_truth, extra_info) per sample, trl fn(completions, "
+        "**kwargs) by keyword with the dataset columns, or auto (verl when it has solution_str and ground_truth "
+        "parameters, trl when it has completions); docs/rewards.md.")
     timeout_s: float = _f(
         5.0, "Seconds per response: a built-in grader that spends longer on one sample scores it 0 (counted in "
         "reward/timeouts); a plain reward function gets this times its batch's responses, past which the run stops.",
