@@ -44,11 +44,22 @@ class Resolved:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptsRead:
+    """The longest of the prompts a command read (``generate``'s input): what its positions hold."""
+
+    key: str       # where they came from, as the error names it (``--input``)
+    path: str
+    line: int      # the longest prompt's line
+    tokens: int    # its length
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
     """What a command knows that the config does not say (None: read the config)."""
 
     max_seq_len: Optional[int] = None   # the longest prompt + response (default: data + rollout lengths)
     prompts: Optional[int] = None       # prompts per generation step (default: trainer.prompts_per_step)
+    prompts_read: Optional[PromptsRead] = None  # the prompts themselves, in place of data.max_prompt_tokens
 
 
 @dataclasses.dataclass(frozen=True)

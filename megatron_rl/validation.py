@@ -16,17 +16,20 @@ from megatron_rl.config.schema import Config
 from megatron_rl.distributed.placement import training_world
 from megatron_rl.errors import ConfigError
 from megatron_rl.features import FEATURES, PLANNED, UNSUPPORTED
-from megatron_rl.resolve import Resolution, resolve
+from megatron_rl.resolve import Job, Resolution, resolve
 
 
-def validate(cfg: Config, world_size: Optional[int] = None, generates: bool = True) -> Resolution:
+def validate(cfg: Config, world_size: Optional[int] = None, generates: bool = True,
+             job: Optional[Job] = None) -> Resolution:
     """Raises on the first problem; returns the resolution the checks ran on.  ``generates=False``
-    (``score``, ``convert``) leaves out the limits of generating."""
+    (``score``, ``convert``) leaves out the limits of generating; ``job``: what the command knows
+    beyond the config (``generate``: the prompts it read), which the rules that read it check."""
     check_field_rules(cfg)
+    job = job or Job()
     world_size = _training_world(cfg, world_size)
     # Every rule reads the values the run will use: ``auto`` and derived values resolved for this
     # machine and world size (TransformerEngine, the device, the rollout engine, ...).
-    resolution = resolve(cfg, world_size)
+    resolution = resolve(cfg, world_size, job)
     cfg = resolution.config
     for feat in FEATURES:
         if feat.status in (PLANNED, UNSUPPORTED) and feat.in_use is not None and feat.in_use(cfg):
@@ -35,7 +38,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, generates: bool = Tr
         for constraint in feat.constraints:
             if constraint.generation and not generates:
                 continue
-            problem = constraint.check(cfg, world_size)
+            problem = (constraint.check(cfg, world_size, job) if constraint.reads_job
+                       else constraint.check(cfg, world_size))
             if problem is not None:
                 key, value, text, fix = problem
                 raise ConfigError(key, value, text, fix, row=feat.name)

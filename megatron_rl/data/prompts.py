@@ -2,11 +2,12 @@
 
 All checking happens at load time, before any rank starts generating: a malformed record stops
 the run with its file and line, instead of failing an hour in.  Before launch,
-:func:`check_prompt_file` parses every record the same way (:func:`parse_record`) without
-tokenizing, reading files up to :data:`FULL_CHECK_BYTES` whole and the first that many bytes of
-larger ones, so ``validate`` and the launcher stop a bad line before any rank starts.  Prompts
-longer than the prompt budget are dropped (not truncated, which would change the question) and the
-count is logged.
+:func:`check_prompt_file` parses every record the same way (:func:`parse_record`) and, given the
+tokenizer, measures each prompt as training does (:func:`encoded_prompt`, :class:`PromptLengths`),
+reading files up to :data:`FULL_CHECK_BYTES` whole and the first that many bytes of larger ones, so
+``validate`` and the launcher stop a bad line, or a file with no prompt short enough, before any
+rank starts.  Prompts longer than the prompt budget are dropped (not truncated, which would change
+the question) and the count is logged.
 
 :class:`PromptSampler` makes the data order a pure function of ``(seed, epoch, position)``, so a
 run resumed from a checkpoint draws exactly the batches the uninterrupted run would have drawn.
@@ -35,13 +36,11 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 # The check before launch reads a JSON-lines file whole up to this size (1 GiB), and the lines
-# starting in the first this many bytes of a larger one, saying so: it parses without tokenizing,
-# so it stays well under the time the ranks take to load the file.
+# starting in the first this many bytes of a larger one, saying so: parsing (and tokenizing) no more
+# than the ranks will, it stays within the time they take to load the file.
 FULL_CHECK_BYTES = 1 << 30
 
 
-# Record fields a reward function may read besides the answer (verl's compute_score takes them).
-RECORD_FIELDS = ("data_source", "extra_info")
 _MISSING = object()
 
 
@@ -54,8 +53,9 @@ DEFAULT_ANSWER_KEY, VERL_ANSWER_KEY = "answer", "reward_model.ground_truth"
 class PromptSet:
     """Tokenized prompts.  ``source_index[i]``: file line (JSONL, 1-based) or row (Parquet, 0-based).
 
-    ``fields[i]`` holds the record's :data:`RECORD_FIELDS` that are present (empty when none, or
-    for built-in tasks), for reward functions that take them."""
+    ``fields[i]`` holds every column of the record (empty for built-in tasks): reward functions get
+    the columns they name (TRL passes its dataset's columns, verl a record's ``data_source`` and
+    ``extra_info``)."""
 
     prompt_ids: list[list[int]]
     prompts: list[str]
@@ -67,17 +67,26 @@ class PromptSet:
     answer_key: str = DEFAULT_ANSWER_KEY  # the key the answers were read with (:func:`answer_key_of`)
     # Per prompt, the policy turns of a multi-turn solution (built-in tool tasks); empty when none.
     demonstrations: list = dataclasses.field(default_factory=list)
+    # Per prompt of a chat record: its messages before the demonstration (None for a text prompt),
+    # and the demonstration (:func:`split_demonstration`; empty when none).
+    chats: list = dataclasses.field(default_factory=list)
+    chat_demonstrations: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
     def records(self, indices) -> list[dict]:
-        """What the environments of the prompts at ``indices`` start from: text, answer, record fields."""
-        return [dict(fields, prompt=self.prompts[i], answer=self.answers[i])
+        """What the environments of the prompts at ``indices`` start from: text, answer, record fields,
+        and a chat's ``messages`` (what an agent sends the endpoint)."""
+        return [dict(fields, prompt=self.prompts[i], answer=self.answers[i], **self._chat(i))
                 for i, fields in zip(indices, self.record_fields(indices))]
 
+    def _chat(self, i: int) -> dict:
+        chat = self.chats[i] if i < len(self.chats) else None
+        return {} if chat is None else {"messages": [dict(m) for m in chat]}
+
     def record_fields(self, indices) -> list[dict]:
-        """The :data:`RECORD_FIELDS` of the prompts at ``indices`` (``{}`` where the record has none)."""
+        """Every column of the records of the prompts at ``indices`` (``{}`` for a built-in task)."""
         return [self.fields[i] if i < len(self.fields) else {} for i in indices]
 
 
@@ -169,6 +178,19 @@ def _messages(record: dict, key: str, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def split_demonstration(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``(prompt, demonstration)`` of a chat: a chat that ends with an assistant message holds its
+    solution from the first assistant message after the last user message on (the assistant's turns
+    and the tool results between them); the prompt is what comes before.  Other chats are all prompt."""
+    if not messages or messages[-1]["role"] != "assistant":
+        return messages, []
+    last_user = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    start = next(k for k in range(last_user + 1, len(messages)) if messages[k]["role"] == "assistant")
+    if start == 0:
+        return messages, []
+    return messages[:start], messages[start:]
+
+
 def _answer(record: dict, key: str, where: str) -> Optional[str]:
     value = lookup(record, key)
     if value is _MISSING:
@@ -251,10 +273,66 @@ def parse_record(record, where: str, prompt_key: str, messages_key: str, answer_
     return kind, prompt, _answer(record, answer_key, where)
 
 
+def encoded_prompt(kind: str, prompt, tokenizer: Tokenizer) -> tuple[str, list[int]]:
+    """The text and ids of a parsed prompt (:func:`parse_record`) as training sees them: a string
+    encoded as a prompt (BOS included), a chat without the demonstration it ends with, rendered
+    with the chat template.  The check before launch measures prompts with this too."""
+    if kind == "text":
+        return prompt, tokenizer.encode_prompt(prompt)
+    chat = split_demonstration(prompt)[0]
+    return tokenizer.chat_text(chat), tokenizer.apply_chat_template(chat)
+
+
+@dataclasses.dataclass
+class PromptLengths:
+    """Prompt lengths against the prompt budget (``data.max_prompt_tokens``): the one rule by which
+    training drops a prompt and stops when none is left, applied alike before launch, so
+    ``validate`` says what training will do."""
+
+    budget: int
+    total: int = 0
+    dropped: int = 0
+    longest: int = 0
+    shortest_dropped: int = 0
+
+    def keeps(self, length: int) -> bool:
+        """Count a prompt of ``length`` tokens; whether training keeps it."""
+        self.total += 1
+        self.longest = max(self.longest, length)
+        if length <= self.budget:
+            return True
+        self.dropped += 1
+        self.shortest_dropped = min(self.shortest_dropped or length, length)
+        return False
+
+    def refuse_when_none_fit(self, path: str) -> None:
+        """Training has nothing to sample when every prompt is too long: one line with the lengths."""
+        if self.total and self.dropped == self.total:
+            raise DataError("data.max_prompt_tokens", self.budget,
+                            f"all {self.total} prompts in {path} are longer than {self.budget} tokens (the longest "
+                            f"has {self.longest}, the shortest {self.shortest_dropped})",
+                            f"raise data.max_prompt_tokens to {self.shortest_dropped} or more ({self.longest} keeps "
+                            "every prompt), or shorten the prompts")
+
+    def dropped_line(self) -> str:
+        """What training logs when it drops prompts."""
+        return f"dropped {self.dropped} of {self.total} prompts longer than {self.budget} tokens"
+
+    def training_note(self, key: str, path: str, first: bool = False) -> Optional[str]:
+        """The line ``validate`` says when training will drop prompts (of the ``first`` records read);
+        None when it drops none."""
+        if not self.dropped:
+            return None
+        of = "the first " if first else ""
+        return (f"{key}: training drops {self.dropped} of {of}{self.total} prompts in {path}: longer than "
+                f"data.max_prompt_tokens={self.budget} (the longest has {self.longest} tokens)")
+
+
 def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "answer",
                       messages_key: str = "messages", key: str = "data.train_path",
                       needs_answers: bool = False, max_bytes: int = FULL_CHECK_BYTES,
-                      note: Optional[Callable[[str], None]] = None) -> str:
+                      note: Optional[Callable[[str], None]] = None, tokenizer: Optional[Tokenizer] = None,
+                      max_prompt_tokens: Optional[int] = None) -> str:
     """Parse every record as :func:`load_prompts` will (:func:`parse_record`; no tokenizing), before
     any launch: a JSON-lines file whole up to ``max_bytes``, beyond that the lines that start within
     its first ``max_bytes``, and ``note`` gets one line saying so (Parquet files are read whole, as
@@ -262,24 +340,53 @@ def check_prompt_file(path: str, prompt_key: str = "prompt", answer_key: str = "
     answer key the records are read with (:func:`answer_key_of`).
 
     With ``needs_answers`` (the reward function reads answers) the answer key must be in the first
-    record."""
+    record.  With ``tokenizer`` the prompts are also measured against ``max_prompt_tokens`` as
+    training measures them (:class:`PromptLengths`): refused when none fits (of a file read
+    whole), ``note`` told how many training drops."""
     path = os.fspath(path)
     records = 0
+    lengths = PromptLengths(max_prompt_tokens) if tokenizer is not None else None
     for _, where, record in _records(path, key, max_bytes):
         if records == 0:
             answer_key = answer_key_of(record, answer_key)
-        parse_record(record, where, prompt_key, messages_key, answer_key)
+        kind, prompt, _ = parse_record(record, where, prompt_key, messages_key, answer_key)
         if needs_answers and records == 0:
             _check_answer_present(record, answer_key, where)
+        if lengths is not None:
+            lengths.keeps(len(encoded_prompt(kind, prompt, tokenizer)[1]))
         records += 1
     if records == 0:
         raise DataError(key, path, "the file holds no records", "give a prompt file with at least one record")
     size = os.path.getsize(path)
-    if path.lower().endswith(JSONL_SUFFIXES) and size > max_bytes and note is not None:
+    partly = path.lower().endswith(JSONL_SUFFIXES) and size > max_bytes
+    if lengths is not None and not partly:
+        lengths.refuse_when_none_fit(path)
+    if partly and note is not None:
         note(f"{key}: checked the first {_mb(_first_line_at(path, max_bytes))} ({records} records) of {path} "
              f"({_mb(size)} in all; files up to {_mb(max_bytes)} are checked whole); a bad line after them stops "
              "the run when the ranks load it")
+    dropping = lengths.training_note(key, path, first=partly) if lengths is not None else None
+    if dropping and note is not None:
+        note(dropping)
     return answer_key
+
+
+def servable_demonstration(demonstration: list[dict]) -> bool:
+    """A demonstration the endpoint can serve: some assistant turns, each but the first after a message
+    that is not one (a request's new messages come after the last reply)."""
+    roles = [m["role"] for m in demonstration]
+    return "assistant" in roles and not any(a == b == "assistant" for a, b in zip(roles, roles[1:]))
+
+
+def first_without_demonstration(path: str, prompt_key: str = "prompt", messages_key: str = "messages",
+                                key: str = "data.train_path", max_bytes: int = FULL_CHECK_BYTES) -> Optional[str]:
+    """Where the first record (of a JSON-lines file, within its first ``max_bytes``) is not a chat
+    ending in a servable demonstration (:func:`split_demonstration`); None when every one is."""
+    for _, where, record in _records(os.fspath(path), key, max_bytes):
+        kind, prompt = _prompt_of(record, where, prompt_key, messages_key)
+        if kind != "messages" or not servable_demonstration(split_demonstration(prompt)[1]):
+            return where
+    return None
 
 
 def _first_line_at(path: str, offset: int) -> int:
@@ -299,7 +406,8 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
     """Read a JSONL or Parquet prompt file, tokenize it, drop prompts over ``max_prompt_tokens``.
 
     A record has ``prompt_key`` (a string, encoded with ``tokenizer.encode_prompt``) or
-    ``messages_key`` (a chat, rendered with the tokenizer's chat template); ``prompt_key`` wins
+    ``messages_key`` (a chat, rendered with the tokenizer's chat template; a demonstration it ends
+    with is not part of the prompt, :func:`split_demonstration`); ``prompt_key`` wins
     when both are present, and a chat stored under ``prompt_key`` (verl's schema) is a chat.  Keys
     may be dotted paths (:func:`lookup`).  ``answer_key`` is optional (at its default, verl's
     ``reward_model.ground_truth`` is read where the records have that instead).  Raises
@@ -310,6 +418,7 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
         raise DataError("data.max_prompt_tokens", max_prompt_tokens, "must be a positive integer",
                         "set the prompt token budget to at least 1")
     records = _records(path, key)
+    lengths = PromptLengths(max_prompt_tokens)
 
     out = PromptSet([], [], [], [], path=path)
     total = 0
@@ -317,29 +426,26 @@ def load_prompts(path: str, tokenizer: Tokenizer, max_prompt_tokens: int, prompt
         if total == 0:
             answer_key = out.answer_key = answer_key_of(record, answer_key)
         kind, prompt, answer = parse_record(record, where, prompt_key, messages_key, answer_key)
-        if kind == "text":
-            text, ids = prompt, tokenizer.encode_prompt(prompt)
-        else:
-            text, ids = tokenizer.chat_text(prompt), tokenizer.apply_chat_template(prompt)
+        chat, demonstration = split_demonstration(prompt) if kind == "messages" else (None, [])
+        text, ids = encoded_prompt(kind, prompt, tokenizer)
         total += 1
-        if len(ids) > max_prompt_tokens:
+        if not lengths.keeps(len(ids)):
             out.num_dropped += 1
             continue
         out.prompt_ids.append(list(ids))
         out.prompts.append(text)
         out.answers.append(answer)
         out.source_index.append(index)
-        out.fields.append({k: record[k] for k in RECORD_FIELDS if record.get(k) is not None})
+        out.fields.append(record)
+        out.chats.append(chat)
+        out.chat_demonstrations.append(demonstration)
 
     if out.num_dropped:
-        logger.warning("dropped %d of %d prompts longer than %d tokens", out.num_dropped, total, max_prompt_tokens)
+        logger.warning(lengths.dropped_line())
     if total == 0:
         raise DataError(key, path, "the file holds no records",
                         "give a prompt file with at least one record")
-    if not out.prompt_ids:
-        raise DataError("data.max_prompt_tokens", max_prompt_tokens,
-                        f"all {total} prompts in {path} are longer than this many tokens",
-                        "raise the prompt token budget or shorten the prompts")
+    lengths.refuse_when_none_fit(path)
     return out
 
 

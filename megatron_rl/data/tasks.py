@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from megatron_rl.data.prompts import PromptSet
+from megatron_rl.data.prompts import PromptLengths, PromptSet
 from megatron_rl.errors import DataError
 
 
@@ -52,12 +52,16 @@ def check_task(name: str, key: str = "data.train_path") -> None:
                         f"use one of {', '.join(TASK_PREFIX + t for t in TASKS)}, or a JSONL/Parquet file")
 
 
-def load_task(name: str, tokenizer, max_prompt_tokens: int, key: str = "data.train_path") -> PromptSet:
+def load_task(name: str, tokenizer, max_prompt_tokens: int, key: str = "data.train_path",
+              lengths: PromptLengths | None = None) -> PromptSet:
+    """The task's prompts within ``max_prompt_tokens`` (``lengths`` counts them, as for a file);
+    a :class:`DataError` when none is."""
     check_task(name, key)
+    lengths = PromptLengths(max_prompt_tokens) if lengths is None else lengths
     out = PromptSet([], [], [], [], path=f"{TASK_PREFIX}{name}")
     for index, (prompt, answer, *demonstration) in enumerate(TASKS[name]()):
         ids = tokenizer.encode_prompt(prompt)
-        if len(ids) > max_prompt_tokens:
+        if not lengths.keeps(len(ids)):
             out.num_dropped += 1
             continue
         out.prompt_ids.append(ids)
@@ -66,4 +70,5 @@ def load_task(name: str, tokenizer, max_prompt_tokens: int, key: str = "data.tra
         out.source_index.append(index)
         if demonstration:
             out.demonstrations.append(demonstration[0])
+    lengths.refuse_when_none_fit(out.path)
     return out

@@ -32,6 +32,7 @@ class Constraint:
     check: Check
     key: str = ""  # the config key its error names
     generation: bool = False  # a limit of generating: checked for train and generate, not score / convert
+    reads_job: bool = False  # check(cfg, world, job): reads what the command knows (resolve.Job), too
 
 
 @dataclasses.dataclass(frozen=True)

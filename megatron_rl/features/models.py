@@ -10,36 +10,83 @@ LLAMA3_ORIGINAL = LLAMA3_ROPE_FIXED["original_max_position_embeddings"]
 AREA = "models"
 
 
-def _position_limit(cfg) -> tuple | None:
-    """``data.max_prompt_tokens + rollout.max_new_tokens`` (a multi-turn trajectory's
-    ``rollout.max_trajectory_tokens``, resolved) past the model's positions: the error."""
+def _position_limit(cfg, job=None) -> tuple | None:
+    """The longest sequence generation makes past the model's positions: the error.  It is the
+    prompts a command read (``job.prompts_read``, ``generate``) + ``rollout.max_new_tokens``, else
+    ``data.max_prompt_tokens + rollout.max_new_tokens`` (training drops longer prompts); a
+    multi-turn trajectory's ``rollout.max_trajectory_tokens`` (resolved) besides."""
+    read = job.prompts_read if job is not None else None
+    if read is not None:
+        problem = _prompts_past_positions(cfg, read)
+    elif not cfg.rollout.multi_turn:
+        problem = _budget_past_positions(cfg)
+    else:
+        problem = None
+    return problem or _trajectory_past_positions(cfg)
+
+
+def _trajectory_past_positions(cfg) -> tuple | None:
+    trajectory = cfg.rollout.max_trajectory_tokens if cfg.rollout.multi_turn else None
+    limit = max_positions(cfg.model)
+    if trajectory is None or trajectory <= limit:
+        return None
+    return ("rollout.max_trajectory_tokens", trajectory,
+            f"multi-turn trajectories of {trajectory} tokens exceed the model's {limit} positions",
+            f"set rollout.max_trajectory_tokens <= {limit}, or lower rollout.max_turns / rollout.max_new_tokens, "
+            "or extend the positions (model.rope_scaling, docs/long_context.md)")
+
+
+def _window(model) -> str:
+    """Where the model's positions come from, for the error."""
+    if model.rope_scaling.type == "yarn":
+        return (f"YaRN factor {model.rope_scaling.factor:g} x original_max_position_embeddings "
+                f"{yarn_original_positions(model)}; native model.max_position_embeddings "
+                f"{model.max_position_embeddings}")
+    return f"model.max_position_embeddings {model.max_position_embeddings}"
+
+
+def _extension(model, longest: int) -> str:
+    """How to give the model ``longest`` positions: YaRN, or a larger factor of it."""
+    if model.rope_scaling.type == "yarn":
+        return "raise model.rope_scaling.factor"
+    native = model.max_position_embeddings
+    return (f"enable YaRN (model.rope_scaling.type=yarn, model.rope_scaling.factor={-(-longest // native)}, "
+            f"model.rope_scaling.original_max_position_embeddings={native}; docs/long_context.md)")
+
+
+def _budget_past_positions(cfg) -> tuple | None:
+    """``data.max_prompt_tokens + rollout.max_new_tokens`` past the model's positions: the error."""
     model, longest = cfg.model, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     limit = max_positions(model)
-    trajectory = cfg.rollout.max_trajectory_tokens if cfg.rollout.multi_turn else None
-    if trajectory is not None:
-        if trajectory <= limit:
-            return None
-        return ("rollout.max_trajectory_tokens", trajectory,
-                f"multi-turn trajectories of {trajectory} tokens exceed the model's {limit} positions",
-                f"set rollout.max_trajectory_tokens <= {limit}, or lower rollout.max_turns / rollout.max_new_tokens, "
-                "or extend the positions (model.rope_scaling, docs/long_context.md)")
     if longest <= limit:
         return None
-    rs = model.rope_scaling
-    if rs.type == "yarn":
-        where = (f"YaRN factor {rs.factor:g} x original_max_position_embeddings {yarn_original_positions(model)}"
-                 f"; native model.max_position_embeddings {model.max_position_embeddings}")
-        fix = "raise model.rope_scaling.factor, or lower data.max_prompt_tokens / rollout.max_new_tokens"
+    if model.rope_scaling.type == "yarn":
+        fix = f"{_extension(model, longest)}, or lower data.max_prompt_tokens / rollout.max_new_tokens"
     else:
-        native = model.max_position_embeddings
-        where = f"model.max_position_embeddings {native}"
-        fix = (f"enable YaRN (model.rope_scaling.type=yarn, model.rope_scaling.factor={-(-longest // native)}, "
-               f"model.rope_scaling.original_max_position_embeddings={native}; docs/long_context.md), raise "
-               "model.max_position_embeddings for a model built from scratch, or lower data.max_prompt_tokens / "
-               "rollout.max_new_tokens")
+        fix = (f"{_extension(model, longest)}, raise model.max_position_embeddings for a model built from scratch, "
+               "or lower data.max_prompt_tokens / rollout.max_new_tokens")
     return ("rollout.max_new_tokens", cfg.rollout.max_new_tokens,
             f"data.max_prompt_tokens {cfg.data.max_prompt_tokens} + rollout.max_new_tokens "
-            f"{cfg.rollout.max_new_tokens} = {longest} tokens exceed the model's {limit} positions ({where})", fix)
+            f"{cfg.rollout.max_new_tokens} = {longest} tokens exceed the model's {limit} positions "
+            f"({_window(model)})", fix)
+
+
+def _prompts_past_positions(cfg, read) -> tuple | None:
+    """The longest prompt read + ``rollout.max_new_tokens`` past the model's positions: the error,
+    naming its line and what would fit."""
+    model, new = cfg.model, cfg.rollout.max_new_tokens
+    longest, limit = read.tokens + new, max_positions(model)
+    if longest <= limit:
+        return None
+    fixes = [f"shorten the prompts to {limit - new} tokens or fewer"] if limit > new else []
+    fixes += [f"lower rollout.max_new_tokens to {limit - read.tokens} or less"] if limit > read.tokens else []
+    fixes.append(_extension(model, longest))
+    fix = fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+    return (read.key, read.path,
+            f"its longest prompt (line {read.line}, {read.tokens} tokens) + rollout.max_new_tokens {new} = {longest} "
+            f"tokens exceed the model's {limit} positions ({_window(model)})", fix)
+
+
 FEATURES = [
     Feature(
         "Local layer spec", "models", TESTED_CPU,
@@ -222,12 +269,15 @@ FEATURES = [
         "Sequence length within the model's positions", "models", TESTED_CPU,
         "data.max_prompt_tokens + rollout.max_new_tokens must fit the positions the model's RoPE is meant for: "
         "model.max_position_embeddings, or with YaRN factor x original_max_position_embeddings; checked before "
-        "launch.",
-        ("tests/test_hf_config.py::test_position_limit_is_checked_before_launch",),
+        "launch.  `generate` checks the longest prompt of its input + rollout.max_new_tokens instead, alike on "
+        "every layout.",
+        ("tests/test_hf_config.py::test_position_limit_is_checked_before_launch",
+         "tests/test_prompt_lengths.py::test_generate_refuses_a_prompt_past_the_positions_with_one_line_on_every_layout"),
         (
             # The lengths of what a run generates; score reads the sequences it is given.
             Constraint("prompt + response <= max positions (native, or YaRN factor x original) (when generating)",
-                       lambda c, w: _position_limit(c), "rollout.max_new_tokens", generation=True),
+                       lambda c, w, job: _position_limit(c, job), "rollout.max_new_tokens", generation=True,
+                       reads_job=True),
         ),
         config="data.max_prompt_tokens, rollout.max_new_tokens, model.max_position_embeddings, model.rope_scaling",
     ),

@@ -128,14 +128,16 @@ NON_GENERATING = ("score", "convert", "smoke")
 
 
 def _load(config: str | None, overrides: list[str], world: int | None, hf_model: str | None = None,
-          command: str | None = "train"):
+          command: str | None = "train", tool_args=None):
     """Load, take the architecture from an HF model directory when one is given, validate; for
-    training also check what the config points at (prompt file, reward, tokenizer).  Returns the
-    config and what validation resolved it to."""
+    training also check what the config points at (prompt file, reward, tokenizer); for
+    ``generate`` (``tool_args``) validate with the prompts of its input and the model it generates
+    with.  Returns the config and what validation resolved it to."""
     from megatron_rl.config.loader import load_config
+    from megatron_rl.resolve import Job
     from megatron_rl.validation import validate
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, world_size=world)
     if command not in ("train", "validate", None):
         cfg.rollout.ranks = 0  # only training has generator ranks of their own; tools generate on every rank
     if hf_model:
@@ -144,7 +146,8 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
         from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 
         cfg.model = model_config_from_hf(read_hf_config(cfg.model.hf_path), cfg.model)
-    resolution = validate(cfg, world, generates=command not in NON_GENERATING)
+    job = _generation_job(cfg, tool_args) if command == "generate" and tool_args is not None else Job()
+    resolution = validate(cfg, world, generates=command not in NON_GENERATING, job=job)
     if command is not None:
         from megatron_rl.compat.versions import require_tested_megatron_core
 
@@ -154,6 +157,16 @@ def _load(config: str | None, overrides: list[str], world: int | None, hf_model:
 
         check_training_inputs(cfg)
     return cfg, resolution
+
+
+def _generation_job(cfg, args):
+    """What ``generate`` knows beyond the config: its input's prompts and the model it generates
+    with (the checkpoint's), kept in ``args`` so the command reads them once."""
+    from megatron_rl.tools.generate import read_generation_input
+
+    args.generation_input = read_generation_input(cfg, args.input, args.hf_model, args.checkpoint, args.part)
+    cfg.model = args.generation_input.model
+    return args.generation_input.job(cfg)
 
 
 def _run_dir(cfg) -> str:
@@ -200,7 +213,8 @@ def _rank_main(args) -> int:
     launch = detect_launch_env()
 
     def work() -> int:
-        cfg, _ = _load(args.config, args.overrides, launch.world_size, getattr(args, "hf_model", None), args.command)
+        cfg, _ = _load(args.config, args.overrides, launch.world_size, getattr(args, "hf_model", None), args.command,
+                       args)
         where = init_distributed(cfg.distributed, launch, generators=cfg.rollout.ranks)
         if where.role == GENERATOR:
             return _serve_generation(cfg, where)
@@ -274,7 +288,8 @@ def _convert(cfg, args) -> int:
 def _generate(cfg, args) -> int:
     from megatron_rl.tools.generate import run_generate
 
-    return run_generate(cfg, args.input, args.output, args.hf_model, args.checkpoint, args.part)
+    return run_generate(cfg, args.input, args.output, args.hf_model, args.checkpoint, args.part,
+                        getattr(args, "generation_input", None))
 
 
 _COMMANDS = {"train": _train, "smoke": _smoke, "score": _score, "convert": _convert, "generate": _generate}
@@ -348,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg0 = load_config(args.config, args.overrides)
         nproc = args.nproc or cfg0.distributed.nproc
-        cfg, resolution = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command)
+        cfg, resolution = _load(args.config, args.overrides, nproc, getattr(args, "hf_model", None), args.command,
+                                args)
         rank_env: dict[str, str] = {}  # what the launcher side tells the ranks it started
         if args.command == "train":
             done = _prepare_run_directory(cfg, rank_env)

@@ -38,9 +38,22 @@ RUNTIME_ERRORS = [
      "Virtual pipeline parallelism needs a multiple of `pp`, and at least `2*pp` in a training pass, micro-batches "
      "on every DP rank (megatron-core's schedule hangs with exactly `pp`).",
      "Use more sequences per step (`trainer.prompts_per_step` x `rollout.n`) or `parallel.vpp=null`."),
-    ("data error: max_prompt_tokens=...: all N prompts ... are longer",
-     "Every prompt exceeds `data.max_prompt_tokens`.",
-     "Raise `data.max_prompt_tokens` or shorten the prompts."),
+    ("data error: data.max_prompt_tokens=...: all N prompts in <file> are longer than ... tokens (the longest has "
+     "L, the shortest S)",
+     "Every prompt exceeds `data.max_prompt_tokens`, so training would have none; `validate` and `train` say so "
+     "before launch (files up to 1 GiB are measured whole).",
+     "Raise `data.max_prompt_tokens` to S or more (L keeps every prompt), or shorten the prompts."),
+    ("data error: rollout.agent=<fn>: none of this step's N samples reached its session",
+     "No agent call of the step sent a request with its sample's session id (a request without one is a session "
+     "of its own: `env/agent_stray_sessions`), so nothing would train. When only some missed, one warning says so "
+     "and they train nothing (`env/agent_no_reply`).",
+     'Pass the session id the agent is called with: `extra_body={"session_id": session_id}` or `user=session_id`.'),
+    ("config error: trainer.sft_warmup_steps=N: with rollout.agent the warm-up trains on the chat the endpoint "
+     "serves, and ... is not a 'messages' chat ending in a demonstration",
+     "In agent mode the warm-up trains on demonstrated chats as the endpoint serves them; the data has none "
+     "(a built-in task, a text prompt, a chat not ending in the assistant's turns).",
+     "End every `messages` chat with the assistant's demonstration (docs/environments.md), or "
+     "`trainer.sft_warmup_steps=0`."),
     ("reward error: reward.fn=<name>: raised <Error> on prompt index N", "The reward function failed on that prompt.",
      "Fix the function or the data line N; the run stops before any update uses the bad reward."),
     ("reward error: reward.fn=<name>: returned N values for M responses / a non-finite value",
@@ -100,6 +113,12 @@ RUNTIME_ERRORS = [
      "The HF model uses something the Megatron model cannot reproduce exactly.",
      "Use a supported architecture (see the feature matrix); RoPE scaling: yarn or llama3 (linear / dynamic are "
      "not supported)."),
+    ("config error: --input=...: its longest prompt (line N, ... tokens) + rollout.max_new_tokens ... exceed the "
+     "model's N positions",
+     "`generate`: a prompt of the input and the response it may grow do not fit the model's positions (checked on "
+     "the prompts read, the same on every layout).",
+     "Shorten that prompt, lower `rollout.max_new_tokens`, or enable YaRN (`model.rope_scaling`, "
+     "docs/long_context.md)."),
     ("config error: rollout.max_new_tokens=...: data.max_prompt_tokens ... + rollout.max_new_tokens ... exceed the "
      "model's N positions",
      "The longest prompt + response does not fit the window the model's RoPE is meant for.",
@@ -153,7 +172,9 @@ def config_markdown() -> str:
              "do not edit by hand. Set keys in a YAML file (`--config FILE`) or on the command line",
              "(`key=value`, e.g. `parallel.tp=2 actor.optim.lr=1e-6`). Unknown keys, wrong types, values",
              "outside a key's choices or range are rejected before any process starts, with a one-line",
-             "error naming the key (exit code 2).", ""]
+             "error naming the key (exit code 2); every refused key of the file and the command line comes in",
+             "that one error, a line each with its fix. TRL and verl names are read the same in a file and on",
+             "the command line ([coming_from_trl_verl.md](coming_from_trl_verl.md)).", ""]
     types = leaf_types(Config)
     keys = [k for k, _, _ in iter_fields(Config)]
     section = None
@@ -204,7 +225,7 @@ def _alias_rows(table, kind: str) -> list[str]:
 
 def key_names_markdown() -> str:
     """The key-name section of docs/coming_from_trl_verl.md (the rest of that file is written by hand)."""
-    from megatron_rl.config.aliases import DIFFERENT, GENERATION, NO_EQUIVALENT, SAME, TRL
+    from megatron_rl.config.aliases import BY_VALUE, DIFFERENT, GENERATION, NO_EQUIVALENT, SAME, TRL
     from megatron_rl.config.verl_keys import VERL, VERL_GROUPS, VERL_NAMES
 
     head = "| Their name | From | Ours | How it differs |"
@@ -212,9 +233,12 @@ def key_names_markdown() -> str:
     lines = [
         KEY_NAMES_BEGIN, "## Key names", "",
         "Generated from `megatron_rl/config/aliases.py` and `megatron_rl/config/verl_keys.py`, which cover every "
-        "key path of verl's `ppo_megatron_trainer.yaml`. On the command line a name with the same meaning is "
+        "key path of verl's `ppo_megatron_trainer.yaml`. On the command line and in a YAML config file (top level "
+        "or nested in sections, `data: {train_files: ...}`) a name with the same meaning is "
         "accepted and rewritten to ours with one note (`config: verl key actor_rollout_ref.actor.optim.lr read as "
-        "our actor.optim.lr=1e-6`). Every other verl name is refused with one line: a different meaning points at "
+        "our actor.optim.lr=1e-6`). A name read by its value is accepted, with one note, where its value means what "
+        "ours does, and refused where it cannot. Every refused name of a run is reported in one error, a line "
+        "each with its fix (exit code 2). Every other verl name is refused: a different meaning points at "
         "our key and says how it differs; a generation-side key says generation runs on the training layout; a key "
         "with no equivalent says so. verl's full paths are matched exactly; a bare name (`ppo_epochs`, "
         "`algorithm.beta`) is matched on its last one or two dotted parts, and applied only when it does not sit "
@@ -229,12 +253,17 @@ def key_names_markdown() -> str:
         "sharded over the TP group (needs `parallel.tp` > 1). It does not split sequences over ranks.",
         "- `actor_rollout_ref.actor.megatron.{tensor,pipeline,virtual_pipeline,context,expert}_model_parallel_size` "
         "and `expert_tensor_parallel_size` are `parallel.tp`, `pp`, `vpp`, `cp`, `ep`, `etp`. The critic and the "
-        "reference model train and run on the same layout, so their `megatron.*` sizes are refused.",
+        "reference model train and run on the same layout, so their `megatron.*` sizes are accepted when they equal "
+        "the actor's and refused otherwise.",
         "- Generation runs on the training layout today, so "
         "`actor_rollout_ref.rollout.tensor_model_parallel_size` and the other generation-side sizes are refused "
         "(in verl they set the inference engine's layout, not training's).", "",
         "### Same meaning (accepted)", "", same_head, "|---|---|---|"]
     lines += _alias_rows(TRL, SAME) + _alias_rows(VERL_NAMES, SAME) + _alias_rows(VERL, SAME)
+    lines += ["", "### Read by value (accepted where the value means ours)", "", head.replace("How it differs",
+                                                                                              "How it is read"),
+              "|---|---|---|---|"]
+    lines += _alias_rows(TRL, BY_VALUE) + _alias_rows(VERL_NAMES, BY_VALUE) + _alias_rows(VERL, BY_VALUE)
     lines += ["", "### Different meaning (refused, pointing at ours)", "", head, "|---|---|---|---|"]
     lines += _alias_rows(TRL, DIFFERENT) + _alias_rows(VERL_NAMES, DIFFERENT) + _alias_rows(VERL, DIFFERENT)
     lines += ["", "### Generation side (refused)", "", "| verl key | Why |", "|---|---|"]

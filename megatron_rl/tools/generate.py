@@ -25,7 +25,7 @@ import os
 
 import torch.distributed as dist
 
-from megatron_rl.config.schema import Config
+from megatron_rl.config.schema import Config, ModelConfig
 from megatron_rl.errors import CheckpointError, ConfigError, DataError
 
 # The ids of a prompt: the name the output uses, then the name read before it.
@@ -50,9 +50,11 @@ def _prompt_ids(record: dict, where: str, tokenizer) -> list[int]:
     return tokenizer.apply_chat_template(record["messages"])
 
 
-def read_prompts(path: str, tokenizer, vocab_size: int, records: list | None = None) -> list[list[int]]:
+def read_prompts(path: str, tokenizer, vocab_size: int, records: list | None = None,
+                 lines: list | None = None) -> list[list[int]]:
     """Prompt ids, one per non-empty line of ``path``; ``tokenizer`` None reads rows of ids only.
-    ``records`` (a list) receives each line's JSON object (what an environment starts from)."""
+    ``records`` (a list) receives each line's JSON object (what an environment starts from),
+    ``lines`` each prompt's line number."""
     if not os.path.isfile(path):
         raise DataError("--input", path, "file not found",
                         "give a JSONL file with prompt_ids, prompt or messages per line")
@@ -75,6 +77,8 @@ def read_prompts(path: str, tokenizer, vocab_size: int, records: list | None = N
             prompts.append(ids)
             if records is not None:
                 records.append(record)
+            if lines is not None:
+                lines.append(lineno)
     if not prompts:
         raise DataError("--input", path, "no prompts", "add at least one line")
     return prompts
@@ -115,34 +119,69 @@ def _model_from_checkpoint(checkpoint: str, part: str, tokenizer: str | None = N
     return model_config_from_dict(meta["models"][part]), carried, carried
 
 
-def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
-                 checkpoint: str | None = None, part: str = "actor") -> int:
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
-    from megatron_rl.envs.build import with_environment
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.resolve import Job, resolve, trajectory_token_limit
-    from megatron_rl.rollout.dp import generate_data_parallel
-    from megatron_rl.rollout.engine import make_rollout_engine
-    from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
+@dataclasses.dataclass
+class GenerationInput:
+    """What ``generate`` reads before it builds anything: the model it generates with, its
+    tokenizer and the prompts.  Read once per process, before launch as on every rank, so
+    validation and generation judge the same prompts."""
 
+    model: ModelConfig
+    model_dir: str | None
+    tokenizer: object
+    path: str
+    prompts: list[list[int]]
+    records: list[dict]
+    lines: list[int]
+
+    def job(self, cfg: Config):
+        """The longest sequence and the prompt count for :func:`megatron_rl.resolve.resolve` and
+        validation: the longest prompt read + rollout.max_new_tokens (with an environment or agent,
+        at least the trajectory's token limit)."""
+        from megatron_rl.resolve import Job, PromptsRead, trajectory_token_limit
+
+        at = max(range(len(self.prompts)), key=lambda i: len(self.prompts[i]))
+        longest = len(self.prompts[at]) + cfg.rollout.max_new_tokens
+        if cfg.rollout.multi_turn:
+            longest = max(longest, trajectory_token_limit(cfg))
+        read = PromptsRead("--input", self.path, self.lines[at], len(self.prompts[at]))
+        return Job(max_seq_len=longest, prompts=len(self.prompts), prompts_read=read)
+
+
+def read_generation_input(cfg: Config, input_path: str, hf_dir: str | None = None, checkpoint: str | None = None,
+                          part: str = "actor") -> GenerationInput:
+    """The model (the checkpoint's, else ``cfg.model``), its tokenizer and the prompts of ``input_path``."""
     model_cfg, model_dir, tokenizer_dir = cfg.model, hf_dir, hf_dir
     if checkpoint:
         model_cfg, model_dir, tokenizer_dir = _model_from_checkpoint(checkpoint, part, cfg.data.tokenizer)
     tokenizer = load_generation_tokenizer(cfg, tokenizer_dir)
+    if cfg.rollout.multi_turn and tokenizer is None:
+        raise DataError("rollout.env", cfg.rollout.env or cfg.rollout.agent,
+                        "multi-turn generation needs a tokenizer and the model directory holds none",
+                        "set data.tokenizer")
     records: list = []
-    prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size, records)
+    lines: list = []
+    prompts = read_prompts(input_path, tokenizer, model_cfg.vocab_size, records, lines)
+    return GenerationInput(model_cfg, model_dir, tokenizer, input_path, prompts, records, lines)
+
+
+def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
+                 checkpoint: str | None = None, part: str = "actor", source: GenerationInput | None = None) -> int:
+    """``source``: the input as validation read it (None: read it here)."""
+    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+    from megatron_rl.envs.build import with_environment
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.resolve import resolve
+    from megatron_rl.rollout.dp import generate_data_parallel
+    from megatron_rl.rollout.engine import make_rollout_engine
+    from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
+
+    source = source or read_generation_input(cfg, input_path, hf_dir, checkpoint, part)
+    model_cfg, model_dir, tokenizer = source.model, source.model_dir, source.tokenizer
+    prompts, records = source.prompts, source.records
     # The rollout batch and engine for these prompts and this model (every sample of a rank's
     # share in one pass, within the KV budget, unless rollout.max_batch_size says otherwise); with
     # an environment or agent, trajectories up to their token limit.
-    longest = max(map(len, prompts)) + cfg.rollout.max_new_tokens
-    if cfg.rollout.multi_turn:
-        if tokenizer is None:
-            raise DataError("rollout.env", cfg.rollout.env or cfg.rollout.agent,
-                            "multi-turn generation needs a tokenizer and the model directory holds none",
-                            "set data.tokenizer")
-        longest = max(longest, trajectory_token_limit(cfg))
-    job = Job(max_seq_len=longest, prompts=len(prompts))
-    resolution = resolve(dataclasses.replace(cfg, model=model_cfg), dist.get_world_size(), job)
+    resolution = resolve(dataclasses.replace(cfg, model=model_cfg), dist.get_world_size(), source.job(cfg))
     layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
     init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
     device = resolve_device(cfg.distributed)

@@ -1,9 +1,10 @@
 """Checks of what a training config points at, before any process starts.
 
 Validation (``megatron_rl/validation.py``) judges the values; this opens what they name: the prompt file
-and the evaluation file (every record parsed as training parses it, of files up to 1 GiB
-(``data.prompts.FULL_CHECK_BYTES``) -- the first GiB of larger ones, said in one line; the answer key
-when the reward reads answers), the reward function (its calling convention), the tokenizer (its
+and the evaluation file (every record parsed and measured as training parses and measures it, of
+files up to 1 GiB (``data.prompts.FULL_CHECK_BYTES``) -- the first GiB of larger ones, said in one
+line; no prompt within ``data.max_prompt_tokens`` is refused, dropped ones are counted; the answer
+key when the reward reads answers), the reward function (its calling convention), the tokenizer (its
 vocabulary must fit the model's), the critic's HF directory and the initial checkpoint.  Each failure
 is one line naming the key, or the file and line.
 """
@@ -14,6 +15,7 @@ import os
 
 from megatron_rl.config.loader import note_once
 from megatron_rl.config.schema import Config
+from megatron_rl.data.prompts import FULL_CHECK_BYTES
 from megatron_rl.data.sources import TRAIN_KEY, VAL_KEY, check_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
@@ -28,27 +30,28 @@ def _check_dir(key: str, path: str | None, what: str) -> None:
         raise ConfigError(key, path, "no such directory", f"point {key} at {what}, or set it to null")
 
 
-def _check_prompts(cfg: Config, key: str, needs: bool) -> str:
-    """The prompt source at ``key`` parses (every record, up to 1 GiB); the answer key.
+def _check_prompts(cfg: Config, key: str, needs: bool, tokenizer) -> str:
+    """The prompt source at ``key`` parses (every record, up to 1 GiB) and, given the ``tokenizer``,
+    has a prompt within ``data.max_prompt_tokens`` (how many training drops is said); the answer key.
 
     A rank of our local launcher reads only the first record: the launcher checked the whole file
-    before starting it, and every rank parses each line again as it loads it."""
+    before starting it, and every rank parses and measures each line again as it loads it."""
     if os.environ.get(LAUNCHER_ENV):
         return check_prompt_source(cfg.data, key, needs_answers=needs, max_bytes=1)
-    return check_prompt_source(cfg.data, key, needs_answers=needs, note=note_once)
+    return check_prompt_source(cfg.data, key, needs_answers=needs, note=note_once, tokenizer=tokenizer)
 
 
 def check_training_inputs(cfg: Config) -> None:
     reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
-    answer_key = _check_prompts(cfg, TRAIN_KEY, needs_answers(reward_fn))
+    tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
+    answer_key = _check_prompts(cfg, TRAIN_KEY, needs_answers(reward_fn), tokenizer)
     if answer_key != cfg.data.answer_key:
         note_once(f"data: answers read from {answer_key} (verl's schema; the records have no "
                   f"'{cfg.data.answer_key}')")
-    if cfg.data.val_path:
-        _check_prompts(cfg, VAL_KEY, needs_answers(reward_fn))
+    if cfg.data.val_path:  # measured only where evaluation will load it
+        _check_prompts(cfg, VAL_KEY, needs_answers(reward_fn), tokenizer if cfg.trainer.eval_every else None)
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
-    tokenizer = load_tokenizer(tokenizer_spec(cfg.data, cfg.model.hf_path))
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})",
@@ -82,3 +85,27 @@ def _check_agent(cfg: Config) -> None:
     if not callable(fn):
         raise ConfigError("rollout.agent", spec, "is not 'package.module:function' naming a function",
                           "point rollout.agent at fn(base_url, session_id, record) (docs/environments.md)")
+    if cfg.trainer.sft_warmup_steps:
+        _check_agent_warmup_data(cfg)
+
+
+def _check_agent_warmup_data(cfg: Config) -> None:
+    """The warm-up of agent mode trains on demonstrated chats as the endpoint serves them
+    (``trainer/sft.py``): every record must be one (a launcher's rank reads the first)."""
+    from megatron_rl.data.prompts import first_without_demonstration
+    from megatron_rl.data.tasks import TASK_PREFIX
+
+    data = cfg.data
+    if data.train_path.startswith(TASK_PREFIX):
+        where = f"{TRAIN_KEY}={data.train_path} is a built-in task, not '{data.messages_key}' chats"
+    else:
+        found = first_without_demonstration(data.train_path, data.prompt_key, data.messages_key,
+                                            max_bytes=1 if os.environ.get(LAUNCHER_ENV) else FULL_CHECK_BYTES)
+        if found is None:
+            return
+        where = f"{found} is not a '{data.messages_key}' chat"
+    raise ConfigError("trainer.sft_warmup_steps", cfg.trainer.sft_warmup_steps,
+                      f"with rollout.agent the warm-up trains on the chat the endpoint serves, and {where} "
+                      "ending in a demonstration (the assistant's turns, tool results between them)",
+                      f"end every '{data.messages_key}' chat with the assistant's demonstration "
+                      "(docs/environments.md), or set trainer.sft_warmup_steps=0")
