@@ -255,7 +255,8 @@ def sdk_tool_journey(tmp_path, warmup_steps: int, steps: int, name: str = "journ
         "model.max_position_embeddings=512", f"data.tokenizer={TOOL_ALPHABET}", f"data.train_path={data}",
         "data.max_prompt_tokens=32", "rollout.agent=tests.support.envs:sdk_streaming_tool_agent",
         "rollout.max_turns=3", "rollout.max_new_tokens=96", "rollout.max_trajectory_tokens=480", "rollout.n=4",
-        "reward.fn=exact_match", "algorithm.advantage=grpo", "algorithm.kl_coef=0.0", "algorithm.mini_batches=1",
+        "reward.fn=tests.support.helpers:answer_digits_in_place", "algorithm.advantage=grpo", "algorithm.kl_coef=0.0",
+        "algorithm.mini_batches=1",
         "actor.optim.lr=0.0003", "actor.optim.clip_grad=1.0", "trainer.prompts_per_step=8",
         f"trainer.sft_warmup_steps={warmup_steps}", "trainer.sft_lr=0.003", f"trainer.steps={steps}",
         "trainer.plot=false", f"run.dir={tmp_path}", f"run.name={name}", timeout=1800)
@@ -275,3 +276,5 @@ def test_an_openai_sdk_agent_streaming_with_tools_trains_through_a_tool_loop(tmp
         assert m["env/agent_no_reply"] == 0 and m["env/agent_stray_sessions"] == 0
         assert m["env/turns_mean"] > 1.25  # most trajectories call the tool and answer after its result
         assert m["env/observation_tokens_mean"] > 0
+    # the final replies earn partial credit that differs within groups: the steps trained on something
+    assert all(m["reward/mean"] > 0 for m in metrics) and any(m["actor/grad_norm"] > 0 for m in metrics)

@@ -56,20 +56,25 @@ FEATURES = [
     ),
     Feature(
         "TRL / verl key names", "runtime", TESTED_CPU,
-        "Every key path of verl's ppo_megatron_trainer.yaml is mapped: command-line overrides under TRL's or verl's "
-        "name for the same setting (num_generations, beta, actor_rollout_ref.actor.optim.lr, "
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size, ...) are accepted with a one-line note; names "
-        "that mean something else here are refused pointing at our key (ulysses_sequence_parallel_size: parallel.cp "
-        "with parallel.cp_comm_type=a2a), generation-side layout keys are refused (generation runs on the training "
-        "layout), keys with no equivalent are refused saying so; two names for one key with different values are "
-        "refused naming both; did-you-mean only for close misspellings. docs/coming_from_trl_verl.md lists them.",
+        "Every key path of verl's ppo_megatron_trainer.yaml is mapped, and TRL's GRPOConfig names: on the command "
+        "line and in a YAML file alike, a name for the same setting (num_generations, beta, "
+        "actor_rollout_ref.actor.optim.lr, ...) is accepted with a one-line note; a name read by its value (loss_type, "
+        "scale_rewards, report_to, trainer.logger, ppo_mini_batch_size, the reference model's layout equal to the "
+        "actor's, n_gpus_per_node x nnodes equal to the job's ranks, rollout.name=vllm, custom_reward_function.path, "
+        "the rollout's TP/PP/EP as rollout.layout) is accepted where the value means ours; names that mean something "
+        "else are refused pointing at our key; every refused key of a run is reported in one error (exit 2), each "
+        "with its fix; did-you-mean only for close misspellings. docs/coming_from_trl_verl.md lists them.",
         ("tests/test_config_aliases.py::test_same_meaning_alias_is_accepted_with_one_note",
          "tests/test_config_aliases.py::test_different_meaning_alias_is_refused_pointing_at_our_key",
-         "tests/test_config_aliases.py::test_generation_layout_keys_are_refused_not_read_as_the_training_layout",
+         "tests/test_config_aliases.py::test_generation_layout_keys_set_the_rollout_layout_not_the_training_one",
          "tests/test_config_aliases.py::test_every_key_of_verls_megatron_trainer_is_mapped",
          "tests/test_config_aliases.py::test_verl_names_point_at_the_right_key_not_a_look_alike",
          "tests/test_config_aliases.py::test_two_names_for_one_key_with_different_values_are_refused",
-         "tests/test_config_aliases.py::test_a_typo_still_gets_did_you_mean"),
+         "tests/test_config_aliases.py::test_a_typo_still_gets_did_you_mean",
+         "tests/test_foreign_keys.py::test_every_refused_key_of_verls_megatron_ppo_command_is_reported_at_once",
+         "tests/test_foreign_keys.py::test_verl_values_that_mean_ours_are_accepted_with_a_note",
+         "tests/test_foreign_keys.py::test_trl_and_verl_names_in_a_yaml_file_give_what_the_command_line_gives",
+         "tests/test_foreign_keys.py::test_verls_files_with_verls_key_names_in_one_run"),
         config="e.g. num_generations=8, actor_rollout_ref.actor.optim.lr=1e-6",
     ),
     Feature(

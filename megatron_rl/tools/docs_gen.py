@@ -239,7 +239,7 @@ def key_names_markdown() -> str:
         "our actor.optim.lr=1e-6`). A name read by its value is accepted, with one note, where its value means what "
         "ours does, and refused where it cannot. Every refused name of a run is reported in one error, a line "
         "each with its fix (exit code 2). Every other verl name is refused: a different meaning points at "
-        "our key and says how it differs; a generation-side key says generation runs on the training layout; a key "
+        "our key and says how it differs; a generation-side key says what sets it here; a key "
         "with no equivalent says so. verl's full paths are matched exactly; a bare name (`ppo_epochs`, "
         "`algorithm.beta`) is matched on its last one or two dotted parts, and applied only when it does not sit "
         "in another section (`critic.tensor_model_parallel_size` is refused, pointing at `parallel.tp`). Two names "
@@ -255,9 +255,11 @@ def key_names_markdown() -> str:
         "and `expert_tensor_parallel_size` are `parallel.tp`, `pp`, `vpp`, `cp`, `ep`, `etp`. The critic and the "
         "reference model train and run on the same layout, so their `megatron.*` sizes are accepted when they equal "
         "the actor's and refused otherwise.",
-        "- Generation runs on the training layout today, so "
-        "`actor_rollout_ref.rollout.tensor_model_parallel_size` and the other generation-side sizes are refused "
-        "(in verl they set the inference engine's layout, not training's).", "",
+        "- `actor_rollout_ref.rollout.{tensor_model_parallel_size,pipeline_model_parallel_size,"
+        "expert_parallel_size}` set the inference engine's layout, as in verl: they are `rollout.layout.tp`, `pp`, "
+        "`ep` (megatron-core's engine on a layout of its own, refit from the training shards; docs/rollout.md), "
+        "never `parallel.*`. The rollout's data-parallel size is what its layout leaves of the ranks, so "
+        "`actor_rollout_ref.rollout.data_parallel_size` is refused.", "",
         "### Same meaning (accepted)", "", same_head, "|---|---|---|"]
     lines += _alias_rows(TRL, SAME) + _alias_rows(VERL_NAMES, SAME) + _alias_rows(VERL, SAME)
     lines += ["", "### Read by value (accepted where the value means ours)", "", head.replace("How it differs",

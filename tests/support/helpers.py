@@ -29,6 +29,13 @@ def digit_share(prompts, responses, answers, **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in r) / max(len(r), 1) for r in responses]
 
 
+def answer_digits_in_place(prompts, responses, answers, **kwargs) -> list[float]:
+    """Share of the answer's characters the response has in the same places: partial credit a tiny
+    model earns long before its answers are exact, so GRPO has groups with different rewards."""
+    return [sum(a == b for a, b in zip(r.strip(), ans)) / len(ans) if ans else 0.0
+            for r, ans in zip(responses, answers)]
+
+
 def never_returns(prompts, responses, answers, **kwargs) -> list[float]:
     """A plain batch reward stuck in a blocking call (no Python code runs that could be interrupted)."""
     import time
