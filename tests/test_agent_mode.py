@@ -220,7 +220,7 @@ def test_an_agent_job_warms_up_on_demonstrated_chats(tmp_path):
 
 
 JOURNEY_WARMUP = 100  # warm-up steps after which the tiny model writes calculator calls
-TOOL_ALPHABET = "char:0123456789abcdefghijklmnopqrstuvwxyz +-*/=#.,:?()<>_{}\"\n"
+TOOL_TOKENIZER = "char:" + TOOL_ALPHABET
 
 
 def write_tool_chats(path, count: int, seed: int = 0) -> str:
@@ -252,7 +252,7 @@ def sdk_tool_journey(tmp_path, warmup_steps: int, steps: int, name: str = "journ
     proc, seconds = cli(
         "train", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
         "model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=64",
-        "model.max_position_embeddings=512", f"data.tokenizer={TOOL_ALPHABET}", f"data.train_path={data}",
+        "model.max_position_embeddings=512", f"data.tokenizer={TOOL_TOKENIZER}", f"data.train_path={data}",
         "data.max_prompt_tokens=32", "rollout.agent=tests.support.envs:sdk_streaming_tool_agent",
         "rollout.max_turns=3", "rollout.max_new_tokens=96", "rollout.max_trajectory_tokens=480", "rollout.n=4",
         "reward.fn=tests.support.helpers:answer_digits_in_place", "algorithm.advantage=grpo", "algorithm.kl_coef=0.0",

@@ -208,6 +208,20 @@ def test_validate_refuses_a_reward_file_that_does_not_exist(capsys, tmp_path):
     assert code == 2 and len(err) == 1 and err[0].startswith(f"reward error: reward.fn={spec}: no such file"), err
 
 
+def test_validate_refuses_data_without_a_column_the_reward_requires_by_name(capsys, tmp_path):
+    """A TRL function naming a dataset column (``solution``) the records lack: refused before launch
+    with the record and the fix, not on the first step."""
+    (tmp_path / "rewards.py").write_text("def accuracy(completions, solution, **kwargs):\n"
+                                         "    return [float(c == s) for c, s in zip(completions, solution)]\n")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "solution": "2"}\n{"prompt": "2+2=", "answer": "4"}\n')
+    code = main(["validate", DEMO, f"run.dir={tmp_path}/runs", f"reward.fn={tmp_path}/rewards.py:accuracy",
+                 f"data.train_path={data}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert f"{data}:2" in err[0] and "'solution'" in err[0] and err[0].startswith("reward error: reward.fn="), err
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -258,5 +272,6 @@ def test_trl_reward_functions_unchanged(tmp_path, name, conversational):
         expected = [_recompute(name, s["response"], rows[s["dataset_index"]]["solution"]) for s in samples]
         assert [s["reward"] for s in samples] == pytest.approx(expected)
         assert row["reward/mean"] == pytest.approx(sum(expected) / len(expected))
+        assert row["reward/none"] == 0  # both functions reward every completion
         seen.update(expected)
     assert len(seen) > 1, seen  # the rewards vary: what is compared is the functions' work, not a constant

@@ -389,6 +389,18 @@ def first_without_demonstration(path: str, prompt_key: str = "prompt", messages_
     return None
 
 
+def first_missing_column(path: str, columns, key: str = "data.train_path",
+                         max_bytes: int = FULL_CHECK_BYTES) -> Optional[tuple[str, str, list]]:
+    """``(location, column, the record's columns)`` of the first record (of a JSON-lines file, within
+    its first ``max_bytes``) that lacks one of ``columns``; None when every one has them all."""
+    for _, where, record in _records(os.fspath(path), key, max_bytes):
+        present = record if isinstance(record, dict) else {}
+        for column in columns:
+            if column not in present:
+                return where, column, sorted(present)
+    return None
+
+
 def _first_line_at(path: str, offset: int) -> int:
     """Where the first line starting at or after byte ``offset`` (> 0) of ``path`` starts."""
     with open(path, "rb") as f:

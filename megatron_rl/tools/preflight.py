@@ -20,7 +20,7 @@ from megatron_rl.data.sources import TRAIN_KEY, VAL_KEY, check_prompt_source, to
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.conventions import needs_answers
-from megatron_rl.rewards.registry import get_reward_fn
+from megatron_rl.rewards.registry import RewardFunctionError, get_reward_fn
 
 LAUNCHER_ENV = "MEGATRON_RL_LAUNCHER"  # set in the ranks our launcher (or the test harness) starts
 
@@ -50,6 +50,7 @@ def check_training_inputs(cfg: Config) -> None:
                   f"'{cfg.data.answer_key}')")
     if cfg.data.val_path:  # measured only where evaluation will load it
         _check_prompts(cfg, VAL_KEY, needs_answers(reward_fn), tokenizer if cfg.trainer.eval_every else None)
+    _check_reward_columns(cfg, reward_fn)
     _check_dir("critic.hf_path", cfg.critic.hf_path, "a local reward-model directory")
     _check_dir("actor.init_checkpoint", cfg.actor.init_checkpoint, "a megatron_rl checkpoint step directory")
     if tokenizer.vocab_size > cfg.model.vocab_size:
@@ -60,6 +61,29 @@ def check_training_inputs(cfg: Config) -> None:
         _check_environment(cfg, tokenizer)
     if cfg.rollout.agent:
         _check_agent(cfg)
+
+
+def _check_reward_columns(cfg: Config, reward_fn) -> None:
+    """Every record has the dataset columns the reward function requires by name (a TRL function's
+    ``solution``), so a gap is one line before launch, not a stop at the first step."""
+    from megatron_rl.data.prompts import first_missing_column
+    from megatron_rl.data.tasks import TASK_PREFIX
+
+    required = getattr(reward_fn, "required_columns", ())
+    if not required:
+        return
+    path = cfg.data.train_path
+    if path.startswith(TASK_PREFIX):
+        found = (path, required[0], [])
+    else:
+        found = first_missing_column(path, required, TRAIN_KEY,
+                                     max_bytes=1 if os.environ.get(LAUNCHER_ENV) else FULL_CHECK_BYTES)
+    if found is not None:
+        where, column, present = found
+        raise RewardFunctionError(
+            "reward.fn", cfg.reward.fn, f"requires the dataset column {column!r}, which the record at {where} "
+            f"lacks (its columns: {', '.join(present) or 'none'})",
+            f"add a '{column}' column to every record, or give the parameter {column} a default")
 
 
 def _check_environment(cfg: Config, tokenizer) -> None:

@@ -428,12 +428,13 @@ class PPOTrainer:
         many as it takes to fill the batch with groups whose rewards differ (bounded)."""
         alg = self.cfg.algorithm
         raw_drawn: list[torch.Tensor] = []
-        timed_out = [0]
+        timed_out, no_reward = [0], [0]
 
         def grade(samples: Samples) -> tuple[Samples, torch.Tensor, torch.Tensor]:
             with timed("reward", timings):
                 graded = self._score(samples)
             timed_out[0] += graded.timed_out
+            no_reward[0] += graded.no_reward
             raw = graded.scores.float()
             raw_drawn.append(raw)
             return samples, raw + self._overlong_penalty(samples), raw  # dynamic sampling decides on raw
@@ -471,6 +472,7 @@ class PPOTrainer:
         with timed("rollout", timings):
             self.engine.release_weights()  # reloaded before the next rollout; training gets the memory
         metrics["reward/timeouts"] = timed_out[0]
+        metrics["reward/none"] = no_reward[0]  # samples a reward function returned None for (scored 0)
         if alg.dynamic_sampling or alg.overlong_buffer:
             metrics["reward/drawn_mean"] = float(torch.cat(raw_drawn).mean())  # before shaping and filtering
         if alg.overlong_buffer:
