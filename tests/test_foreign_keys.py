@@ -339,11 +339,14 @@ VERL_TINY_RUN = [  # verl's names for everything the tiny run sets that verl has
 
 
 def _verl_rows(path, n: int = 4) -> str:
-    """verl's gsm8k rows (as its preprocessing writes them), one JSON object a line."""
+    """verl's gsm8k rows as its preprocessing writes them: a Parquet file."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{i}+{i}="}], "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
              "extra_info": {"split": "train", "index": i}} for i in range(n)]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pq.write_table(pa.Table.from_pylist(rows), path)
     return str(path)
 
 
@@ -354,7 +357,7 @@ def test_verls_files_with_verls_key_names_in_one_run(tmp_path):
 
     from tests.support.helpers import TINY, read_metrics
 
-    path = _verl_rows(tmp_path / "train.jsonl")
+    path = _verl_rows(tmp_path / "train.parquet")
     renamed = {"data.train_path", "data.max_prompt_tokens", "reward.fn", "rollout.n", "rollout.max_new_tokens",
                "trainer.prompts_per_step", "actor.optim.lr", "batch.micro_batch_size", "algorithm.kl_coef",
                "algorithm.mini_batches"}

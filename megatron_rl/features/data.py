@@ -8,9 +8,13 @@ AREA = "data"
 FEATURES = [
     Feature(
         "Prompt data (JSONL / Parquet, chat templates)", "data", TESTED_CPU,
-        "prompt / answer / messages records; over-long prompts dropped and counted; seeded, resumable sampling.",
+        "prompt / answer / messages records; over-long prompts dropped and counted; seeded, resumable sampling. "
+        "validate measures the prompts as train will (up to 1 GiB): how many are dropped, and a file with none "
+        "within data.max_prompt_tokens refused before launch with train's own line.",
         ("tests/test_prompts.py::test_sampler_exact_resume",
-         "tests/test_prompts.py::test_long_prompts_dropped_and_logged"),
+         "tests/test_prompts.py::test_long_prompts_dropped_and_logged",
+         "tests/test_prompt_lengths.py::test_validate_says_how_many_prompts_training_will_drop",
+         "tests/test_prompt_lengths.py::test_train_stops_before_any_rank_starts_when_no_prompt_fits"),
         config="data.*",
     ),
     Feature(

@@ -118,6 +118,19 @@ FEATURES = [
         config="rollout.agent, rollout.agent_timeout_s",
     ),
     Feature(
+        "Agent mode: sessions reached, warm-up on served chats, the SDK journey", "environments", TESTED_CPU,
+        "A sample whose agent never named its session (plain SDK use without user= / extra_body) is counted "
+        "(env/agent_no_reply, env/agent_stray_sessions) and warned about once with the fix; a step where no agent "
+        "did stops the job (exit 2). trainer.sft_warmup_steps with rollout.agent trains on the ids the endpoint "
+        "serves for each record's demonstrated chat (its tools column offered), or is refused before launch. An "
+        "openai-SDK agent streaming with tools runs its tool loop over GRPO steps end to end.",
+        ("tests/test_agent_mode.py::test_train_stops_when_no_agent_named_its_session_and_warns_when_half_did",
+         "tests/test_agent_mode.py::test_the_agent_warm_up_trains_on_the_ids_the_endpoint_serves_for_the_demonstration",
+         "tests/test_agent_mode.py::test_an_agent_warm_up_without_chat_demonstrations_is_refused_before_launch",
+         "tests/test_agent_mode.py::test_an_openai_sdk_agent_streaming_with_tools_trains_through_a_tool_loop"),
+        config="rollout.agent, trainer.sft_warmup_steps",
+    ),
+    Feature(
         "Multi-turn generate (evaluate a checkpoint on an environment)", "environments", TESTED_CPU,
         "megatron-rl generate with rollout.env (or rollout.agent): each input line is the environment's record; "
         "rows carry response_mask, turns, limit and the environment's reward.",
