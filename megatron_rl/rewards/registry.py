@@ -257,10 +257,16 @@ def _check_columns(fn, name: str, fields: Optional[Sequence[dict]], n: int, indi
     gap = columns.missing(required, records) if required else None
     if gap is not None:
         i, column = gap
-        raise RewardFunctionError(
-            KEY, name, f"requires the dataset column {column!r}, which the record of prompt index {indices[i]} "
-            f"lacks (its columns: {_short(sorted(records[i]), 60)})",
-            f"add a '{column}' column to every record, or give the parameter {column} a default")
+        raise missing_column_error(name, column, f"of prompt index {indices[i]}", records[i])
+
+
+def missing_column_error(name: str, column: str, where: str, record: dict) -> RewardFunctionError:
+    """The one line for a record (``where``: which) lacking a column reward.fn=``name`` requires; the
+    same before launch (tools/preflight.py) and at a step."""
+    return RewardFunctionError(
+        KEY, name, f"requires the dataset column {column!r}, which the record {where} lacks (its columns: "
+        f"{_short(sorted(record), 60)})", f"add a '{column}' column to every record, or give the parameter "
+        f"{column} a default")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from megatron_rl.data.sources import TRAIN_KEY, VAL_KEY, check_prompt_source, to
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.errors import ConfigError
 from megatron_rl.rewards.conventions import needs_answers
-from megatron_rl.rewards.registry import RewardFunctionError, get_reward_fn
+from megatron_rl.rewards.registry import get_reward_fn, missing_column_error
 
 LAUNCHER_ENV = "MEGATRON_RL_LAUNCHER"  # set in the ranks our launcher (or the test harness) starts
 
@@ -30,13 +30,24 @@ def _check_dir(key: str, path: str | None, what: str) -> None:
         raise ConfigError(key, path, "no such directory", f"point {key} at {what}, or set it to null")
 
 
+def _launched_rank() -> bool:
+    """A rank our launcher started: the launcher already read the files in full before starting it."""
+    return bool(os.environ.get(LAUNCHER_ENV))
+
+
+def _read_bound() -> int:
+    """How much of a prompt file a check reads here: its first record on a launched rank, else the
+    full-check bound."""
+    return 1 if _launched_rank() else FULL_CHECK_BYTES
+
+
 def _check_prompts(cfg: Config, key: str, needs: bool, tokenizer) -> str:
     """The prompt source at ``key`` parses (every record, up to 1 GiB) and, given the ``tokenizer``,
     has a prompt within ``data.max_prompt_tokens`` (how many training drops is said); the answer key.
 
     A rank of our local launcher reads only the first record: the launcher checked the whole file
     before starting it, and every rank parses and measures each line again as it loads it."""
-    if os.environ.get(LAUNCHER_ENV):
+    if _launched_rank():
         return check_prompt_source(cfg.data, key, needs_answers=needs, max_bytes=1)
     return check_prompt_source(cfg.data, key, needs_answers=needs, note=note_once, tokenizer=tokenizer)
 
@@ -77,13 +88,10 @@ def _check_reward_columns(cfg: Config, reward_fn) -> None:
         found = (path, required[0], [])
     else:
         found = first_missing_column(path, required, TRAIN_KEY,
-                                     max_bytes=1 if os.environ.get(LAUNCHER_ENV) else FULL_CHECK_BYTES)
+                                     max_bytes=_read_bound())
     if found is not None:
         where, column, present = found
-        raise RewardFunctionError(
-            "reward.fn", cfg.reward.fn, f"requires the dataset column {column!r}, which the record at {where} "
-            f"lacks (its columns: {', '.join(present) or 'none'})",
-            f"add a '{column}' column to every record, or give the parameter {column} a default")
+        raise missing_column_error(cfg.reward.fn, column, f"at {where}", dict.fromkeys(present))
 
 
 def _check_environment(cfg: Config, tokenizer) -> None:
@@ -124,7 +132,7 @@ def _check_agent_warmup_data(cfg: Config) -> None:
         where = f"{TRAIN_KEY}={data.train_path} is a built-in task, not '{data.messages_key}' chats"
     else:
         found = first_without_demonstration(data.train_path, data.prompt_key, data.messages_key,
-                                            max_bytes=1 if os.environ.get(LAUNCHER_ENV) else FULL_CHECK_BYTES)
+                                            max_bytes=_read_bound())
         if found is None:
             return
         where = f"{found} is not a '{data.messages_key}' chat"
