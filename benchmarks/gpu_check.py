@@ -450,7 +450,7 @@ def section_sdpa(check: Check):
     from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.ops import cp_attention
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
 
     init_model_parallel(ParallelLayout())
@@ -487,7 +487,7 @@ def section_sdpa(check: Check):
     for comm in ("p2p", "all_gather", "a2a"):
         yield (f"(c) {comm} CP path (fused kernels; CP=1 here)", _probe(lambda: cp_path(comm)))
 
-    engine = make_engine("megatron", model_cfg, dev, max_batch_size=8)  # rollout.batching=auto
+    engine = MegatronRolloutEngine(model_cfg, dev, max_batch_size=8)  # rollout.batching=auto
     engine.load_from_chunks([chunk])
     recorder = sdpa_recorder()
     with _SdpaCounter() as counter, recorder:

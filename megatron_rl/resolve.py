@@ -23,7 +23,7 @@ from megatron_rl.config.choices import AUTO
 from megatron_rl.config.schema import Config
 
 SET, AUTO_ORIGIN, DERIVED = "set", "auto", "derived"
-# A derived rollout.max_batch_size generates at most this much full-length KV cache at once.
+# A derived rollout.max_batch_size generates at most this much full-length KV cache at once per rank.
 ROLLOUT_KV_BUDGET_BYTES = 4 * 2**30
 
 
@@ -125,11 +125,10 @@ def _transformer_impl(cfg: Config, world: Optional[int], job: Job):
 
 
 def _rollout_engine(cfg: Config, world: Optional[int], job: Job):
-    from megatron_rl.rollout.choice import pick_engine
-
+    """``auto`` names megatron-core's inference, the only engine."""
     if cfg.rollout.engine != AUTO:
         return cfg.rollout.engine, SET, ""
-    return pick_engine(AUTO), AUTO_ORIGIN, "megatron-core's inference generates on every layout"
+    return "megatron", AUTO_ORIGIN, "megatron-core's inference generates on every layout"
 
 
 def _rollout_batching(cfg: Config, world: Optional[int], job: Job):
@@ -169,13 +168,12 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     elsewhere (the CPU) each unset size is the training layout's, so nothing is copied."""
     from megatron_rl.compat.devices import cuda_memory_bytes
     from megatron_rl.config.schema import RolloutLayoutConfig
-    from megatron_rl.planner.memory import RolloutLayout, shares_training_weights
-    from megatron_rl.rollout.choice import MEGATRON
+    from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
 
     asked, train = cfg.rollout.layout, cfg.parallel
     unset = all(v is None for v in dataclasses.asdict(asked).values())
     memory = cuda_memory_bytes() if cfg.distributed.device == "cuda" else None
-    if unset and cfg.rollout.engine == MEGATRON and world and memory:
+    if unset and world and memory:
         from megatron_rl.models.arch import resolve_dtype
         from megatron_rl.planner.recipe import planned_rollout_layout
 
@@ -253,10 +251,11 @@ def _max_trajectory_tokens(cfg: Config, world: Optional[int], job: Job):
 
 def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     """Every sample a rank generates in a step in one pass, at most what
-    :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds (at least 1)."""
+    :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds on a rank (at least 1): a rank of
+    rollout.layout holds its stage's layers and its TP share of the KV heads."""
     from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.kv import kv_bytes
     from megatron_rl.models.arch import resolve_dtype
-    from megatron_rl.planner.memory import kv_cache_bytes
 
     if cfg.rollout.max_batch_size is not None:
         return cfg.rollout.max_batch_size, SET, ""
@@ -269,7 +268,7 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     prompts = job.prompts if job.prompts is not None else cfg.trainer.prompts_per_step
     per_rank = -(-prompts // dp) * cfg.rollout.n
     dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
-    per_seq = kv_cache_bytes(cfg.model, 1, max_sequence_length(cfg, job), dtype_bytes)
+    per_seq = kv_bytes(cfg.model, max_sequence_length(cfg, job), dtype_bytes, own.tp, own.pp)
     batch = max(1, min(per_rank, int(ROLLOUT_KV_BUDGET_BYTES // per_seq)))
     return batch, DERIVED, (f"every sample of the rank's share of a step, within {ROLLOUT_KV_BUDGET_BYTES >> 30} GiB "
                             "of KV cache")

@@ -11,6 +11,9 @@ import sys
 import pytest
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.layout.kv import kv_bytes
+from megatron_rl.layout.rules import a2a_heads_ok
+from megatron_rl.layout.sizes import RolloutLayout
 from megatron_rl.planner import memory
 from megatron_rl.planner.search import plan, preset
 from megatron_rl.testing.harness import run_distributed
@@ -103,16 +106,16 @@ def test_attention_transient_by_comm_type():
 
 def test_a2a_options_respect_head_counts():
     cfg = preset("qwen2.5-7b")  # 28 heads, 4 KV heads
-    assert memory.a2a_heads_ok(cfg, tp=2, a2a=2) and memory.a2a_heads_ok(cfg, tp=1, a2a=4)
-    assert memory.a2a_heads_ok(cfg, tp=4, a2a=1)
-    assert not memory.a2a_heads_ok(cfg, tp=4, a2a=2)  # 7 query heads per TP rank
-    assert not memory.a2a_heads_ok(cfg, tp=1, a2a=8)  # 28 heads do not split over 8
+    assert a2a_heads_ok(cfg, tp=2, a2a=2) and a2a_heads_ok(cfg, tp=1, a2a=4)
+    assert a2a_heads_ok(cfg, tp=4, a2a=1)
+    assert not a2a_heads_ok(cfg, tp=4, a2a=2)  # 7 query heads per TP rank
+    assert not a2a_heads_ok(cfg, tp=1, a2a=8)  # 28 heads do not split over 8
     result = plan(cfg, prompt_len=1024, response_len=32768, nodes=1, gpus_per_node=8, gpu_memory_gib=80)
     comms = {c.layout.cp_comm_type for c in result.candidates if c.layout.cp > 1}
     assert {"p2p", "a2a", "a2a+p2p"} <= comms
     for c in result.candidates:
         if c.layout.cp > 1 and c.layout.cp_comm_type in ("a2a", "a2a+p2p"):
-            assert memory.a2a_heads_ok(cfg, c.layout.tp, memory.cp_levels(c.layout)[0]), c.layout
+            assert a2a_heads_ok(cfg, c.layout.tp, memory.cp_levels(c.layout)[0]), c.layout
         if c.layout.cp_comm_type == "a2a+p2p":
             assert "parallel.hierarchical_context_parallel_sizes=[2,2]" in c.layout.overrides() or \
                 c.layout.cp != 4
@@ -255,9 +258,10 @@ def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
     whole pages per sequence plus the page the engine reserves.  (The engine's page count for such
     a budget is checked in tests/test_rollout_megatron_engine.py.)"""
     cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128
-    lay = memory.PlanOption(tp=2, pp=2, megatron_rollout=True, rollout_layout=memory.RolloutLayout(tp=2, pp=2))
+    lay = memory.PlanOption(tp=2, pp=2, rollout_layout=RolloutLayout(tp=2, pp=2))
     per_token = 2 * (28 // 2) * (4 // 2) * 128 * 2
-    assert memory.engine_kv_bytes_per_token(cfg, lay, 2) == per_token
+    assert kv_bytes(cfg, 1, 2, tp=2, pp=2) == per_token
+    assert kv_bytes(cfg, 1, 2) == 4 * per_token  # the whole model
     kw = dict(prompt_len=1000, response_len=3000, tokens_per_microbatch=4096, budget_bytes=48 * memory.GiB,
               with_critic=False, with_reference=False)
     est = memory.estimate(cfg, lay, **kw)
@@ -265,9 +269,8 @@ def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
     assert est.rollout_batch >= 1
     assert est.kv_cache_memory == per_token * memory.KV_BLOCK_TOKENS * (est.rollout_batch * pages + 1)
     assert est.components["rollout (weights + KV cache)"] == est.kv_cache_memory
-    # The full-copy decoder on the same layout: all weights and every layer's K/V, so fewer sequences.
-    full = memory.estimate(cfg, memory.PlanOption(tp=2, pp=2), **kw)
-    assert full.kv_cache_memory == 0 and full.rollout_batch < est.rollout_batch
+    # Generation on the actor's own shards: no weights beside them.
+    assert est.rollout.shares and est.rollout.extra_weights == 0
     assert "rollout.engine=megatron" in lay.overrides()
 
 
@@ -276,7 +279,7 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     8 x 80 GB leaves room during rollout for a TP1 copy of the weights and 20 sequences of 33k tokens
     per replica; the numbers by hand."""
     cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128, 7.62B parameters
-    train = memory.PlanOption(tp=4, dp=2, distributed_optimizer=True, megatron_rollout=True)
+    train = memory.PlanOption(tp=4, dp=2, distributed_optimizer=True)
     budget = 0.9 * 80 * memory.GiB
     seq = 1024 + 32768
     p_gpu = memory.params_per_gpu(cfg, train)
@@ -286,7 +289,7 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     assert memory.rollout_resident_bytes(models, offload=True) == pytest.approx(p_gpu * 2)  # the rest in host memory
     mem, why = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
                                             concurrency=16)
-    assert mem.layout == memory.RolloutLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
+    assert mem.layout == RolloutLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
     weights = memory.total_params(cfg) * 2  # TP1 PP1: the whole model, untied embeddings
     assert mem.extra_weights == mem.weights == pytest.approx(weights)
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, every layer, every KV head, bf16
@@ -300,11 +303,11 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     # More than TP1 x PP1 holds: TP1 again, over 2 stages (4 replicas, each rank half the layers' weights and KV).
     mem2, _ = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
                                            concurrency=21)
-    assert mem2.layout == memory.RolloutLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
+    assert mem2.layout == RolloutLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
     assert mem2.extra_weights == pytest.approx(memory.params_per_gpu(cfg, memory.PlanOption(pp=2, dp=4)) * 2)
     assert mem2.kv_per_sequence == per_token / 2 * 256 * pages
     # The training layout's sizes share the actor's shards: nothing added, a quarter of the KV heads per rank.
-    same = memory.rollout_memory(cfg, train, memory.RolloutLayout(tp=4), seq_len=seq, resident=resident,
+    same = memory.rollout_memory(cfg, train, RolloutLayout(tp=4), seq_len=seq, resident=resident,
                                  budget_bytes=budget)
     assert same.shares and same.extra_weights == 0 and same.kv_per_sequence == per_token / 4 * 256 * pages
     # Nothing holds 1000 per replica: the layout that holds the most over the world (sharing: no copy).
@@ -315,7 +318,7 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
 
 def test_plan_shows_the_inference_layout_and_sets_it(capsys):
     rc, lines = _plan_output(capsys, "--model", "qwen2.5-7b", "--prompt-len", "1024", "--response-len", "32768",
-                             "--no-critic", "--no-reference", "--rollout-engine", "megatron", "--show", "3")
+                             "--no-critic", "--no-reference", "--show", "3")
     assert rc == 0
     header, *rows = _table(lines)
     names = re.split(r"\s{2,}", header.strip())
@@ -337,9 +340,9 @@ def test_plan_sizes_the_training_and_the_generator_gpus_apart(capsys):
     kw = dict(prompt_len=1024, response_len=32768, gpus_per_node=8, gpu_memory_gib=80, with_critic=False,
               with_reference=False)
     apart = plan(cfg, nodes=2, generators=8, **kw)
-    colocated = plan(cfg, nodes=1, engines=("megatron",), **kw)
+    colocated = plan(cfg, nodes=1, **kw)
     best, alone = apart.recommended, colocated.recommended
-    assert best.layout.world == 8 and best.layout.generators == 8 and best.layout.megatron_rollout
+    assert best.layout.world == 8 and best.layout.generators == 8
     b = best.breakdown
     assert b.total == b.train_peak  # the trainers never generate
     g = b.rollout
@@ -378,7 +381,7 @@ def test_planned_rollout_layout_of_generator_ranks_counts_no_training_state():
     assert colocated.resident > 0 and apart.resident == 0 and not apart.shares
     # Beside the training state TP1 holds too few sequences, so it took two stages; alone, TP1 PP1
     # holds them with 8 replicas, and more sequences at once over the ranks.
-    assert colocated.layout == memory.RolloutLayout(tp=1, pp=2)
-    assert apart.layout == memory.RolloutLayout(tp=1, pp=1) and apart.replicas == 8
+    assert colocated.layout == RolloutLayout(tp=1, pp=2)
+    assert apart.layout == RolloutLayout(tp=1, pp=1) and apart.replicas == 8
     assert apart.concurrency > colocated.concurrency
     assert apart.peak == pytest.approx(apart.weights + apart.kv) and "KV cache for 16 sequences" in why

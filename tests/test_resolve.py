@@ -55,6 +55,24 @@ def test_each_value_says_where_it_came_from():
     assert old.origin == AUTO_ORIGIN and old.value == "recompute" and "mini_batches" in old.why
 
 
+def test_the_derived_rollout_batch_counts_the_kv_cache_a_rank_holds():
+    """The KV budget of a derived rollout.max_batch_size is per rank, and a rank of rollout.layout
+    holds its stage's layers and its TP share of the KV heads: on TP2 x PP2 a quarter of the
+    model's K/V per sequence, so four times the sequences of one rank holding all of it."""
+    from megatron_rl.layout.kv import kv_bytes
+    from megatron_rl.resolve import ROLLOUT_KV_BUDGET_BYTES
+
+    big = ["model.num_layers=32", "model.hidden_size=4096", "model.ffn_hidden_size=14336",
+           "model.num_attention_heads=32", "model.num_query_groups=8", "model.max_position_embeddings=8192",
+           "data.max_prompt_tokens=1024", "rollout.max_new_tokens=7168"]
+    one = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), [*big, "parallel.tp=1", "parallel.pp=1"])
+    whole = kv_bytes(one.model, 8192, 4)  # fp32 on the CPU: 2 GiB per sequence
+    assert resolve(one, 1).get("rollout.max_batch_size").value == ROLLOUT_KV_BUDGET_BYTES // whole == 2
+    four = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), big)  # tp2 x pp2
+    assert kv_bytes(four.model, 8192, 4, tp=2, pp=2) == whole / 4
+    assert resolve(four, 4).get("rollout.max_batch_size").value == 8
+
+
 def test_config_yaml_keeps_what_was_asked_and_notes_what_it_resolved_to(tmp_path):
     asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), [])
     notes = resolve(asked, 4).lines()

@@ -12,8 +12,8 @@ from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.config.rules import config_value
+from megatron_rl.layout.rules import a2a_heads_ok
 from megatron_rl.models.arch import attention_dims
-from megatron_rl.ops.cp_attention import kv_replication
 
 TESTED_CPU = "tested on CPU"
 TESTED_GPU = "tested on GPU"
@@ -72,6 +72,12 @@ def need(key: str, ok: Callable, problem: str, fix: str, text: str, when: Callab
     return Constraint(f"{text} (when generating)" if generation else text, check, key, generation)
 
 
+def training_rule(rule) -> Constraint:
+    """A training-layout rule of :mod:`megatron_rl.layout.rules` as a check of ``parallel`` before launch."""
+    return need(rule.key, lambda c, w: rule.holds(c.model, c.parallel, c.parallel, w), rule.problem, rule.fix,
+                rule.text, when=lambda c: rule.applies(c.model, c.parallel))
+
+
 def model_parallel_size(cfg) -> int:
     p = cfg.parallel
     return p.tp * p.pp * p.cp
@@ -117,14 +123,7 @@ def _a2a_size(cfg) -> int:
 
 def _a2a_heads_fit(cfg) -> bool:
     """The local a2a path's head rule (it replicates K/V heads when the a2a size is a multiple)."""
-    a2a, tp = _a2a_size(cfg), cfg.parallel.tp
-    if (attention_dims(cfg.model)[0] // tp) % a2a:
-        return False
-    try:
-        kv_replication(_heads_kv(cfg) // tp, a2a)
-    except ValueError:
-        return False
-    return True
+    return a2a_heads_ok(cfg.model, cfg.parallel.tp, _a2a_size(cfg))
 
 
 def _uses_te(cfg) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
-from megatron_rl.planner.memory import RolloutLayout
+from megatron_rl.layout.sizes import RolloutLayout
 
 AREA = "environments"
 

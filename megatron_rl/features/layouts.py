@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, _heads_kv, _vpp_pass_sequences, need
-from megatron_rl.models.arch import expert_ffn_size, is_moe
+from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, _vpp_pass_sequences, need, training_rule
+from megatron_rl.layout.rules import EP_RULES, ETP_RULES, PP_RULES, TP_RULES, VPP_RULES
 
 AREA = "layouts"
 FEATURES = [
@@ -12,17 +12,7 @@ FEATURES = [
         "Megatron column/row-parallel linears and vocab-parallel embedding.",
         ("tests/test_parallel_parity.py::test_tp2_sequence_parallel",
          "tests/test_parallel_parity.py::test_tp2_pp2"),
-        (
-            need("parallel.tp", lambda c, w: c.model.num_attention_heads % c.parallel.tp == 0,
-                 "model.num_attention_heads={c.model.num_attention_heads} is not divisible by tp",
-                 "use a tp that divides the number of attention heads", "num_attention_heads % tp == 0"),
-            need("parallel.tp", lambda c, w: _heads_kv(c) % c.parallel.tp == 0,
-                 "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by tp",
-                 "use a tp that divides the number of KV heads", "num_query_groups % tp == 0"),
-            need("parallel.tp", lambda c, w: c.model.ffn_hidden_size % c.parallel.tp == 0,
-                 "model.ffn_hidden_size={c.model.ffn_hidden_size} is not divisible by tp",
-                 "use a tp that divides ffn_hidden_size", "ffn_hidden_size % tp == 0"),
-        ),
+        tuple(training_rule(rule) for rule in TP_RULES),
         config="parallel.tp",
     ),
     Feature(
@@ -37,11 +27,7 @@ FEATURES = [
         "megatron-core's 1F1B schedule through get_forward_backward_func; variable-length micro-batches.",
         ("tests/test_parallel_parity.py::test_pp2_1f1b_four_microbatches",
          "tests/test_parallel_parity.py::test_tp2_pp2"),
-        (
-            need("parallel.pp", lambda c, w: c.model.num_layers % c.parallel.pp == 0,
-                 "model.num_layers={c.model.num_layers} is not divisible by pp",
-                 "use a pp that divides the number of layers", "num_layers % pp == 0"),
-        ),
+        tuple(training_rule(rule) for rule in PP_RULES),
         config="parallel.pp",
     ),
     Feature(
@@ -60,13 +46,7 @@ FEATURES = [
                  "raise trainer.prompts_per_step (or rollout.n), lower algorithm.mini_batches, or parallel.vpp=null",
                  "sequences per training pass per data-parallel rank >= 2*pp",
                  when=lambda c: (c.parallel.vpp or 1) > 1),
-            need("parallel.vpp", lambda c, w: c.parallel.pp > 1,
-                 "virtual pipeline stages need pipeline parallelism", "set parallel.pp>=2 or parallel.vpp=null",
-                 "pp >= 2", when=lambda c: (c.parallel.vpp or 1) > 1),
-            need("parallel.vpp", lambda c, w: c.model.num_layers % (c.parallel.pp * c.parallel.vpp) == 0,
-                 "model.num_layers={c.model.num_layers} is not divisible by pp*vpp",
-                 "choose pp*vpp that divides the number of layers", "num_layers % (pp*vpp) == 0",
-                 when=lambda c: (c.parallel.vpp or 1) > 1),
+            *(training_rule(rule) for rule in VPP_RULES),
             need("parallel.batch_p2p_comm", lambda c, w: not (c.parallel.pp == 2 and c.parallel.batch_p2p_comm),
                  "PP=2 with VPP and batched p2p gives silently wrong losses and gradients in megatron-core",
                  "set parallel.batch_p2p_comm=false (or leave it null), or use pp>=3",
@@ -106,19 +86,7 @@ FEATURES = [
          "tests/test_moe.py::test_planner_moe_activations_match_a_measurement",
          "tests/test_runtime.py::test_the_layout_line_names_expert_parallelism",
          "tests/test_moe.py::test_score_and_generate_commands_on_pp2_ep2"),
-        (
-            need("parallel.ep", lambda c, w: is_moe(c.model), "expert parallelism needs an MoE model",
-                 "set model.moe.num_experts (or model.hf_path to an MoE checkpoint), or parallel.ep=1",
-                 "ep > 1 needs model.moe.num_experts", when=lambda c: c.parallel.ep > 1),
-            need("parallel.ep", lambda c, w: c.model.moe.num_experts % c.parallel.ep == 0,
-                 "model.moe.num_experts={c.model.moe.num_experts} is not divisible by ep",
-                 "choose an ep that divides the number of experts", "num_experts % ep == 0",
-                 when=lambda c: is_moe(c.model)),
-            need("parallel.ep",
-                 lambda c, w: w is None or w % ((c.parallel.etp or c.parallel.tp) * c.parallel.ep * c.parallel.pp) == 0,
-                 "world size {w} is not divisible by etp*ep*pp (one copy of the experts spans etp x ep x pp ranks)",
-                 "choose etp*ep*pp that divides {w}, e.g. ep = {w} / (etp*pp)", "world size divisible by etp*ep*pp"),
-        ),
+        tuple(training_rule(rule) for rule in EP_RULES),
         config="parallel.ep",
     ),
     Feature(
@@ -139,18 +107,22 @@ FEATURES = [
         "with etp=1: whole experts over more EP ranks).",
         ("tests/test_moe.py::test_loss_and_gradients_match_one_process",
          "tests/test_moe.py::test_score_matches_hf_on_expert_parallel_layouts"),
-        (
-            need("parallel.etp", lambda c, w: is_moe(c.model), "expert tensor parallelism needs an MoE model",
-                 "set model.moe.num_experts, or parallel.etp=null", "etp needs model.moe.num_experts",
-                 when=lambda c: c.parallel.etp is not None and c.parallel.etp != c.parallel.tp),
-            need("parallel.etp", lambda c, w: expert_ffn_size(c.model) % (c.parallel.etp or c.parallel.tp) == 0,
-                 "an expert's hidden units ({c.model.moe.ffn_hidden_size}) are not divisible by etp (null = tp)",
-                 "choose an etp that divides model.moe.ffn_hidden_size", "moe.ffn_hidden_size % etp == 0",
-                 when=lambda c: is_moe(c.model)),
-            need("parallel.etp", lambda c, w: not c.model.add_bias_linear or (c.parallel.etp or c.parallel.tp) == 1,
-                 "megatron-core supports MoE linear biases only with etp=1", "set parallel.etp=1",
-                 "linear biases need etp=1", when=lambda c: is_moe(c.model)),
-        ),
+        tuple(training_rule(rule) for rule in ETP_RULES),
         config="parallel.etp",
+    ),
+    Feature(
+        "Layout check of a config (megatron-rl check-layouts)", "layouts", TESTED_CPU,
+        "Trains the config's model, shrunk to 4 layers and width 64 on CPU gloo ranks with its kinds kept (GQA "
+        "ratio up to 4, MoE or dense, norm, activation, RoPE, tied embeddings, head dim), for N random layouts "
+        "(TP/PP/VPP/CP/EP/ETP/SP/cp_comm_type, batch cuts, full recompute, distributed optimizer) that validate "
+        "accepts, a few steps each; prints per layout the largest difference from one process of the loss, "
+        "log-probs, entropy/values, gradients, gradient norm and updated weights against 1e-5, and a verdict: exit 0 "
+        "all match, 1 one differs or fails, 2 bad input. Seeded (the seed is printed); the random-layout tests "
+        "draw and compare with it. Runs on the CPU only.",
+        ("tests/test_check_layouts.py::test_command_checks_two_layouts_of_a_tiny_config_and_prints_the_table",
+         "tests/test_check_layouts.py::test_a_layout_beyond_the_tolerance_or_failing_fails_the_verdict",
+         "tests/test_check_layouts.py::test_every_drawn_layout_is_one_validate_accepts_and_fills_the_world",
+         "tests/test_cp_layouts.py::test_random_layout_matches_one_process"),
+        config="megatron-rl check-layouts --config CONFIG --layouts N",
     ),
 ]

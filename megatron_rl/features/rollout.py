@@ -12,7 +12,8 @@ from megatron_rl.features.base import (
     _old_logprob_source,
     need,
 )
-from megatron_rl.planner.memory import ROLLOUT_LAYOUT_RULES, RolloutLayout, shares_training_weights
+from megatron_rl.layout.rules import ROLLOUT_RULES
+from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
 from megatron_rl.rollout.choice import STATIC, batching_facts
 
 AREA = "rollout"
@@ -35,10 +36,11 @@ def _differs(c) -> bool:
 
 
 def _rule(rule):
-    """One of the planner's :data:`ROLLOUT_LAYOUT_RULES` as a check before launch, over the ranks
-    that generate (the generator ranks when the job has its own, else the training world)."""
-    return need(rule.key, lambda c, w: not rule.broken_by(c.model, _filled(c), c.parallel, w), rule.problem,
-                rule.fix, rule.text, generation=True, ranks=lambda c, w: c.rollout.ranks or w)
+    """One of the :data:`~megatron_rl.layout.rules.ROLLOUT_RULES` as a check before launch, over the
+    ranks that generate (the generator ranks when the job has its own, else the training world)."""
+    return need(rule.key, lambda c, w: rule.holds(c.model, _filled(c), c.parallel, w), rule.problem,
+                rule.fix, rule.text, when=lambda c: rule.applies(c.model, _filled(c)), generation=True,
+                ranks=lambda c, w: c.rollout.ranks or w)
 
 
 def _ahead(c) -> bool:
@@ -98,7 +100,7 @@ ROLLOUT_BATCHING_CONSTRAINTS = tuple(
     )
 )
 ROLLOUT_LAYOUT_CONSTRAINTS = (
-    *(_rule(rule) for rule in ROLLOUT_LAYOUT_RULES),
+    *(_rule(rule) for rule in ROLLOUT_RULES),
     need("algorithm.routing_replay", lambda c, w: _shares(c),
          "routing replay records the experts on the actor's own shards; rollout.layout generates on a second model",
          "set algorithm.routing_replay=false, or leave rollout.layout unset (the training layout, one chunk per rank)",

@@ -26,10 +26,13 @@ one phase: an MLP, an attention (forward; with training, its backward) or the lo
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
+from megatron_rl.layout.kv import kv_bytes
+from megatron_rl.layout.rules import rollout_problems
+from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
+from megatron_rl.models.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
 from megatron_rl.planner import moe
 
@@ -56,9 +59,6 @@ class PlanOption:
     offload: bool = False
     distributed_optimizer: bool = False
     cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
-    # megatron's engine on rollout.layout with a paged KV cache; False: generation costed as one full
-    # copy of the weights per rank with a contiguous KV cache (an upper bound, for estimates alone)
-    megatron_rollout: bool = False
     hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
     ep: int = 1  # MoE: expert parallel (planner/moe.py)
     etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
@@ -120,14 +120,6 @@ def cp_levels(layout: PlanOption) -> tuple[int, int]:
             return int(layout.hierarchical_cp[0]), int(layout.hierarchical_cp[1])
         return 2, max(layout.cp // 2, 1)
     return 1, layout.cp
-
-
-def a2a_heads_ok(cfg: ModelConfig, tp: int, a2a: int) -> bool:
-    """Whether a2a over ``a2a`` ranks can split this model's heads at ``tp``: query heads per TP
-    rank divisible by it, K/V heads divisible by it (split) or dividing it (replicated)."""
-    nq, nkv, _ = attention_dims(cfg)
-    q_local, kv_local = nq // tp, max(nkv // tp, 1)
-    return q_local % a2a == 0 and (kv_local % a2a == 0 or a2a % kv_local == 0)
 
 
 def _kv_heads_after_a2a(kv_local: float, a2a: int) -> float:
@@ -333,21 +325,8 @@ def naive_logits_bytes(cfg: ModelConfig, layout: PlanOption, tokens_local: int) 
     return 5 * tokens_local * vocab_local * 4
 
 
-def kv_cache_bytes(cfg: ModelConfig, sequences: int, length: int, bytes_per: int = 2) -> float:
-    """Keys and values of every layer for ``sequences`` sequences of ``length`` tokens (whole model)."""
-    _, nkv, d = attention_dims(cfg)
-    return 2 * cfg.num_layers * nkv * d * sequences * length * bytes_per
-
-
 # rollout.kv_block_tokens' default: megatron's engine allocates its KV cache in pages of this many tokens.
 KV_BLOCK_TOKENS = 256
-
-
-def engine_kv_bytes_per_token(cfg: ModelConfig, layout: PlanOption, bytes_per: int = 2) -> float:
-    """K and V of one token in megatron's inference engine on one rank: the layers of its pipeline
-    stage, its TP share of the KV heads (2 x layers/PP x kv_heads/TP x head_dim x bytes)."""
-    _, nkv, d = attention_dims(cfg)
-    return 2 * cfg.num_layers / layout.pp * nkv / layout.tp * d * bytes_per
 
 
 def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, seq_len: int, bytes_per: int = 2,
@@ -356,7 +335,7 @@ def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, 
     ``seq_len`` tokens at once in megatron's engine: whole pages of ``block_tokens`` per sequence
     plus the one page the engine reserves."""
     pages = sequences * -(-seq_len // block_tokens) + 1
-    return engine_kv_bytes_per_token(cfg, layout, bytes_per) * block_tokens * pages
+    return kv_bytes(cfg, block_tokens * pages, bytes_per, layout.tp, layout.pp)
 
 
 def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, with_reference: bool = True,
@@ -390,12 +369,12 @@ class Breakdown:
     components: dict
     total: float
     rollout_batch: int = 0  # sequences the rollout can generate together within the budget
-    kv_cache_memory: float = 0.0  # megatron's engine: the rollout.kv_cache_memory (bytes) of that batch
+    kv_cache_memory: float = 0.0  # the rollout.kv_cache_memory (bytes) of that batch
     train_peak: float = 0.0  # the training phase's peak (resident models + one micro-batch); total adds generation
     rollout_peak: float = 0.0  # the rollout phase's: the training state left resident, generation's weights and KV
-    rollout: Optional["RolloutMemory"] = None  # megatron's engine: its layout and memory
+    rollout: Optional["RolloutMemory"] = None  # the rollout.layout it generates on and its memory
     rollout_why: str = ""  # why that layout (one line)
-    rollout_kv: float = 0.0  # generation's KV cache per rank (any engine)
+    rollout_kv: float = 0.0  # generation's KV cache per rank
 
     def gib(self) -> dict:
         return {k: v / GiB for k, v in self.components.items()}
@@ -436,42 +415,40 @@ def estimate(
     acts = kept + max(layer_working_bytes(cfg, layout, tokens_per_microbatch, param_bytes),
                       _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
     train = resident + peak
-    # Generation: megatron's engine on its layout (paged), else costed as one full copy per rank plus the KV cache.
+    # Generation: megatron's engine on rollout.layout, the actor's shards or a second copy refit from them.
     train_state = rollout_resident_bytes(models, layout.offload)
-    paged = is_moe(cfg) or layout.megatron_rollout
-    rollout_mem, why = None, ""
-    # rollout.ranks: generation on GPUs of its own, which hold the inference shard and its KV cache
-    # alone; the trainers' peak is then the training phase's.
     apart = layout.generators
-    if paged or apart:  # megatron's engine on rollout.layout: the actor's shards, or a second copy refit from them
-        seq_kw = dict(seq_len=seq_len, resident=0.0 if apart else train_state, budget_bytes=budget_bytes,
-                      param_bytes=param_bytes, generators=apart or None)
-        if layout.rollout_layout is not None:
-            rollout_mem = rollout_memory(cfg, layout, layout.rollout_layout, max_sequences=max_rollout_batch, **seq_kw)
-            shared = "the actor's shards" if rollout_mem.shares else "a copy refit from the training shards"
-            why = (f"{layout.rollout_layout.name()} x {rollout_mem.replicas} replicas: as the config sets it" if apart
-                   else f"{layout.rollout_layout.name()}: as the config sets it ({shared})")
-        else:
-            rollout_mem, why = choose_rollout_layout(cfg, layout, concurrency=rollout_concurrency,
-                                                     max_sequences=max_rollout_batch, **seq_kw)
-        if apart:
-            why = f"on the {apart} generator rank(s): {why}"
-        batch, kv, full_weights = rollout_mem.sequences, rollout_mem.kv, rollout_mem.extra_weights
-    else:
-        full_weights = total_params(cfg) * param_bytes
-        per_seq = kv_cache_bytes(cfg, 1, seq_len, param_bytes)
-        room = budget_bytes - train_state - full_weights
-        batch = int(max(0, min(max_rollout_batch, room // per_seq))) if room > 0 else 0
-        kv = max(batch, 1) * per_seq
-    rollout_peak = rollout_mem.peak if apart else train_state + full_weights + kv
+    rollout_mem, why = _rollout_phase(cfg, layout, seq_len=seq_len, train_state=train_state,
+                                      budget_bytes=budget_bytes, max_rollout_batch=max_rollout_batch,
+                                      param_bytes=param_bytes, concurrency=rollout_concurrency)
+    batch, kv, extra_weights = rollout_mem.sequences, rollout_mem.kv, rollout_mem.extra_weights
+    rollout_peak = rollout_mem.peak if apart else train_state + extra_weights + kv
     components = dict(models)
     components.update({
         "activations": acts, "log-prob path": head["saved"] + head["logprob_chunks"],
-        "rollout (weights + KV cache)": 0.0 if apart else full_weights + kv,
+        "rollout (weights + KV cache)": 0.0 if apart else extra_weights + kv,
     })
     total = train if apart else max(train, rollout_peak)
-    return Breakdown(components, total, batch, kv if paged or apart else 0.0, train, rollout_peak, rollout_mem, why,
-                     kv)
+    return Breakdown(components, total, batch, kv, train, rollout_peak, rollout_mem, why, kv)
+
+
+def _rollout_phase(cfg: ModelConfig, layout: PlanOption, *, seq_len: int, train_state: float, budget_bytes: float,
+                   max_rollout_batch: int, param_bytes: int, concurrency: int) -> tuple["RolloutMemory", str]:
+    """The rollout's memory on ``layout.rollout_layout`` as the config sets it, else on the layout
+    :func:`choose_rollout_layout` picks.  With ``rollout.ranks`` (``layout.generators``) generation
+    runs on GPUs of its own, which hold the inference shard and its KV cache alone."""
+    apart = layout.generators
+    seq_kw = dict(seq_len=seq_len, resident=0.0 if apart else train_state, budget_bytes=budget_bytes,
+                  param_bytes=param_bytes, generators=apart or None)
+    if layout.rollout_layout is not None:
+        mem = rollout_memory(cfg, layout, layout.rollout_layout, max_sequences=max_rollout_batch, **seq_kw)
+        shared = "the actor's shards" if mem.shares else "a copy refit from the training shards"
+        why = (f"{layout.rollout_layout.name()} x {mem.replicas} replicas: as the config sets it" if apart
+               else f"{layout.rollout_layout.name()}: as the config sets it ({shared})")
+    else:
+        mem, why = choose_rollout_layout(cfg, layout, concurrency=concurrency, max_sequences=max_rollout_batch,
+                                         **seq_kw)
+    return mem, (f"on the {apart} generator rank(s): {why}" if apart else why)
 
 
 # ----------------------------------------------------------------------------- rollout.layout
@@ -483,144 +460,10 @@ ROLLOUT_PP_SIZES = (1, 2, 4, 8, 16)
 ROLLOUT_CONCURRENCY = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutLayout:
-    """``rollout.layout``: the inference model's TP / PP / EP / expert-TP (``etp`` None = ``tp``);
-    CP is 1 and the rest of the world are data-parallel replicas.  The one layout type of the
-    planner, resolution, validation and the refit (megatron-free, so the planner can import it)."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    @classmethod
-    def of_training(cls, train) -> "RolloutLayout":
-        """The training layout's sizes (a :class:`PlanOption`, ``ParallelLayout`` or
-        ``parallel`` config): with one chunk per rank, the layout that shares its weights."""
-        return cls(tp=train.tp, pp=train.pp, ep=train.ep, etp=train.etp)
-
-    @classmethod
-    def filled(cls, asked, train) -> "RolloutLayout":
-        """``asked`` (``rollout.layout``, sizes may be None; or None) with each unset size the
-        training layout's."""
-        if asked is None:
-            return cls.of_training(train)
-        return cls(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
-                   etp=asked.etp or train.etp)
-
-    def replicas(self, world: int) -> int:
-        return world // (self.tp * self.pp)
-
-    def option(self, world: int) -> PlanOption:
-        """This layout as the memory model's :class:`PlanOption` (no CP, no sequence parallelism)."""
-        return PlanOption(tp=self.tp, pp=self.pp, dp=self.replicas(world), sequence_parallel=False, ep=self.ep,
-                          etp=self.etp)
-
-    def name(self) -> str:
-        out = f"tp{self.tp} pp{self.pp}"
-        if self.ep > 1 or self.expert_tp != self.tp:
-            out += f" ep{self.ep}" + (f" etp{self.etp}" if self.expert_tp != self.tp else "")
-        return out
-
-    def settings(self) -> dict:
-        """As ``rollout.layout`` config values (``etp`` null when it equals ``tp``)."""
-        etp = None if self.etp in (None, self.tp) else self.etp
-        return {"rollout.layout": {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": etp}}
-
-
-def shares_training_weights(infer: RolloutLayout, train) -> bool:
-    """Whether the engine can generate with the actor's own chunk (no second model, no copy): the
-    same TP / PP / EP / expert-TP and one chunk per rank (``train``: a :class:`PlanOption`,
-    ``ParallelLayout`` or ``parallel`` config).  CP needs no copy: each CP rank generates whole
-    sequences with its (replicated) TP / PP shard."""
-    same = (infer.tp, infer.pp, infer.ep, infer.expert_tp) == (train.tp, train.pp, train.ep, train.etp or train.tp)
-    return same and not (getattr(train, "vpp", None) or 1) > 1
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutLayoutRule:
-    """One thing ``rollout.layout`` must satisfy for megatron's engine to generate on it.
-    ``holds(model, layout, train, world)``: ``layout`` with every size filled, ``train`` the training
-    layout (a :class:`PlanOption` or the ``parallel`` config), ``world`` None
-    when unknown (the rules on the world size then hold).  ``problem`` and ``fix`` are templates
-    over the config ``c`` and world ``w``, for the one-line refusal before launch; ``text`` is the
-    rule as the feature matrix lists it.  The planner tries only layouts every rule allows."""
-
-    key: str
-    holds: Callable[[ModelConfig, RolloutLayout, object, Optional[int]], bool]
-    problem: str
-    fix: str
-    text: str
-    moe_only: bool = False
-
-    def broken_by(self, cfg: ModelConfig, layout: RolloutLayout, train, world: Optional[int]) -> bool:
-        return (is_moe(cfg) or not self.moe_only) and not self.holds(cfg, layout, train, world)
-
-
-ROLLOUT_LAYOUT_RULES = (
-    RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, train, w: w is None or w % (lay.tp * lay.pp) == 0,
-        "rollout.layout tp*pp={c.rollout.layout.tp}x{c.rollout.layout.pp} does not divide the world size {w}",
-        "choose rollout.layout.tp and .pp whose product divides {w}", "world size divisible by rollout tp*pp"),
-    RolloutLayoutRule(
-        "rollout.layout.ep", lambda m, lay, train, w: w is None or w % (lay.expert_tp * lay.ep * lay.pp) == 0,
-        "rollout.layout etp*ep*pp does not divide the world size {w} (null etp = rollout.layout.tp)",
-        "choose rollout.layout.etp, .ep and .pp whose product divides {w}",
-        "world size divisible by rollout etp*ep*pp"),
-    RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, train, w: attention_dims(m)[0] % lay.tp == 0,
-        "model.num_attention_heads={c.model.num_attention_heads} is not divisible by rollout.layout.tp",
-        "use a rollout.layout.tp that divides the number of attention heads", "num_attention_heads % rollout tp == 0"),
-    RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, train, w: attention_dims(m)[1] % lay.tp == 0,
-        "KV heads (model.num_query_groups={c.model.num_query_groups}) are not divisible by rollout.layout.tp",
-        "use a rollout.layout.tp that divides the number of KV heads", "num_query_groups % rollout tp == 0"),
-    RolloutLayoutRule(
-        "rollout.layout.tp", lambda m, lay, train, w: m.ffn_hidden_size % lay.tp == 0,
-        "model.ffn_hidden_size={c.model.ffn_hidden_size} is not divisible by rollout.layout.tp",
-        "use a rollout.layout.tp that divides model.ffn_hidden_size", "ffn_hidden_size % rollout tp == 0"),
-    RolloutLayoutRule(
-        "rollout.layout.tp",
-        lambda m, lay, train, w: padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, train.tp)
-        % lay.tp == 0,
-        "rollout.layout.tp does not divide the training model's padded vocabulary rows (parallel.tp={c.parallel.tp})",
-        "use a rollout.layout.tp that divides parallel.tp x model.make_vocab_size_divisible_by",
-        "padded vocabulary rows % rollout tp == 0"),
-    RolloutLayoutRule(
-        "rollout.layout.pp", lambda m, lay, train, w: m.num_layers % lay.pp == 0,
-        "model.num_layers={c.model.num_layers} is not divisible by rollout.layout.pp",
-        "use a rollout.layout.pp that divides the number of layers", "num_layers % rollout pp == 0"),
-    RolloutLayoutRule(
-        "rollout.layout.ep", lambda m, lay, train, w: (m.moe.num_experts % lay.ep == 0) if is_moe(m) else lay.ep == 1,
-        "rollout.layout.ep must divide the experts of an MoE model",
-        "use a rollout.layout.ep that divides model.moe.num_experts (1 for a dense model)",
-        "num_experts % rollout ep == 0"),
-    RolloutLayoutRule(
-        "rollout.layout.etp", lambda m, lay, train, w: expert_ffn_size(m) % lay.expert_tp == 0,
-        "an expert's hidden units (model.moe.ffn_hidden_size={c.model.moe.ffn_hidden_size}) are not divisible by "
-        "rollout.layout.etp (null = rollout.layout.tp)",
-        "choose a rollout.layout.etp that divides model.moe.ffn_hidden_size", "moe.ffn_hidden_size % rollout etp == 0",
-        moe_only=True),
-    RolloutLayoutRule(
-        "rollout.layout.ep",
-        lambda m, lay, train, w: lay.ep == 1 or lay.pp == 1 or shares_training_weights(lay, train),
-        "megatron's engine generates on a model of its own with rollout.layout.ep > 1 only when "
-        "rollout.layout.pp is 1 (the training layout's own PP x EP shards generate in place)",
-        "set rollout.layout.pp=1 (more replicas), rollout.layout.ep=1, or leave rollout.layout unset",
-        "a model of its own: rollout ep > 1 only with rollout pp = 1",
-        moe_only=True),
-)
-
-
-def rollout_layout_problems(cfg: ModelConfig, infer: RolloutLayout, train,
-                            world: Optional[int]) -> list[RolloutLayoutRule]:
-    """The rules ``infer`` breaks for this model and world (empty: it can generate)."""
-    return [rule for rule in ROLLOUT_LAYOUT_RULES if rule.broken_by(cfg, infer, train, world)]
+def rollout_option(infer: RolloutLayout, world: int) -> PlanOption:
+    """``infer`` on ``world`` ranks as the memory model's :class:`PlanOption` (no CP, no sequence parallelism)."""
+    return PlanOption(tp=infer.tp, pp=infer.pp, dp=infer.replicas(world), sequence_parallel=False, ep=infer.ep,
+                      etp=infer.etp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -657,7 +500,7 @@ def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *,
     holds (up to ``max_sequences``).  ``generators``: generation on that many ranks of its own
     (``rollout.ranks``), which hold the inference shard and never the actor's."""
     world = generators or train.world
-    opt = infer.option(world)
+    opt = rollout_option(infer, world)
     shares = not generators and shares_training_weights(infer, train)
     weights = params_per_gpu(cfg, opt) * param_bytes
     extra = 0.0 if shares else weights
@@ -683,7 +526,7 @@ def rollout_layout_options(cfg: ModelConfig, train: PlanOption, generators: Opti
                 infer = dataclasses.replace(infer, etp=None)
             if generators and infer.ep > 1 and infer.pp > 1:  # never the actor's shards there
                 continue
-            if not rollout_layout_problems(cfg, infer, train, generators or train.world):
+            if not rollout_problems(cfg, infer, train, generators or train.world):
                 out.append(infer)
     return out
 

@@ -8,9 +8,11 @@ from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig, MoEConfig
 from megatron_rl.data.microbatch import align_to, alignment
-from megatron_rl.models.arch import attention_dims, is_moe
+from megatron_rl.layout.rules import PP_RULES, TP_RULES, a2a_heads_ok, problems, training_problems
+from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.models.arch import is_moe
 from megatron_rl.planner import moe
-from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, RolloutLayout, a2a_heads_ok, estimate, format_value
+from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, estimate, format_value
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
@@ -59,16 +61,14 @@ class Candidate:
         return self.breakdown.total / GiB
 
     def batch_settings(self) -> dict:
-        """The token budget per micro-batch, the rollout's batch and (megatron's engine) its KV-cache bytes."""
+        """The token budget per micro-batch, the rollout's batch, its KV-cache bytes and the inference layout."""
+        infer = self.breakdown.rollout.layout
         out = {"batch.max_tokens_per_rank": self.tokens_per_rank,
-               "rollout.max_batch_size": self.breakdown.rollout_batch}
-        if self.breakdown.kv_cache_memory > 0:
-            out["rollout.kv_cache_memory"] = int(self.breakdown.kv_cache_memory)
-        if self.breakdown.rollout is not None:  # megatron's engine: the inference layout
-            infer = self.breakdown.rollout.layout
-            out.update({"rollout.layout.tp": infer.tp, "rollout.layout.pp": infer.pp})
-            if infer.ep > 1 or self.layout.ep > 1 or infer.etp or self.layout.etp:  # MoE: its expert sizes too
-                out.update({"rollout.layout.ep": infer.ep, "rollout.layout.etp": infer.etp or infer.tp})
+               "rollout.max_batch_size": self.breakdown.rollout_batch,
+               "rollout.kv_cache_memory": int(self.breakdown.kv_cache_memory),
+               "rollout.layout.tp": infer.tp, "rollout.layout.pp": infer.pp}
+        if infer.ep > 1 or self.layout.ep > 1 or infer.etp or self.layout.etp:  # MoE: its expert sizes too
+            out.update({"rollout.layout.ep": infer.ep, "rollout.layout.etp": infer.etp or infer.tp})
         return out
 
     def settings(self, with_critic: bool = True) -> dict:
@@ -114,45 +114,35 @@ def cp_comm_options(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int) -> l
     return out
 
 
-# The engines a layout may generate with: megatron's, the one generator.
-ENGINES = ("megatron",)
-
-
-def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, engines: tuple = ENGINES,
-                rollout_layout: Optional[dict] = None, generators: int = 0):
+def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, rollout_layout: Optional[dict] = None,
+                generators: int = 0):
     """Every layout to estimate; ``rollout_layout``: the sizes the config sets for megatron's
     engine (None: chosen per layout by :func:`megatron_rl.planner.memory.choose_rollout_layout`).
     ``generators``: GPUs of the ``gpus`` that only generate (``rollout.ranks``, megatron's engine
     on ``rollout.layout``); the layouts are the other GPUs'."""
-    if generators:
-        gpus, engines = gpus - generators, ("megatron",)
-    heads, groups, _ = attention_dims(cfg)
+    gpus -= generators
     for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
-        if heads % tp or groups % tp:
-            continue
         for pp in _divisors(gpus // tp, gpus):
-            if cfg.num_layers % pp:
+            dense = PlanOption(tp=tp, pp=pp)
+            if problems(TP_RULES + PP_RULES, cfg, dense, dense, None):  # the other rules: below
                 continue
             for cp in _divisors(gpus // (tp * pp), gpus):
                 dp = gpus // (tp * pp * cp)
-                for (comm, levels), recompute, offload, dist_opt, engine in itertools.product(
+                for (comm, levels), recompute, offload, dist_opt in itertools.product(
                         cp_comm_options(cfg, tp, cp, gpus_per_node), (None, "selective", "full"), (False, True),
-                        (False, True), engines):
-                    megatron = engine == "megatron" or is_moe(cfg)
+                        (False, True)):
                     if dist_opt and dp * cp == 1:
-                        continue
-                    # MoE: each expert-parallel layout; generation on megatron's engine alone.
-                    if is_moe(cfg) and engine != "megatron":
                         continue
                     for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
                         infer = None
-                        if megatron and rollout_layout:
+                        if rollout_layout:
                             infer = RolloutLayout.filled(RolloutLayout(**rollout_layout),
                                                          RolloutLayout(tp=tp, pp=pp, ep=ep, etp=etp))
-                        yield PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                         distributed_optimizer=dist_opt,
-                                         megatron_rollout=megatron, cp_comm_type=comm, hierarchical_cp=levels,
+                        lay = PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
+                                         distributed_optimizer=dist_opt, cp_comm_type=comm, hierarchical_cp=levels,
                                          ep=ep, etp=etp, rollout_layout=infer, generators=generators)
+                        if not training_problems(cfg, lay, lay.world):  # what validate refuses, never proposed
+                            yield lay
 
 
 _RECOMPUTE_ORDER = {None: 0, "selective": 1, "full": 2}
@@ -179,9 +169,9 @@ def _cost(c: Candidate) -> tuple:
 def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gpus_per_node: int,
          gpu_memory_gib: float, max_tokens_per_rank: Optional[int] = None, rollout_batch: int = 256,
          with_critic: bool = True, with_reference: bool = True, search_nodes: int = MAX_SEARCH_NODES,
-         engines: tuple = ENGINES, rollout_concurrency: Optional[int] = None,
-         rollout_layout: Optional[dict] = None, generators: int = 0) -> Plan:
-    """``engines``: the rollout engines to plan for; ``rollout_concurrency``: the sequences per
+         rollout_concurrency: Optional[int] = None, rollout_layout: Optional[dict] = None,
+         generators: int = 0) -> Plan:
+    """``rollout_concurrency``: the sequences per
     replica megatron's engine must hold when the plan chooses ``rollout.layout``;
     ``rollout_layout``: the sizes a config sets (any set: no choice, unset sizes the training's);
     ``generators``: GPUs that only generate (``rollout.ranks``): both sets are sized, the
@@ -193,7 +183,7 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
     if rollout_layout and not any(rollout_layout.values()):
         rollout_layout = None
     candidates = []
-    for lay in layouts_for(cfg, gpus, gpus_per_node, engines, rollout_layout, generators):
+    for lay in layouts_for(cfg, gpus, gpus_per_node, rollout_layout, generators):
         needed = align_to(seq, alignment(lay.cp, lay.tp, lay.sequence_parallel)) // lay.cp
         tokens = max(needed, max_tokens_per_rank or 0)
         budget = HEADROOM * gpu_memory_gib * GiB
@@ -208,7 +198,7 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
             bigger = plan(cfg, prompt_len=prompt_len, response_len=response_len, nodes=more,
                           gpus_per_node=gpus_per_node, gpu_memory_gib=gpu_memory_gib,
                           max_tokens_per_rank=max_tokens_per_rank, rollout_batch=rollout_batch,
-                          with_critic=with_critic, with_reference=with_reference, search_nodes=0, engines=engines,
+                          with_critic=with_critic, with_reference=with_reference, search_nodes=0,
                           rollout_concurrency=rollout_concurrency, rollout_layout=rollout_layout,
                           generators=generators)
             if bigger.recommended is not None:

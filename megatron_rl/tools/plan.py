@@ -23,7 +23,7 @@ import textwrap
 from megatron_rl.errors import ConfigError
 from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, format_value, total_params
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
-from megatron_rl.planner.search import ENGINES, HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
+from megatron_rl.planner.search import HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU")
     p.add_argument("--max-tokens-per-rank", type=int, help="token budget per micro-batch (default: one sequence)")
     p.add_argument("--rollout-batch", type=int, default=256, help="most sequences to generate together (KV cache)")
-    p.add_argument("--rollout-engine", choices=ENGINES, help="plan only layouts generating with this engine")
     p.add_argument("--rollout-concurrency", type=int,
                    help="megatron's engine: sequences each inference replica must hold when the plan chooses "
                         f"rollout.layout (default {ROLLOUT_CONCURRENCY}, or the recipe's rollout.max_batch_size)")
@@ -95,10 +94,9 @@ def _options(c: Candidate) -> str:
 
 
 def infer_name(c: Candidate) -> str:
-    """megatron's engine: the inference layout and its replicas (``tp1 pp1 x8``); ``-`` for a layout
-    costed without it (``PlanOption.megatron_rollout`` off: one full copy per rank, an upper bound)."""
+    """megatron's engine: the inference layout and its replicas (``tp1 pp1 x8``)."""
     mem = c.breakdown.rollout
-    return "-" if mem is None else f"{mem.layout.name()} x{mem.replicas}"
+    return f"{mem.layout.name()} x{mem.replicas}"
 
 
 def row_cells(c: Candidate, budget_gib: float) -> list[str]:
@@ -109,7 +107,7 @@ def row_cells(c: Candidate, budget_gib: float) -> list[str]:
     gib = (weights, grads, optim, parts["activations"], parts["log-prob path"], parts["rollout (weights + KV cache)"])
     return ([layout_name(c), cp_comm(c), _options(c), str(c.tokens_per_rank)] + [f"{v:.1f}" for v in gib]
             + [str(c.breakdown.rollout_batch), infer_name(c),
-               "-" if c.breakdown.rollout is None else f"{c.breakdown.rollout.extra_weights / 2**30:.1f}",
+               f"{c.breakdown.rollout.extra_weights / 2**30:.1f}",
                f"{c.breakdown.rollout_kv / 2**30:.1f}", f"{c.breakdown.rollout_peak / 2**30:.1f}",
                f"{c.breakdown.train_peak / 2**30:.1f}", f"{c.total_gib:.1f}",
                f"{budget_gib - c.total_gib:.1f}", "yes" if c.fits else "no"])
@@ -168,8 +166,7 @@ def _recommendation(result: Plan, inputs: PlanInputs) -> list[str]:
     lines = [f"recommended: {layout_name(best)}, cp-comm {cp_comm(best)}, options {_options(best)}: "
              f"{best.total_gib:.1f} of {result.budget_gib:.1f} GiB ({result.budget_gib - best.total_gib:.1f} free; "
              f"training peak {b.train_peak / 2**30:.1f}), {b.rollout_batch} sequences generated together"]
-    if b.rollout is not None:
-        lines.append(f"rollout.layout: {b.rollout_why}")
+    lines.append(f"rollout.layout: {b.rollout_why}")
     if best.layout.generators:
         g = b.rollout
         lines.append(f"generator GPUs: {best.layout.generators}, each {g.peak / 2**30:.1f} of {result.budget_gib:.1f} "
@@ -205,7 +202,6 @@ def run_plan(args) -> int:
                   gpus_per_node=args.gpus_per_node, gpu_memory_gib=args.gpu_memory,
                   max_tokens_per_rank=args.max_tokens_per_rank, rollout_batch=args.rollout_batch,
                   with_critic=inputs.with_critic, with_reference=inputs.with_reference,
-                  engines=(args.rollout_engine,) if args.rollout_engine else ENGINES,
                   rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout,
                   generators=inputs.generators)
     print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
