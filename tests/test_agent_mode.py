@@ -8,6 +8,7 @@ import pytest
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.errors import DataError
+from megatron_rl.rollout.engine import RolloutEngineBase
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.testing.weights import random_canonical
 from tests.support.decoder import TorchRolloutEngine
@@ -117,7 +118,7 @@ def _write_chats(path, chats: list) -> str:
     return str(path)
 
 
-class _Policy:
+class _Policy(RolloutEngineBase):
     """A rollout engine whose replies are given ids, one per call (the policy the test plays)."""
 
     def __init__(self, replies: list[list[int]]):

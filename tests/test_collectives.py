@@ -17,6 +17,7 @@ import ast
 import os
 import sys
 
+from megatron_rl.rollout.engine import RolloutEngineBase
 from megatron_rl.testing.harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,7 +128,7 @@ class _Recorder:
         return wrapper
 
 
-class _OneTokenEngine:
+class _OneTokenEngine(RolloutEngineBase):
     """A rollout engine stand-in: one response token per sample."""
 
     def generate(self, prompt_ids, params, seed):

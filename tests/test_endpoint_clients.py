@@ -17,7 +17,7 @@ import torch
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.data.tokenizer import CharTokenizer
-from megatron_rl.rollout.engine import RolloutBatch
+from megatron_rl.rollout.engine import RolloutBatch, RolloutEngineBase
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.testing.weights import random_canonical
 from tests.support.decoder import TorchRolloutEngine
@@ -50,7 +50,7 @@ def _client(endpoint):
     return openai.OpenAI(base_url=endpoint.base_url, api_key="x", max_retries=0)
 
 
-class ToolCallingPolicy:
+class ToolCallingPolicy(RolloutEngineBase):
     """An engine that answers every context with :data:`CALL` (and, when ``</tool_call>`` does not
     stop it, `` ok`` and EOS), each token's log-prob the tiny model's: a random model never
     writes a tool call on its own."""

@@ -18,6 +18,7 @@ from megatron_rl.envs.tool_env import ToolCallingEnv
 from megatron_rl.envs.tools import ToolTimeout, calculator, call_tool
 from megatron_rl.envs.trajectories import MAX_TOKENS, MAX_TURNS, EnvironmentRollout, TrajectoryLimits, env_metrics
 from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.engine import RolloutEngineBase
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.testing.weights import random_canonical
 from megatron_rl.trainer.experience import Samples, token_rewards_from_scores
@@ -105,7 +106,7 @@ def test_a_trajectory_is_token_in_token_out_with_the_policy_mask():
         assert rewards[k].nonzero().flatten().tolist() == [last_policy]
 
 
-class PositionLimitedEngine:
+class PositionLimitedEngine(RolloutEngineBase):
     """The oracle engine with megatron's engine's refusal: a prompt plus ``max_new_tokens`` past
     ``max_sequence_length`` positions raises.  Records each call's contexts and token budget."""
 

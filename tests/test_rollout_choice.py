@@ -9,21 +9,16 @@ import os
 import pytest
 import torch
 
+from megatron_rl.config.choices import AUTO
 from megatron_rl.config.loader import load_config
 from megatron_rl.rollout.choice import (
-    AUTO,
     DYNAMIC,
-    ENGINE_CHOICES,
-    MEGATRON,
     STATIC,
     batching_refusal,
     describe_rollout_engine,
     pick_batching,
-    pick_engine,
     rollout_batching,
-    rollout_engine,
 )
-from megatron_rl.rollout.engine import ENGINES
 from megatron_rl.validation import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,10 +43,12 @@ def test_auto_batching_is_static_where_the_dynamic_engine_has_no_kernels_and_not
 
 
 def test_megatron_is_the_only_engine_and_auto_names_it():
+    """Configs may still say ``auto`` or ``megatron``: both resolve to megatron-core's engine."""
     cfg = load_config(GRPO)
     assert cfg.rollout.engine == AUTO and cfg.rollout.batching == AUTO
-    assert set(ENGINE_CHOICES) == {AUTO, *ENGINES} == {AUTO, MEGATRON}
-    assert pick_engine(AUTO) == MEGATRON == rollout_engine(cfg)
+    for asked, origin in ((AUTO, "auto"), ("megatron", "set")):
+        engine = validate(load_config(GRPO, [f"rollout.engine={asked}"]), 1).get("rollout.engine")
+        assert (engine.value, engine.origin) == ("megatron", origin)
 
 
 def _validate(tmp_path, *overrides: str) -> int:
@@ -70,14 +67,15 @@ def test_the_removed_engines_are_refused_with_the_choices(removed, capsys, tmp_p
 def test_config_and_engine_agree_on_this_machine():
     """What resolution reads (``rollout_batching(cfg)``) is what the engine runs, here on the CPU:
     static batching for a dense model, the dynamic engine for MoE."""
-    from megatron_rl.rollout.engine import engine_class, make_rollout_engine
+    from megatron_rl.rollout.build import make_rollout_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
 
     dense = load_config(GRPO, ["distributed.device=cpu"])
     assert rollout_batching(dense) == STATIC
     assert "static batching (auto: the CPU: the dynamic engine's per-step scheduling" in describe_rollout_engine(dense)
     rollout = dataclasses.replace(dense.rollout, max_batch_size=4)  # the trainer derives it when null
     built = make_rollout_engine(rollout, dense.model, "cpu")
-    assert type(built) is engine_class(MEGATRON)
+    assert type(built) is MegatronRolloutEngine
     assert built.batching_now() == STATIC
     moe = load_config(GRPO, ["distributed.device=cpu", "model.moe.num_experts=4"])
     assert rollout_batching(moe) == DYNAMIC

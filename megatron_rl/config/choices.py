@@ -50,8 +50,6 @@ TRAINER_MODES = (SYNC, ONE_STEP_OFF, ASYNC)
 
 # --- rollout
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
-ROLLOUT_MEGATRON = "megatron"  # megatron-core's inference, the one generator
-ROLLOUT_ENGINES = (AUTO, ROLLOUT_MEGATRON)
 # rollout.batching: how megatron's engine batches -- its dynamic engine (paged KV cache, continuous
 # batching) or its static-batching API (one KV cache per layer, prompts left-padded).
 ROLLOUT_BATCHING = (AUTO, "dynamic", "static")

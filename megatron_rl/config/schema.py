@@ -43,7 +43,6 @@ from megatron_rl.config.choices import (
     REWARD_CONVENTIONS,
     ROLLOUT_BATCHING,
     ROLLOUT_CORRECTION_LEVELS,
-    ROLLOUT_ENGINES,
     ROPE_SCALING_TYPES,
     SFT_TARGETS,
     TRAINER_MODES,
@@ -327,10 +326,12 @@ class RolloutLayoutConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal[ROLLOUT_ENGINES] = _f("auto", help="Generation engine: megatron (auto names it), megatron-core's "
-                                                       "inference on the actor's own TP/PP shards, or on a model of "
-                                                       "its own refit before every rollout (rollout.layout; VPP); "
-                                                       "how it batches: rollout.batching (docs/rollout.md).")
+    # The only engine; both values name it, so configs that say either keep loading.
+    engine: Literal["auto", "megatron"] = _f("auto", help="Generation engine, the only one: megatron-core's "
+                                                          "inference (auto and megatron both name it) on the actor's "
+                                                          "own TP/PP shards, or on a model of its own refit before "
+                                                          "every rollout (rollout.layout; VPP); how it batches: "
+                                                          "rollout.batching (docs/rollout.md).")
     n: int = _f(4, "Samples per prompt (the group for GRPO/RLOO).", ge=1, le=C_INT_MAX)
     max_new_tokens: int = _f(64, "Longest response.", ge=1, le=C_INT_MAX)
     temperature: float = _f(

@@ -463,7 +463,9 @@ VERL = {
                                                            _gradient_checkpointing),
     M + "use_remove_padding": same("batch.packing"),
     "actor_rollout_ref.nccl_timeout": same("distributed.timeout_s"),
-    "actor_rollout_ref.hybrid_engine": absent("generation and training always share the weights"),
+    "actor_rollout_ref.hybrid_engine": absent("generation runs in the training job: on the actor's shards, on a "
+                                              "layout of its own refit from them (rollout.layout) or on ranks of "
+                                              "its own (rollout.ranks)"),
     # --- data
     "data.train_files": _one_file("data.train_path"), "data.val_files": _one_file("data.val_path"),
     "data.max_prompt_length": by_value("data.max_prompt_tokens", "longer prompts are dropped and counted, never "

@@ -114,18 +114,6 @@ def all_gather_varlen(values: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [part[:n].to(values.device) for part, n in zip(parts, sizes)]
 
 
-def broadcast_host_tensor(values: Optional[torch.Tensor], src: int, numel: int, dtype: torch.dtype,
-                          group=None) -> torch.Tensor:
-    """Rank ``src``'s host tensor of ``numel`` elements on every rank of ``group`` (the others
-    pass None), through the device the group serves; returned on the host."""
-    if not _active(group):
-        return values
-    device = group_device(group)
-    buffer = values.to(device) if values is not None else torch.empty(numel, dtype=dtype, device=device)
-    dist.broadcast(buffer, src=src, group=group)
-    return buffer.cpu()
-
-
 def broadcast_object(obj: Any, src: int, group=None) -> Any:
     """``obj`` of global rank ``src`` on every rank of ``group``."""
     if not _active(group):

@@ -266,7 +266,7 @@ class ChatEndpoint:
         groups: dict[tuple, list] = {}
         for item in batch:
             groups.setdefault(item[2], []).append(item)
-        limit = getattr(self.engine, "max_sequence_length", None)
+        limit = self.engine.max_sequence_length
         for stops, same_stops in groups.items():
             for members, max_new in fitting_calls([len(ctx) for ctx, *_ in same_stops],
                                                   [wanted for _, wanted, _, _ in same_stops],

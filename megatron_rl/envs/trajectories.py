@@ -11,9 +11,8 @@ re-tokenized from text, so the trainer trains on the ids the engine sampled.  Th
 trajectory is everything after the prompt; its ``response_mask`` is 1 on the policy's tokens and 0
 on observation tokens, whose log-probs are 0 and which carry no loss.
 
-An engine whose ``generate`` takes ``sample_keys`` (the torch and megatron engines) draws each turn
-from keys of its own (trajectory, turn), so trajectories go on independently and still reproduce
-from the seed; another engine advances them in lockstep rounds (one call per round).
+Each turn draws from keys of its own (trajectory, turn: the engine's ``sample_keys``), so
+trajectories go on independently and still reproduce from the seed.
 
 Limits (``rollout.max_turns``, ``rollout.max_trajectory_tokens``: prompt + every turn and
 observation) end a trajectory where it stands: a turn is cut at the token limit, an observation
@@ -25,12 +24,11 @@ that would cross it is not appended; the trajectory is then graded as it is
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Optional, Sequence
 
 from megatron_rl.envs.base import Turn, observation_ids
-from megatron_rl.rollout.engine import RolloutBatch
+from megatron_rl.rollout.engine import GeneratorPlace, LiveWeights, RolloutBatch, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams, sample_key
 from megatron_rl.utils.seeds import derive_seed
 
@@ -124,14 +122,39 @@ class _Trajectory(TokenTrace):
 
 
 class EngineWrapper:
-    """A rollout engine with a ``generate`` of its own; everything else of the engine (weights,
-    release, partial-rollout hooks) is the engine's."""
+    """A rollout engine with a ``generate`` of its own (over trajectories or agent sessions); the
+    rest of :class:`~megatron_rl.rollout.engine.RolloutEngine` -- weights, release, refit, where it
+    generates -- is the engine's, handed through."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: RolloutEngine):
         self.engine = engine
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["engine"], name)
+    def load_weights(self, canonical: dict) -> None:
+        self.engine.load_weights(canonical)
+
+    def load_from_chunks(self, chunks: list) -> None:
+        self.engine.load_from_chunks(chunks)
+
+    def release_weights(self) -> None:
+        self.engine.release_weights()
+
+    def weight_bytes(self) -> int:
+        return self.engine.weight_bytes()
+
+    def generator_of_this_rank(self) -> Optional[GeneratorPlace]:
+        return self.engine.generator_of_this_rank()
+
+    @property
+    def live_weights(self) -> Optional[LiveWeights]:
+        return self.engine.live_weights
+
+    @property
+    def last_refit(self):
+        return self.engine.last_refit
+
+    @property
+    def max_sequence_length(self) -> Optional[int]:
+        return self.engine.max_sequence_length
 
 
 class EnvironmentRollout(EngineWrapper):
@@ -157,15 +180,12 @@ class EnvironmentRollout(EngineWrapper):
                                                 env=env))
         turn_params = dataclasses.replace(params, n=1, stop_sequences=params.stop_sequences + self.stop_sequences)
         with ThreadPoolExecutor(TOOL_THREADS) as pool:
-            if "sample_keys" in inspect.signature(self.engine.generate).parameters:
-                self._advance_independently(trajectories, turn_params, seed, pool)
-            else:
-                self._advance_in_rounds(trajectories, turn_params, seed, pool)
+            self._advance_independently(trajectories, turn_params, seed, pool)
         return RolloutBatch(
             prompt_index=[t.prompt_index for t in trajectories], prompt_ids=[t.prompt for t in trajectories],
             response_ids=[t.response for t in trajectories], response_logprobs=[t.logprobs for t in trajectories],
             finish_reason=[t.finish for t in trajectories],
-            token_versions=[t.versions for t in trajectories] if self._live() is not None else None,
+            token_versions=[t.versions for t in trajectories] if self.engine.live_weights is not None else None,
             response_mask=[t.mask for t in trajectories],
             env_info=[dict(t.info, final_turn=t.final_turn) for t in trajectories],
         )
@@ -194,38 +214,23 @@ class EnvironmentRollout(EngineWrapper):
                     if not t.finish:
                         ready.append(t)
 
-    def _advance_in_rounds(self, trajectories: list[_Trajectory], params: SamplingParams, seed: int,
-                           pool: ThreadPoolExecutor) -> None:
-        """For an engine that draws from one stream per call: every unfinished trajectory takes its
-        turn in one call per round, so the calls (and the samples) are the same on every run."""
-        for turn in range(self.limits.max_turns):
-            active = [t for t in trajectories if not t.finish]
-            if not active:
-                break
-            self._policy_turn(active, params, derive_seed(seed, "turn", turn))
-            waiting = [t for t in active if not t.finish or t.answered_by_eos]
-            last = turn + 1 == self.limits.max_turns
-            for t, answer in zip(waiting, pool.map(self._step, waiting)):
-                self._observe(t, answer, last)
-
     def _turn_calls(self, active: list[_Trajectory], room: list[int], cap: int) -> list[tuple[list[int], int]]:
         """The engine calls of one policy turn (:func:`fitting_calls`)."""
-        return fitting_calls([t.length for t in active], room, cap, getattr(self.engine, "max_sequence_length", None))
+        return fitting_calls([t.length for t in active], room, cap, self.engine.max_sequence_length)
 
-    def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int,
-                     keys: Optional[list[int]] = None) -> None:
+    def _policy_turn(self, active: list[_Trajectory], params: SamplingParams, seed: int, keys: list[int]) -> None:
         room = [self.limits.max_tokens - t.length for t in active]
         calls = self._turn_calls(active, room, params.max_new_tokens)
         outs: dict[int, tuple] = {}
         for c, (members, max_new) in enumerate(calls):
             call_params = dataclasses.replace(params, max_new_tokens=max_new)
-            extra = {} if keys is None else {"sample_keys": [keys[k] for k in members]}
             out = self.engine.generate([active[k].prompt + active[k].response for k in members], call_params,
-                                       seed=seed if c == 0 else derive_seed(seed, "call", c), **extra)
+                                       seed=seed if c == 0 else derive_seed(seed, "call", c),
+                                       sample_keys=[keys[k] for k in members])
             for i, k in enumerate(members):
                 outs[k] = (out.response_ids[i], out.response_logprobs[i], out.finish_reason[i],
                            out.token_versions[i] if out.token_versions is not None else None)
-        live = self._live()
+        live = self.engine.live_weights
         for k, (t, left) in enumerate(zip(active, room)):
             response_ids, response_logprobs, finish_reason, token_versions = outs[k]
             ids, logprobs = response_ids[:left], response_logprobs[:left]
@@ -238,9 +243,6 @@ class EnvironmentRollout(EngineWrapper):
             elif ids and ids[-1] in params.stop_token_ids:
                 t.end("stop")  # EOS: the policy is done (its environment still answers, for the reward)
                 t.answered_by_eos = True
-
-    def _live(self):
-        return getattr(self.engine, "live_weights", None)
 
     def _step(self, t: _Trajectory) -> Turn:
         start, end = t.final_turn

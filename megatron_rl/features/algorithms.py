@@ -6,9 +6,8 @@ from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
 from megatron_rl.algorithms.old_logprobs import training_forward_blockers
-from megatron_rl.features.base import TESTED_CPU, Feature, _needs_groups, _old_logprob_source, _registry_names, need
+from megatron_rl.features.base import TESTED_CPU, Feature, _needs_groups, _registry_names, need
 from megatron_rl.models.arch import is_moe
-from megatron_rl.rollout.choice import MEGATRON, rollout_engine
 
 AREA = "algorithms"
 FEATURES = [
@@ -214,14 +213,14 @@ FEATURES = [
     ),
     Feature(
         "Routing replay", "algorithms", TESTED_CPU,
-        "algorithm.routing_replay=true: with rollout.engine=megatron the routers record each token's experts per MoE "
+        "algorithm.routing_replay=true: the routers record each token's experts per MoE "
         "layer while the engine generates (prefill and decode, across evictions), keyed by (sample, position; copied "
         "to the host without a wait per layer and step, written once the rollout ends), and the recordings travel with "
         "the samples (exchanged over each pipeline stage's TP x DP x CP ranks); the old-log-prob forward and every "
         "training forward of the step route to them (weights recomputed at those experts), also when full recompute "
         "re-runs a layer in backward, so routing adds nothing to the rollout/train mismatch; "
         "actor/routing_replay_mismatch is the share of (token, layer) pairs whose recomputed top-k differs from the "
-        "rollout's. With another engine the old-log-prob pass records instead. Host memory per rank: tokens x MoE "
+        "rollout's. Host memory per rank: tokens x MoE "
         "layers of its stage x top-k x 2 bytes.",
         ("tests/test_moe.py::test_routing_replay_reproduces_the_recorded_routing",
          "tests/test_moe.py::test_routing_replay_with_full_recompute_gives_the_same_gradients",
@@ -230,14 +229,6 @@ FEATURES = [
         (
             need("algorithm.routing_replay", lambda c, w: is_moe(c.model), "routing replay needs an MoE model",
                  "set algorithm.routing_replay=false", "needs model.moe.num_experts",
-                 when=lambda c: c.algorithm.routing_replay),
-            need("algorithm.routing_replay",
-                 lambda c, w: rollout_engine(c) == MEGATRON or _old_logprob_source(c) == "recompute",
-                 "rollout.engine={c.rollout.engine} does not record routing, so the old-log-prob pass would, and "
-                 "algorithm.old_logprobs={c.algorithm.old_logprobs} does not run it",
-                 "set rollout.engine=megatron (records routing while it generates), or "
-                 "algorithm.old_logprobs=recompute",
-                 "rollout.engine=megatron, or old_logprobs resolves to recompute",
                  when=lambda c: c.algorithm.routing_replay),
         ),
         config="algorithm.routing_replay=true",

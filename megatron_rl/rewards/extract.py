@@ -173,12 +173,6 @@ def _is_heading(content: str, followed_by_text: bool) -> bool:
     return followed_by_text or text.endswith(":")
 
 
-def last_hashes(text: str) -> Optional[FinalAnswer]:
-    """The last ``#### x`` line that is an answer, else the last heading-like one, else None."""
-    answer, fallback = _scan_hashes(text)
-    return answer or fallback
-
-
 def _scan_hashes(text: str) -> tuple[Optional[FinalAnswer], Optional[FinalAnswer]]:
     """``(last answer line, last heading-like line)``; lines are visited once, from the end."""
     end, last_text = len(text), len(text.rstrip())

@@ -1,7 +1,7 @@
-"""How megatron's engine generates: ``rollout.engine`` and ``rollout.batching`` with ``auto`` resolved.
+"""How megatron's engine generates: ``rollout.batching`` with ``auto`` resolved.
 
-megatron-core's inference generates on every layout (``rollout.engine=megatron``; ``auto`` names it
-too).  It batches one of two ways (``rollout.batching``):
+megatron-core's inference, the only engine, generates on every layout (``rollout.engine``, ``auto``
+or ``megatron``, names it).  It batches one of two ways (``rollout.batching``):
 
 * ``dynamic`` -- its ``DynamicInferenceEngine``: a paged KV cache, continuous batching, chunked
   prefill, prefix caching by pages, CUDA graphs for decode steps.  Picked by ``auto`` on CUDA (its
@@ -21,17 +21,10 @@ generates, so both see the same choice.
 from __future__ import annotations
 
 from megatron_rl.capabilities import paged_kernels_installed
-from megatron_rl.config.choices import ASYNC, ROLLOUT_BATCHING, ROLLOUT_ENGINES
+from megatron_rl.config.choices import ASYNC, AUTO, ROLLOUT_BATCHING
 from megatron_rl.models.arch import is_moe
 
-# What ``rollout.engine`` accepts (config/choices.py); the engines are registered in rollout/engine.py:ENGINES.
-AUTO, MEGATRON = ENGINE_CHOICES = ROLLOUT_ENGINES
 _, DYNAMIC, STATIC = ROLLOUT_BATCHING
-
-
-def pick_engine(requested: str) -> str:
-    """``requested`` with ``auto`` resolved: megatron's engine, the one generator."""
-    return MEGATRON if requested == AUTO else requested
 
 
 def pick_batching(requested: str, *, moe: bool, partial: bool, paged_kernels: bool) -> str:
@@ -94,11 +87,6 @@ def batching_facts(cfg, cuda: bool) -> dict:
     on a machine with or without CUDA; paged attention kernels looked up where there is CUDA."""
     return dict(moe=is_moe(cfg.model), partial=cfg.trainer.mode == ASYNC and cfg.trainer.partial_rollouts,
                 paged_kernels=cuda and paged_kernels_installed())
-
-
-def rollout_engine(cfg) -> str:
-    """The engine ``cfg`` generates with."""
-    return pick_engine(cfg.rollout.engine)
 
 
 def rollout_batching(cfg) -> str:

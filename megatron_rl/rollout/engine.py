@@ -1,24 +1,27 @@
-"""The rollout interface the trainer talks to, and the engine registry.
+"""The rollout interface the trainer talks to.
 
 Before each rollout the trainer hands the engine the actor's megatron chunks
 (:meth:`RolloutEngine.load_from_chunks`); tests and the ``generate`` command may hand a canonical
 state dict instead (:meth:`RolloutEngine.load_weights`).  The generator is megatron-core's
-inference (:mod:`megatron_rl.rollout.megatron_engine`) on every layout: its dynamic engine or its
+inference (:mod:`megatron_rl.rollout.megatron`) on every layout: its dynamic engine or its
 static-batching API (``rollout.batching``), on the actor's own shards or on a model of its own
-(``rollout.layout``).  Engines are named in :data:`ENGINES`.
+(``rollout.layout``), built from ``rollout.*`` by :func:`megatron_rl.rollout.build.make_rollout_engine`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
 import torch
 
-from megatron_rl.config.schema import ModelConfig, RolloutLayoutConfig
 from megatron_rl.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.refit import RefitStats
+
+# (generators, this rank's generator, whether this rank reports that generator's samples)
+GeneratorPlace = tuple[int, int, bool]
 
 
 @dataclass
@@ -76,7 +79,27 @@ class LiveWeights(Protocol):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What every rollout engine implements."""
+    """What every rollout engine implements (:class:`RolloutEngineBase` gives the optional parts'
+    defaults to an engine that has no use for them)."""
+
+    # Partial rollouts: weights that may change while a rollout runs; the trainer or the generator
+    # ranks set it, and samples then carry the version of each token.  None: they cannot change.
+    live_weights: Optional[LiveWeights]
+
+    @property
+    def last_refit(self) -> Optional[RefitStats]:
+        """The latest copy of the weights into a model of the engine's own (``rollout.layout``), whose
+        seconds and bytes the trainer logs; None while it generates on the actor's own shards."""
+
+    @property
+    def max_sequence_length(self) -> Optional[int]:
+        """Most positions a prompt plus its response may take (None: no limit).  Multi-turn
+        rollouts split a turn's call by it, since megatron's engine refuses a request past it."""
+
+    def generator_of_this_rank(self) -> Optional[GeneratorPlace]:
+        """``(generators, this rank's generator, whether it reports)`` where the engine generates on a
+        layout of its own; None where the training layout's DP x CP ranks are the generators, which
+        :func:`megatron_rl.rollout.dp.generator_of_this_rank` then reads."""
 
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
         """Replace the engine's weights with a canonical state dict (see models.canonical)."""
@@ -99,6 +122,19 @@ class RolloutEngine(Protocol):
         own)."""
 
 
+class RolloutEngineBase:
+    """The optional parts of :class:`RolloutEngine` for an engine without them: weights that never
+    change during a rollout, no model of its own to refit, no position limit, and the training
+    layout's ranks as the generators."""
+
+    live_weights: Optional[LiveWeights] = None
+    last_refit: Optional[RefitStats] = None
+    max_sequence_length: Optional[int] = None
+
+    def generator_of_this_rank(self) -> Optional[GeneratorPlace]:
+        return None
+
+
 def stopped(response: list[int], params: SamplingParams) -> bool:
     """Whether ``response`` ends with a stop id or a stop sequence (one rule for every engine)."""
     if response[-1] in params.stop_token_ids:
@@ -106,45 +142,3 @@ def stopped(response: list[int], params: SamplingParams) -> bool:
     return any(
         len(response) >= len(seq) and tuple(response[-len(seq):]) == seq for seq in params.stop_sequences
     )
-
-
-# name -> "module:class"; imported when built, so naming an engine (config validation) never
-# imports megatron-core's inference.
-ENGINES = {
-    "megatron": "megatron_rl.rollout.megatron_engine:MegatronRolloutEngine",
-}
-
-
-def engine_class(name: str) -> type:
-    """The class registered as ``name`` in :data:`ENGINES`."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}; known: {sorted(ENGINES)}")
-    module, cls = ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
-
-
-def make_engine(name: str, *args, **kwargs) -> RolloutEngine:
-    """Build the engine registered as ``name`` (e.g. ``make_engine("megatron", model_cfg, device)``)."""
-    return engine_class(name)(*args, **kwargs)
-
-
-def on_active_layout(rollout):
-    """``rollout`` (a RolloutConfig) with ``rollout.layout`` unset: an engine built from it generates
-    on the layout of this process's world.  With generator ranks of their own, ``rollout.layout``
-    is the generators' world's layout, so both worlds build their engines this way."""
-    return dataclasses.replace(rollout, layout=RolloutLayoutConfig())
-
-
-def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing: bool = False) -> RolloutEngine:
-    """The engine ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`) names -- ``auto``
-    resolved for this model and ``device`` (:mod:`megatron_rl.rollout.choice`) -- with the
-    options that engine takes.  ``record_routing`` (MoE routing replay): the engine returns the
-    experts it routed every token to, where it can (megatron's engine; validation sends routing
-    replay with another engine through the old-log-prob pass, which records them instead)."""
-    from megatron_rl.rollout.choice import pick_engine
-
-    return make_engine(pick_engine(rollout.engine), model_cfg, device=device, max_batch_size=rollout.max_batch_size,
-                       kv_cache_memory=rollout.kv_cache_memory, prefill_chunk_tokens=rollout.prefill_chunk_tokens,
-                       kv_block_tokens=rollout.kv_block_tokens, record_routing=record_routing,
-                       layout=rollout.layout, prefix_caching=rollout.prefix_caching, batching=rollout.batching,
-                       paged_attention=rollout.paged_attention, cuda_graphs=rollout.cuda_graphs)

@@ -37,7 +37,7 @@ from megatron_rl.envs.tool_calls import CLOSE
 from megatron_rl.envs.trajectories import TokenTrace
 from megatron_rl.errors import DataError
 from megatron_rl.models.heads import logprob_head
-from megatron_rl.rollout.engine import RolloutBatch
+from megatron_rl.rollout.engine import RolloutBatch, RolloutEngineBase
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.experience import response_positions
 from megatron_rl.trainer.update import scheduled_updates
@@ -55,7 +55,7 @@ def _targets(prompts: PromptSet, cfg: Config) -> list:
     return answers
 
 
-class DemonstrationServer:
+class DemonstrationServer(RolloutEngineBase):
     """The chat endpoint of agent mode with a policy that replies with a demonstration's turns: what it
     records for the demonstrated chat is what it records when the policy replies so to an agent.
 
