@@ -109,14 +109,14 @@ def build(args, device: torch.device, tmp: str) -> Setup:
 
 
 def engine(setup: Setup, args, concurrency: int, **overrides):
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
 
     options = dict(max_batch_size=concurrency, kv_cache_memory=args.kv_fraction, prefill_chunk_tokens=8192,
                    kv_block_tokens=256, batching="dynamic")
     if setup.device.type == "cpu":
         options.update(kv_cache_memory=2**26, prefill_chunk_tokens=256, kv_block_tokens=16)
     options.update(overrides)
-    built = make_engine("megatron", setup.model_cfg, str(setup.device), **options)
+    built = MegatronRolloutEngine(setup.model_cfg, str(setup.device), **options)
     built.load_from_chunks(setup.chunks)
     return built
 

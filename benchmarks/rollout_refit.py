@@ -58,9 +58,9 @@ def measure_pair(model_kw: dict, train_kw: dict, infer_kw: dict, repeats: int) -
     from megatron.core.resharding.refit import clear_plan_cache
 
     from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.layout.sizes import RolloutLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical
-    from megatron_rl.planner.memory import RolloutLayout
     from megatron_rl.rollout import refit as refit_mod
     from megatron_rl.testing.layouts import use_layout
 

@@ -47,7 +47,7 @@ def measure(rounds: int) -> dict:
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.testing.weights import random_canonical
@@ -66,9 +66,9 @@ def measure(rounds: int) -> dict:
                      kv_block_tokens=256)
     engines = {
         "decoder": TorchRolloutEngine(cfg, "cpu", max_batch_size=PROMPTS * SAMPLES),
-        "dynamic": make_engine("megatron", cfg, "cpu", batching="dynamic", **engine_kw),
-        "static": make_engine("megatron", cfg, "cpu", batching="static", **engine_kw),
-        "unshared": make_engine("megatron", cfg, "cpu", batching="static", prefix_caching=False, **engine_kw),
+        "dynamic": MegatronRolloutEngine(cfg, "cpu", batching="dynamic", **engine_kw),
+        "static": MegatronRolloutEngine(cfg, "cpu", batching="static", **engine_kw),
+        "unshared": MegatronRolloutEngine(cfg, "cpu", batching="static", prefix_caching=False, **engine_kw),
     }
 
     def run(name: str, seed: int, p=params):

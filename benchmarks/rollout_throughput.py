@@ -152,7 +152,7 @@ def _hf_generate(model, prompts, params, batch: int, pad_id: int):
 def _watch_live_tokens(engine) -> list[int]:
     """Record, at every step of megatron's engine, the tokens its KV pages hold for the requests in
     its context (running and paused): KV offset + this step's query tokens."""
-    controller, ctx = engine._engine.controller, engine._engine.context
+    controller, ctx = engine.dynamic.engine.controller, engine.dynamic.engine.context
     sample_logits, peak = controller._dynamic_step_sample_logits, [0]
 
     def watched(*args, **kwargs):  # megatron-core 0.19.2 passes nothing (the logits are on the controller)
@@ -170,7 +170,7 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
     from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.testing.weights import random_canonical
 
@@ -187,12 +187,12 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
         chunks = build_gpt_chunks(cfg, use_layout(), torch.device("cpu"))
         load_canonical(chunks, canonical)
         kv = float(max(int(kv_fraction * full_kv), 2)) if name == "dynamic" else float(2**40)
-        engine = make_engine("megatron", cfg, "cpu", max_batch_size=batch, kv_cache_memory=kv,
-                             prefill_chunk_tokens=512, kv_block_tokens=block_tokens, prefix_caching=prefix_caching,
-                             batching=name)
+        engine = MegatronRolloutEngine(cfg, "cpu", max_batch_size=batch, kv_cache_memory=kv,
+                                       prefill_chunk_tokens=512, kv_block_tokens=block_tokens,
+                                       prefix_caching=prefix_caching, batching=name)
         engine.load_from_chunks(chunks)
         if name == "dynamic":
-            engine._build()  # now, so the step hook is in place before the first step
+            engine.dynamic.build(engine.weights.model)  # now, so the step hook is in place before the first step
             live_peak = _watch_live_tokens(engine)
     t0, c0 = time.perf_counter(), time.process_time()
     if name == "hf":
@@ -220,9 +220,9 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
                                   for rows in batches) * per_token
         out["kv_needed"] = live_tokens_peak(batches) * per_token
     else:
-        out["steps"] = engine._engine.context.step_count  # megatron-core 0.19 counts steps on the context
-        out["evictions"] = engine._engine.evicted_request_count
-        out["kv_allocated"] = engine._kv_bytes
+        out["steps"] = engine.dynamic.engine.context.step_count  # megatron-core 0.19 counts steps on the context
+        out["evictions"] = engine.dynamic.engine.evicted_request_count
+        out["kv_allocated"] = engine.dynamic.kv_bytes
         out["kv_needed"] = live_peak[0] * per_token
         out["prefill_tokens"] = engine.prefill_tokens  # prompt tokens its forwards computed
     out["ms_per_step_cpu"] = 1e3 * cpu_seconds / out["steps"]

@@ -566,7 +566,7 @@ def rollout_replay_body(layout_kw: dict, weights, perturb) -> dict:
     from megatron_rl.models.heads import LogProbHead
     from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass, moe_state
     from megatron_rl.rollout.dp import generate_data_parallel
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.trainer.experience import Samples
@@ -575,8 +575,8 @@ def rollout_replay_body(layout_kw: dict, weights, perturb) -> dict:
     moe_kw = dict(MOE, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
     chunks, weights = build_moe(layout, weights, moe_kw, value_head=False)
     trainable = make_trainable(chunks, OptimConfig(), total_steps=1)
-    engine = make_engine("megatron", ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
-                         kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8)
+    engine = MegatronRolloutEngine(ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
+                                   kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8)
     engine.record_routing = True
     engine.load_from_chunks(trainable.chunks)
     g = torch.Generator().manual_seed(3)
@@ -660,15 +660,16 @@ def moe_generate_body(layout_kw: dict, weights, kernels: str = "auto") -> dict:
 
     from megatron_rl.config.schema import ModelConfig, MoEConfig
     from megatron_rl.rollout.dp import generate_data_parallel
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
     from megatron_rl.testing.layouts import use_layout
 
     layout = use_layout(**layout_kw)
     moe_kw = dict(MOE, shared_expert_ffn_hidden_size=None, shared_expert_gate=False)
     chunks, weights = build_moe(layout, weights, moe_kw, value_head=False)
-    engine = make_engine("megatron", ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
-                         kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8, paged_attention=kernels)
+    engine = MegatronRolloutEngine(ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw)), "cpu", max_batch_size=4,
+                                   kv_cache_memory=2**22, prefill_chunk_tokens=8, kv_block_tokens=8,
+                                   paged_attention=kernels)
     engine.load_from_chunks(chunks)
     batch = generate_data_parallel(engine, GENERATE_PROMPTS, SamplingParams(greedy=True, max_new_tokens=9), seed=4)
     engine.release_weights()
@@ -708,7 +709,7 @@ def engine_routing_body(layout_kw: dict, tight: bool) -> dict:
     from megatron_rl.config.schema import ModelConfig, MoEConfig
     from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
     from megatron_rl.rollout.dp import data_parallel_share, generator_of_this_rank
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
     from megatron_rl.testing.layouts import use_layout
 
@@ -722,7 +723,7 @@ def engine_routing_body(layout_kw: dict, tight: bool) -> dict:
         new_tokens = 20
         budget = engine_kv_cache_bytes(cfg, PlanOption(), 3, new_tokens, bytes_per=4, block_tokens=4)
         options = dict(max_batch_size=3, kv_cache_memory=float(budget), prefill_chunk_tokens=8, kv_block_tokens=4)
-    engine = make_engine("megatron", cfg, "cpu", **options)
+    engine = MegatronRolloutEngine(cfg, "cpu", **options)
     engine.record_routing = engine.megatron_routing = True
     engine.load_from_chunks(chunks)
     g = torch.Generator().manual_seed(3)
@@ -732,7 +733,7 @@ def engine_routing_body(layout_kw: dict, tight: bool) -> dict:
     batch = engine.generate([prompts[i] for i in share], SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
                                                                         n=2), seed=4)
     out = dict(requests=len(batch), lost=0, compared=0, same=0, ours_complete=True,
-               evictions=engine._engine.evicted_request_count)
+               evictions=engine.dynamic.engine.evicted_request_count)
     for rid, tables in enumerate(batch.routing):
         length = len(batch.prompt_ids[rid]) + len(batch.response_ids[rid])
         for table in tables.values():  # ours: every fed token, -1 for the sampled last one

@@ -35,9 +35,9 @@ def refit_body(model_kw: dict, train_kw: dict, infer_kw: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.config.schema import ModelConfig, MoEConfig
+    from megatron_rl.layout.sizes import RolloutLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical, load_canonical
-    from megatron_rl.planner.memory import RolloutLayout
     from megatron_rl.rollout.refit import build_inference_model, refit
     from megatron_rl.testing.layouts import use_layout
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.rollout.engine import RolloutEngineBase
 from megatron_rl.rollout.sampling import (
     SamplingParams,
     filter_logits,
@@ -88,10 +89,10 @@ def _actor(layout_kw: dict, cfg: ModelConfig, seed: int, std: float = 0.2):
 
 def _engine(cfg: ModelConfig, chunks, rollout_layout: dict | None = None, **overrides):
     from megatron_rl.config.schema import RolloutLayoutConfig
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
 
     layout = RolloutLayoutConfig(**rollout_layout) if rollout_layout else None
-    engine = make_engine("megatron", cfg, "cpu", **{**ENGINE, **overrides}, layout=layout)
+    engine = MegatronRolloutEngine(cfg, "cpu", **{**ENGINE, **overrides}, layout=layout)
     engine.load_from_chunks(chunks)
     return engine
 
@@ -156,12 +157,13 @@ def parity_body(layout_kw: dict, hf_dir: str, rollout_layout: dict | None = None
     if dynamic:
         # Pages hold stale or uninitialised values between requests: NaN there must never leak in.
         with torch.inference_mode():  # the engine allocates its cache in inference mode
-            engine._engine.context.memory_buffer.fill_(float("nan"))
+            engine.dynamic.engine.context.memory_buffer.fill_(float("nan"))
     greedy_again = engine.generate(PROMPTS, GREEDY, seed=0)
     sampled = engine.generate(PROMPTS, SAMPLED, seed=5)
     kv_bytes = engine.kv_cache_bytes() if dynamic else 1  # static batching allocates per rollout
     engine.release_weights()  # the trainer's call after a rollout: the KV cache is freed
-    freed = engine.kv_cache_bytes() == 0 and (not dynamic or not engine._engine.context.is_tensor_state_allocated)
+    freed = engine.kv_cache_bytes() == 0 and (not dynamic or
+                                              not engine.dynamic.engine.context.is_tensor_state_allocated)
     engine.load_from_chunks(chunks)  # the trainer's call before a rollout (a refit on a layout of its own)
     resumed = engine.generate(PROMPTS, SAMPLED, seed=5)
     inference_mode.append(InferenceMode.is_active())
@@ -367,7 +369,7 @@ def static_context_body(layout_kw: dict, cfg: ModelConfig) -> list:
     from megatron.core.inference.contexts.static_context import StaticInferenceContext
     from megatron.core.inference.utils import InferenceMode
 
-    from megatron_rl.rollout.megatron_engine import _make_wrapper_class
+    from megatron_rl.rollout.megatron.wrapper import actor_wrapper_class
 
     chunks = _actor(layout_kw, cfg, 3)
     rows = [list(range(5, 17)), [40, 41, 42, 43, 2, 9, 77, 1, 3, 8, 50, 60]]
@@ -377,7 +379,7 @@ def static_context_body(layout_kw: dict, cfg: ModelConfig) -> list:
     tokens = torch.tensor(rows)
     positions = torch.arange(tokens.size(1)).expand_as(tokens)
     context = StaticInferenceContext(len(rows), tokens.size(1))
-    wrapper = _make_wrapper_class()(chunks[0], context)
+    wrapper = actor_wrapper_class()(chunks[0], context)
     chunks[0].eval()
     steps = []
     with torch.inference_mode(), InferenceMode.active():
@@ -473,8 +475,8 @@ def scheduling_body(cfg: ModelConfig, params: SamplingParams, engines: list[dict
         engine = _engine(cfg, chunks, **options)
         batch = engine.generate(PROMPTS, params, seed=9)
         # megatron-core 0.19 counts steps on the context and names the allocator kv_block_allocator.
-        context = engine._engine.context
-        out.append((dataclasses.asdict(batch), engine._engine.evicted_request_count, context.step_count,
+        context = engine.dynamic.engine.context
+        out.append((dataclasses.asdict(batch), engine.dynamic.engine.evicted_request_count, context.step_count,
                     context.kv_block_allocator.active_count))
     return out
 
@@ -506,10 +508,10 @@ def fraction_body(cfg: ModelConfig) -> tuple:
     chunks = _actor({}, cfg, 4)
     engine = _engine(cfg, chunks, kv_cache_memory=1e-3)  # a thousandth of the free memory
     first = engine.generate(PROMPTS, SAMPLED, seed=2)
-    built, kv = engine._engine, engine.kv_cache_bytes()
+    built, kv = engine.dynamic.engine, engine.kv_cache_bytes()
     engine.release_weights()
     again = engine.generate(PROMPTS, SAMPLED, seed=2)
-    return first == again, engine._engine is not built, kv
+    return first == again, engine.dynamic.engine is not built, kv
 
 
 def test_kv_budget_as_a_fraction_of_free_memory_is_measured_for_each_rollout():
@@ -669,7 +671,7 @@ def test_keyed_noise_draws_from_the_distribution():
 
 
 # -- no redundant generation ---------------------------------------------------------------------
-class CountingEngine:
+class CountingEngine(RolloutEngineBase):
     """One response token per sample: the prompt's first id, so the gathered batch can be checked."""
 
     def __init__(self):
@@ -929,7 +931,7 @@ def graphs_body(cfg: ModelConfig, device: str = "cpu", cuda_graphs=None) -> dict
     after the rollout (what the training forward would see)."""
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.testing.weights import random_canonical
 
@@ -937,11 +939,11 @@ def graphs_body(cfg: ModelConfig, device: str = "cpu", cuda_graphs=None) -> dict
         cfg = dataclasses.replace(cfg, params_dtype="bfloat16")
     chunks = build_gpt_chunks(cfg, use_layout(), torch.device(device))
     load_canonical(chunks, random_canonical(cfg, 4, std=0.2))
-    engine = make_engine("megatron", cfg, device, **ENGINE, cuda_graphs=cuda_graphs)
+    engine = MegatronRolloutEngine(cfg, device, **ENGINE, cuda_graphs=cuda_graphs)
     engine.load_from_chunks(chunks)
     pointers = [p.data_ptr() for p in chunks[0].parameters()]
     greedy = engine.generate(PROMPTS, GREEDY, seed=2)
-    context = engine._engine.context
+    context = engine.dynamic.engine.context
     out = {"model": chunks[0].config.cuda_graph_impl, "graph_sizes": list(context.cuda_graph_token_counts or []),
            "managers_left": sum(hasattr(m, "cudagraph_manager") for m in chunks[0].modules()),
            "greedy": greedy.response_ids}
@@ -1113,8 +1115,12 @@ def test_suspending_an_engine_without_cuda_graphs_collects_no_garbage(monkeypatc
     assert calls == ["deleted"]
 
 
-def test_megatron_engine_is_registered():
-    from megatron_rl.rollout.engine import ENGINES, engine_class
-    from megatron_rl.rollout.megatron_engine import MegatronRolloutEngine
+def test_megatron_engine_has_every_part_of_the_rollout_interface():
+    """Callers use every member of RolloutEngine directly, so the engine must have each one."""
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
 
-    assert engine_class("megatron") is MegatronRolloutEngine and "megatron" in ENGINES
+    members = [m for m in vars(RolloutEngine) if not m.startswith("_")] + list(RolloutEngine.__annotations__)
+    assert {"generate", "generator_of_this_rank", "last_refit", "live_weights", "max_sequence_length"} <= set(members)
+    engine = MegatronRolloutEngine(_cfg(), "cpu", **ENGINE)
+    assert all(hasattr(engine, m) for m in members), [m for m in members if not hasattr(engine, m)]

@@ -252,7 +252,7 @@ register_workaround(
             "kv_cache_management_mode is not PERSIST, the default; the engine asks for RECOMPUTE so "
             "the cache is deleted while the actor trains and rebuilt by resume()"
         ),
-        used_in="rollout/megatron_engine.py:KVCacheManagementMode.RECOMPUTE",
+        used_in="rollout/megatron/dynamic.py:KVCacheManagementMode.RECOMPUTE",
     )
 )
 register_workaround(
@@ -265,7 +265,7 @@ register_workaround(
             "read it (last-token logits only while it is set), so it is cleared after building or "
             "resuming and set only around the engine's steps"
         ),
-        used_in="rollout/megatron_engine.py:InferenceMode.active",
+        used_in="rollout/megatron/dynamic.py:InferenceMode.active; rollout/megatron/static.py:InferenceMode.active",
     )
 )
 register_workaround(
@@ -280,7 +280,7 @@ register_workaround(
             "request holds it). No CPU shim: the SDPA stand-ins read every request's keys through its "
             "block table, shared pages included"
         ),
-        used_in="rollout/megatron_engine.py:PrefixCachingEvictionPolicy.REF_ZERO",
+        used_in="rollout/megatron/dynamic.py:PrefixCachingEvictionPolicy.REF_ZERO",
     )
 )
 register_workaround(
@@ -294,7 +294,7 @@ register_workaround(
             "'Inplace update to inference tensor outside InferenceMode'; such buffers are dropped after "
             "each rollout"
         ),
-        used_in="rollout/megatron_engine.py:_drop_inference_buffers",
+        used_in="compat/inference_hooks.py:drop_inference_buffers; rollout/megatron/modes.py:drop_inference_buffers",
     )
 )
 register_workaround(
@@ -307,7 +307,7 @@ register_workaround(
             "which raises without Hopper+ GPUs fully connected by NVLink (and on the CPU); only "
             "transformer_impl='inference_optimized' MoE layers use that dispatcher"
         ),
-        used_in="rollout/megatron_engine.py:inference_moe_token_dispatcher_type",
+        used_in="rollout/megatron/dynamic.py:inference_moe_token_dispatcher_type",
     )
 )
 register_workaround(
@@ -319,7 +319,7 @@ register_workaround(
             "request whose id is never set (add_dummy_requests_for_expert_parallel_step); MoE "
             "routing is not recorded when the context's _bookkeeping_no_real_work is set"
         ),
-        used_in="rollout/megatron_engine.py:_bookkeeping_no_real_work",
+        used_in="compat/inference_hooks.py:_bookkeeping_no_real_work; rollout/megatron/wrapper.py:dummy",
     )
 )
 
@@ -336,7 +336,7 @@ register_workaround(
             "allocate_memory_blocks drops those blocks' routing before the engine reconstructs from "
             "them); RolloutBatch.routing stays the routers' own recording (moe_rollout)"
         ),
-        used_in="rollout/megatron_engine.py:megatron_routing; models/moe/router.py:_TopK",
+        used_in="rollout/megatron/dynamic.py:megatron_routing; models/moe/router.py:_TopK",
     )
 )
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.core import parallel_state
-
 from megatron_rl.distributed import collectives
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.rollout.engine import RolloutBatch, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.utils.seeds import derive_seed
@@ -31,19 +30,22 @@ def data_parallel_share(num_prompts: int, generators: int, index: int) -> range:
     return range(index * per_rank, min(num_prompts, (index + 1) * per_rank))
 
 
+def generator_of_groups(groups) -> tuple[int, int, bool]:
+    """``(generators, generator, reports)`` on a layout of megatron's process groups ``groups`` (a
+    ``pg_collection`` with CP 1): its data-parallel replicas are the generators, and the first rank
+    of each (TP and PP rank 0) reports."""
+    return groups.dp.size(), groups.dp.rank(), groups.tp.rank() == 0 and groups.pp.rank() == 0
+
+
 def generator_of_this_rank(engine: RolloutEngine | None = None) -> tuple[int, int, bool]:
     """``(generators, this rank's generator, whether this rank reports that generator's samples)``.
 
     Generators are indexed by the DP x CP rank; with CP = 1 that is the data-parallel rank.  An
     engine generating on a layout of its own (``rollout.layout``) says which they are there."""
-    own = getattr(engine, "generator_of_this_rank", None)
-    if own is not None and (found := own()) is not None:
+    if engine is not None and (found := engine.generator_of_this_rank()) is not None:
         return found
-    size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
-    index = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    reports = (parallel_state.get_tensor_model_parallel_rank() == 0
-               and parallel_state.get_pipeline_model_parallel_rank() == 0)
-    return size, index, reports
+    groups = active_groups()
+    return groups.dp_cp.size(), groups.dp_cp.rank(), groups.tp.rank() == 0 and groups.pp.rank() == 0
 
 
 def generate_data_parallel(engine: RolloutEngine, prompt_ids: list[list[int]], params: SamplingParams,
@@ -86,6 +88,6 @@ def _gathered_routing(local: RolloutBatch, share: range, merged: list) -> list |
 
     position = {row[:2]: k for k, row in enumerate(merged)}
     sample_index = {k: position[(share[local.prompt_index[k]], k)] for k in range(len(local))}
-    reports = parallel_state.get_tensor_model_parallel_rank() == 0
+    reports = active_groups().tp.rank() == 0
     by_sample = gather_rollout_routing(recorded, sample_index, reports)
     return [by_sample.get(k) for k in range(len(merged))]

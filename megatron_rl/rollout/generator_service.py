@@ -22,19 +22,23 @@ import torch.distributed as dist
 
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives, faults, guard
-from megatron_rl.distributed.bridge import REQUEST, SETTINGS, STOP, WEIGHTS, Bridge, ask_to_stop
+from megatron_rl.distributed.bridge import Bridge, ask_to_stop
 from megatron_rl.distributed.cross_world import data_group, joint_group
-from megatron_rl.distributed.placement import GENERATOR
-from megatron_rl.distributed.runtime import (
-    ParallelLayout,
-    init_model_parallel,
-    job_placement,
-    job_store,
-    resolve_device,
+from megatron_rl.distributed.messages import (
+    GeneratedRollout,
+    GenerationRequest,
+    GenerationResult,
+    SamplingSettings,
+    Stop,
+    WeightsPush,
 )
+from megatron_rl.distributed.placement import GENERATOR
+from megatron_rl.distributed.runtime import ParallelLayout, job_placement, job_store
+from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.models.builder import build_gpt_chunks
+from megatron_rl.rollout.build import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.dp import generate_data_parallel
-from megatron_rl.rollout.engine import RolloutBatch, make_rollout_engine, on_active_layout
+from megatron_rl.rollout.engine import RolloutBatch
 from megatron_rl.rollout.refit import RefitStats, refit_across_worlds, refit_vocab_rows
 from megatron_rl.rollout.sampling import SamplingParams
 
@@ -48,23 +52,24 @@ def generator_layout(cfg: Config, generators: int) -> ParallelLayout:
     return ParallelLayout.from_config(parallel, generators)
 
 
-def rollout_to_json(rollout: RolloutBatch) -> dict:
-    out = {"prompt_index": rollout.prompt_index, "response_ids": rollout.response_ids,
-           "response_logprobs": rollout.response_logprobs, "finish_reason": rollout.finish_reason,
-           "token_versions": rollout.token_versions}
+def rollout_to_message(rollout: RolloutBatch) -> GeneratedRollout:
+    out = GeneratedRollout(prompt_index=rollout.prompt_index, response_ids=rollout.response_ids,
+                           response_logprobs=rollout.response_logprobs, finish_reason=rollout.finish_reason,
+                           token_versions=rollout.token_versions)
     if rollout.response_mask is not None:  # multi-turn: an agent's session may start from its own prompt
-        out.update(prompt_ids=rollout.prompt_ids, response_mask=rollout.response_mask, env_info=rollout.env_info)
+        out = dataclasses.replace(out, prompt_ids=rollout.prompt_ids, response_mask=rollout.response_mask,
+                                  env_info=rollout.env_info)
     return out
 
 
-def rollout_from_json(data: dict, prompt_ids: list[list[int]]) -> RolloutBatch:
+def rollout_from_message(message: GeneratedRollout, prompt_ids: list[list[int]]) -> RolloutBatch:
     """The batch a generator returned; ``prompt_ids``: the request's prompts (sent back only by
     multi-turn rollouts)."""
-    prompts = data.get("prompt_ids") or [list(prompt_ids[i]) for i in data["prompt_index"]]
-    return RolloutBatch(prompt_index=list(data["prompt_index"]), prompt_ids=[list(p) for p in prompts],
-                        response_ids=data["response_ids"], response_logprobs=data["response_logprobs"],
-                        finish_reason=data["finish_reason"], token_versions=data.get("token_versions"),
-                        response_mask=data.get("response_mask"), env_info=data.get("env_info"))
+    prompts = message.prompt_ids or [list(prompt_ids[i]) for i in message.prompt_index]
+    return RolloutBatch(prompt_index=list(message.prompt_index), prompt_ids=[list(p) for p in prompts],
+                        response_ids=message.response_ids, response_logprobs=message.response_logprobs,
+                        finish_reason=message.finish_reason, token_versions=message.token_versions,
+                        response_mask=message.response_mask, env_info=message.env_info)
 
 
 class PushedWeights:
@@ -80,16 +85,16 @@ class PushedWeights:
         self.version: Optional[int] = None
         self.last_refit = RefitStats(0.0, 0)
 
-    def load(self, message: dict) -> None:
+    def load(self, push: WeightsPush) -> None:
         if self.bridge is not None:
-            self.bridge.receiving(message)
+            self.bridge.receiving(push)
         self.last_refit = refit_across_worlds(None, self.chunks[0], self.group, self.trainers, self.data)
         self.engine.load_from_chunks(self.chunks)
-        self.version = int(message["version"])
+        self.version = push.version
 
     def poll(self) -> bool:
         message = self.bridge.peek_message() if self.bridge is not None else None
-        if not collectives.agree_any(message is not None and message["kind"] == WEIGHTS):
+        if not collectives.agree_any(isinstance(message, WeightsPush)):
             return False
         if self.bridge is not None:
             self.bridge.next_message()
@@ -121,9 +126,8 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     ``rollout.env`` or ``rollout.agent``, :func:`megatron_rl.envs.build.with_environment`)."""
     _pass_stop_signals_to_the_trainers()
     rank0 = dist.get_rank() == 0
-    layout = generator_layout(cfg, dist.get_world_size())
-    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
-    device = resolve_device(cfg.distributed)
+    started = start_model_parallel(cfg, generator_layout(cfg, dist.get_world_size()))
+    layout, device = started.layout, started.device
     # The training model's vocabulary rows, so the embedding and output layer map row for row.
     chunks = build_gpt_chunks(cfg.model, layout, device, initialize=False,
                               vocab_rows=refit_vocab_rows(cfg.model, cfg.parallel.tp, layout.tp))
@@ -141,30 +145,26 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     sampling = None
     idle_since = time.perf_counter()
     while True:
+        # Checked by rank 0 on receipt (messages.decode), then passed to the other generator ranks.
         message = collectives.broadcast_object(bridge.next_message() if rank0 else None, src=0)
-        kind = message["kind"]
-        if kind == STOP:
+        if isinstance(message, Stop):
             break
-        if kind == SETTINGS:
-            sampling = SamplingParams(**message["sampling"])
-        elif kind == WEIGHTS:
+        if isinstance(message, SamplingSettings):
+            sampling = SamplingParams(**message.sampling)
+        elif isinstance(message, WeightsPush):
             weights.load(message)
-        elif kind == REQUEST:
-            faults.maybe_inject(int(message["step"]), role=GENERATOR)
+        elif isinstance(message, GenerationRequest):
+            faults.maybe_inject(message.step, role=GENERATOR)
             start, version = time.perf_counter(), weights.version
-            batch = generate_data_parallel(rollout, message["prompt_ids"], sampling, seed=int(message["seed"]),
-                                           records=message.get("records"))
+            batch = generate_data_parallel(rollout, message.prompt_ids, sampling, seed=message.seed,
+                                           records=message.records)
             done = time.perf_counter()
             if rank0:
-                bridge.put_result(int(message["step"]), {
-                    "rollout": rollout_to_json(batch), "version": version,
-                    "generate_s": done - start, "idle_s": start - idle_since,
-                    "refit_s": weights.last_refit.seconds, "refit_bytes": weights.last_refit.bytes_received,
-                    "shard_bytes": weights.last_refit.shard_bytes,
-                })
+                refit = weights.last_refit
+                bridge.put_result(message.step, GenerationResult(
+                    rollout_to_message(batch), version, generate_s=done - start, idle_s=start - idle_since,
+                    refit_s=refit.seconds, refit_bytes=refit.bytes_received, shard_bytes=refit.shard_bytes))
             idle_since = done
-        else:
-            raise ValueError(f"generator: unknown message kind {kind!r}")
     collectives.barrier()
     if rank0:
         bridge.stopped()

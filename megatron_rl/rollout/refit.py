@@ -24,9 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_rl.compat.resharding import cached_reshard_plan, global_layer_renamer, preset_refit_tensors
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout
-from megatron_rl.planner.memory import RolloutLayout
+from megatron_rl.layout.sizes import RolloutLayout
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +118,7 @@ def snapshot_for_push(train_chunks: list, group, trainers: int):
     with torch.no_grad():
         tensors = {n: t.detach().clone() for n, t in named_refit_tensors(_refit_view(chunks))
                    if sent is None or n in sent}
-    object.__setattr__(view, "_refit_tensor_cache", tensors)  # what megatron's executor reads from
+    preset_refit_tensors(view, tensors)
     return view
 
 
@@ -148,12 +149,9 @@ def refit_across_worlds(source, infer_model, group, trainers: int, data=None) ->
 
 
 def _cross_world_plan(source, target, group, trainers: int):
-    from megatron.core.resharding.refit import _build_plan_cache_key, _plan_cache, _unwrap_model_cores
-
-    src_core, tgt_core, experts = _unwrap_model_cores([source] if source is not None else None,
-                                                      [target] if target is not None else None)
-    return _plan_cache.get(_build_plan_cache_key(src_core, tgt_core, experts, group=group, src_rank_offset=0,
-                                                 dst_rank_offset=trainers))
+    plan, _ = cached_reshard_plan([source] if source is not None else None, [target] if target is not None else None,
+                                  group=group, src_rank_offset=0, dst_rank_offset=trainers)
+    return plan
 
 
 _PLANNED: list = []  # the (source, inference model) pair megatron's cached plans were built for
@@ -183,10 +181,7 @@ def _refit_view(chunks: list) -> "_RefitView":
 
 def received_bytes(source, infer_model) -> int:
     """Bytes the cached plan writes into this rank's inference shard per refit."""
-    from megatron.core.resharding.refit import _build_plan_cache_key, _plan_cache, _unwrap_model_cores
-
-    src_core, tgt_core, experts = _unwrap_model_cores([source], [infer_model])
-    plan = _plan_cache.get(_build_plan_cache_key(src_core, tgt_core, experts))
+    plan, tgt_core = cached_reshard_plan([source], [infer_model])
     return _plan_received_bytes(plan, tgt_core) if plan is not None else 0
 
 
@@ -218,11 +213,9 @@ class _RefitView(torch.nn.Module):
         self._first_expert = ep.rank() * (experts // ep.size()) if ep is not None and experts else 0
 
     def _renamers(self):
-        from megatron.core.resharding.utils import _build_layer_module_prefix_map, _resolve_global_layer_number_in_name
-
         for chunk in self.chunks:
-            prefix_map = _build_layer_module_prefix_map(chunk)
-            yield chunk, lambda name, m=prefix_map: self._global_expert(_resolve_global_layer_number_in_name(name, m))
+            global_layer = global_layer_renamer(chunk)
+            yield chunk, lambda name, rename=global_layer: self._global_expert(rename(name))
 
     def _global_expert(self, name: str) -> str:
         parts = name.split(".")

@@ -42,14 +42,15 @@ def shape_from_env() -> None:
 
 
 def install_long_tail() -> None:
-    from megatron_rl.rollout import engine, megatron_engine
+    from megatron_rl.rollout import engine
+    from megatron_rl.rollout.megatron import draws
 
     stopped = engine.stopped
 
     def long_tail_stopped(response, params):
         return stopped(response, params) and response[0] % 5 != 2
 
-    engine.stopped = megatron_engine.stopped = long_tail_stopped
+    engine.stopped = draws.stopped = long_tail_stopped
 
     from megatron_rl.trainer import ppo
 
@@ -79,9 +80,9 @@ def install_decode_floor(seconds: float) -> None:
 
     static_batching.forward_step = floored
 
-    from megatron_rl.rollout.megatron_engine import MegatronRolloutEngine
+    from megatron_rl.rollout.megatron.dynamic import DynamicBatching
 
-    step = MegatronRolloutEngine._step
+    step = DynamicBatching.step
 
     def floored_step(engine):
         wrapper = engine.controller.inference_wrapped_model
@@ -93,4 +94,4 @@ def install_decode_floor(seconds: float) -> None:
                 time.sleep(left)
         return out
 
-    MegatronRolloutEngine._step = staticmethod(floored_step)
+    DynamicBatching.step = staticmethod(floored_step)

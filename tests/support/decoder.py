@@ -1,6 +1,6 @@
 """A plain-PyTorch decoder of the actor's weights: a test oracle, not a generator.
 
-megatron-core's inference generates in the product (``megatron_rl/rollout/megatron_engine.py``).
+megatron-core's inference generates in the product (``megatron_rl/rollout/megatron/``).
 This second implementation of the model's math -- written independently of megatron-core, and
 checked against megatron's forward (``tests/test_rollout.py``) -- is kept for tests that want a
 reference generator that shares no code with the engine: the multi-turn and generator-rank tests
@@ -36,7 +36,7 @@ from megatron_rl.models.arch import (
     resolve_dtype,
     rope_inv_freq,
 )
-from megatron_rl.rollout.engine import LiveWeights, RolloutBatch, stopped
+from megatron_rl.rollout.engine import LiveWeights, RolloutBatch, RolloutEngineBase, stopped
 from megatron_rl.rollout.sampling import SamplingParams, keyed_exponentials, sample
 
 
@@ -393,7 +393,7 @@ def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torc
     return ids, mask, row_positions(mask)
 
 
-class TorchRolloutEngine:
+class TorchRolloutEngine(RolloutEngineBase):
     """KV-cached generation with :class:`TorchDecoder` (the rollout engine interface), ``max_batch_size``
     rows per pass: left-padded prompts prefilled in one forward, then one token per unfinished row a
     step; once at most half of the rows run, the finished ones are dropped."""
