@@ -9,6 +9,12 @@ import time
 import torch.distributed as dist
 
 from megatron_rl.distributed.bridge import Bridge
+from megatron_rl.distributed.messages import GeneratedRollout, GenerationResult, WeightsPush
+
+
+def _result(step: int) -> GenerationResult:
+    return GenerationResult(GeneratedRollout([0], [[step]], [[0.0]], ["stop"]), version=step, generate_s=0.0,
+                            idle_s=0.0, refit_s=0.0, refit_bytes=0, shard_bytes=0)
 
 
 def _free_port() -> int:
@@ -29,10 +35,10 @@ def test_a_waiting_trainer_takes_a_result_as_soon_as_the_generator_writes_it():
         def write(step=step, after_s=after_s):
             time.sleep(after_s)
             written.append(time.perf_counter())
-            generator.put_result(step, {"step": step})
+            generator.put_result(step, _result(step))
 
         threading.Thread(target=write).start()
-        assert trainer.take_result(step) == {"step": step}
+        assert trainer.take_result(step) == _result(step)
         late.append(time.perf_counter() - written[0])
     # Looking again every 50 ms would take 25 ms on average to notice; a waiting side must not.
     assert statistics.median(late) < 0.01, [f"{x * 1000:.1f} ms" for x in late]
@@ -51,7 +57,7 @@ def test_a_weight_push_starts_as_soon_as_the_generators_say_they_receive_it():
         sender.put(version, f"weights {version}")
         time.sleep(after_s)
         said = time.perf_counter()
-        generator.receiving({"version": version})
+        generator.receiving(WeightsPush(version))
         while len(sent) <= version:
             time.sleep(0.0005)
         late.append(sent[version][1] - said)

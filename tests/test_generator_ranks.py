@@ -103,11 +103,11 @@ PUSH_CFG = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_
 PUSH_PROMPTS = [[5, 17, 3], [9, 2, 44, 30, 7]]
 
 
-def push_during_rollout_body(engine_name: str, at: int) -> tuple:
+def push_during_rollout_body(at: int) -> tuple:
     """``(straight, pushed, swaps)``: the same seed's rollout without and with version 1's weights
     arriving before token ``at`` (``swaps``: pushes the engine took mid-rollout)."""
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.rollout.engine import make_engine
+    from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
     from megatron_rl.testing.weights import random_canonical
 
@@ -133,17 +133,16 @@ def push_during_rollout_body(engine_name: str, at: int) -> tuple:
 
     use_layout()
     # dynamic: what rollout.batching=auto runs for partial rollouts, here for the straight rollout too
-    engine = make_engine(engine_name, cfg, "cpu", max_batch_size=8, kv_cache_memory=2**22,
-                         prefill_chunk_tokens=64, kv_block_tokens=16, batching="dynamic")
+    engine = MegatronRolloutEngine(cfg, "cpu", max_batch_size=8, kv_cache_memory=2**22,
+                                   prefill_chunk_tokens=64, kv_block_tokens=16, batching="dynamic")
     engine.load_weights(weights[0])
     straight = engine.generate(PUSH_PROMPTS, params, seed=3)
     engine.live_weights = PushBefore(engine)
     pushed = engine.generate(PUSH_PROMPTS, params, seed=3)
-    return straight, pushed, getattr(engine, "weight_swaps", None)
+    return straight, pushed, engine.weight_swaps
 
 
-@pytest.mark.parametrize("engine_name", ["megatron"])
-def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
+def test_a_push_during_a_rollout_continues_it_with_the_new_weights():
     """A push before token 3 (partial rollouts): tokens 0-2 are the old policy's (the same tokens
     and log-probs as a rollout without the push), tokens 3-7 the new one's, and every token's
     log-prob is what the version it records gives it after the whole sample so far (the running
@@ -156,7 +155,7 @@ def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
     from megatron_rl.testing.weights import random_canonical
     from tests.support.decoder import TorchRolloutEngine
 
-    straight, pushed, swaps = run_distributed(1, push_during_rollout_body, engine_name, 3)[0]
+    straight, pushed, swaps = run_distributed(1, push_during_rollout_body, 3)[0]
     assert swaps == 1
     assert straight.token_versions is None
     assert pushed.token_versions == [[0, 0, 0, 1, 1, 1, 1, 1]] * 4
@@ -181,7 +180,7 @@ def test_a_push_during_a_rollout_continues_it_with_the_new_weights(engine_name):
             worst = max(worst, abs(pushed.response_logprobs[k][t] - logprob(version, k, t)))
             if version == 1:
                 moved = max(moved, abs(pushed.response_logprobs[k][t] - logprob(0, k, t)))
-    print(f"{engine_name}: behaviour log-prob vs its version's: max {worst:.2g}; "
+    print(f"megatron: behaviour log-prob vs its version's: max {worst:.2g}; "
           f"vs the old version after the push: {moved:.2g}")
     assert worst < 1e-5
     assert moved > 1e-2

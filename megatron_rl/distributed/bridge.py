@@ -3,7 +3,8 @@
 Through the job's TCP store (:func:`megatron_rl.distributed.runtime.job_store`):
 
 - **messages**, trainer -> generators: an ordered stream (``msg/0``, ``msg/1``, ...) of small JSON
-  records (sampling settings, weight pushes, generation requests, stop).  The generators act on
+  records (sampling settings, weight pushes, generation requests, stop; typed and checked on
+  receipt by :mod:`megatron_rl.distributed.messages`).  The generators act on
   them in order, so a request is always generated with the last weights pushed before it: the
   staleness of every batch is fixed by the order the trainer posts in, not by timing.
 - **results**, generators -> trainer: one key per generated batch (``result/<step>``), JSON.  A
@@ -20,14 +21,20 @@ JSON only through the store: nothing received from it is unpickled.
 from __future__ import annotations
 
 import datetime
-import json
 import queue
 import threading
 from typing import Optional
 
 import torch.distributed as dist
 
-WEIGHTS, REQUEST, SETTINGS, STOP = "weights", "request", "settings", "stop"
+from megatron_rl.distributed.messages import (
+    TRAINER_MESSAGES,
+    GenerationResult,
+    Stop,
+    WeightsPush,
+    decode,
+    encode,
+)
 
 WAIT_SLICE = datetime.timedelta(hours=1)  # one blocking wait; the store's socket logs a warning when it runs out
 WAKE_S = 0.5  # how often a waiting main thread lets Python run its signal handlers
@@ -94,23 +101,24 @@ class Bridge:
         self.store = self.waiter.store
         self.posted = 0  # trainer: messages posted
         self.read = 0  # generator: messages read
-        self._peeked: Optional[tuple[int, dict]] = None  # generator: (index, message) looked at ahead
+        self._peeked: Optional[tuple[int, object]] = None  # generator: (index, message) looked at ahead
 
     # ---------------------------------------------------------------- trainer side
 
-    def post(self, message: dict) -> None:
-        self.store.set(f"msg/{self.posted}", json.dumps(message))
+    def post(self, message) -> None:
+        """Post one of :data:`~megatron_rl.distributed.messages.TRAINER_MESSAGES` after the others."""
+        self.store.set(f"msg/{self.posted}", encode(message))
         self.posted += 1
 
-    def take_result(self, step: int) -> dict:
+    def take_result(self, step: int) -> GenerationResult:
         key = f"result/{step}"
-        value = json.loads(self.waiter.wait(key))
+        value = decode(self.waiter.wait(key), expect=(GenerationResult,))
         self.store.delete_key(key)
         return value
 
     def post_stop(self) -> None:
         """Tell the generators to stop once they have acted on every message before this one."""
-        self.post({"kind": STOP})
+        self.post(Stop())
 
     def wait_stopped(self) -> None:
         """Wait until the generators have stopped (this process hosts the store they read)."""
@@ -118,30 +126,30 @@ class Bridge:
 
     # ---------------------------------------------------------------- generator side
 
-    def next_message(self) -> dict:
+    def next_message(self):
         key = f"msg/{self.read}"
         peeked = self._peeked if self._peeked is not None and self._peeked[0] == self.read else None
-        message = peeked[1] if peeked is not None else json.loads(self.waiter.wait(key))
+        message = peeked[1] if peeked is not None else decode(self.waiter.wait(key), expect=TRAINER_MESSAGES)
         self.store.delete_key(key)
         self.read += 1
         return message
 
-    def peek_message(self) -> Optional[dict]:
+    def peek_message(self):
         """The next message if the trainer has posted it, without taking it (read once, kept)."""
         if self._peeked is not None and self._peeked[0] == self.read:
             return self._peeked[1]
         key = f"msg/{self.read}"
         if not self.store.check([key]):
             return None
-        self._peeked = (self.read, json.loads(self.store.get(key)))
+        self._peeked = (self.read, decode(self.store.get(key), expect=TRAINER_MESSAGES))
         return self._peeked[1]
 
-    def receiving(self, message: dict) -> None:
-        """Tell the trainers' :class:`WeightSender`\\ s the generators are taking the push ``message``."""
-        self.store.set(f"receiving/{message['version']}", "1")
+    def receiving(self, push: WeightsPush) -> None:
+        """Tell the trainers' :class:`WeightSender`\\ s the generators are taking ``push``."""
+        self.store.set(f"receiving/{push.version}", "1")
 
-    def put_result(self, step: int, result: dict) -> None:
-        self.store.set(f"result/{step}", json.dumps(result))
+    def put_result(self, step: int, result: GenerationResult) -> None:
+        self.store.set(f"result/{step}", encode(result))
 
     def stopped(self) -> None:
         self.store.set("stopped", "1")

@@ -1,8 +1,9 @@
 """The trainers' side of generation on ranks of their own (``rollout.ranks``).
 
-Trainer rank 0 posts, in one ordered stream, the weights after an update and the requests for
-batches (prompts and seed of a step); the generators act on them in that order, so batch ``j`` is
-generated with the last weights posted before its request, and staleness is fixed by the order:
+Trainer rank 0 posts, in one ordered stream (:mod:`megatron_rl.distributed.messages`), the weights
+after an update and the requests for batches (prompts and seed of a step); the generators act on
+them in that order, so batch ``j`` is generated with the last weights posted before its request,
+and staleness is fixed by the order (:class:`~megatron_rl.trainer.staleness.StalenessPlan`):
 
 - weights are pushed after every ``push_every``-th update (version = updates seen);
 - after a push of version ``p`` the trainer requests every batch ``j <= p + bound + 1`` not yet
@@ -31,25 +32,19 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatron_rl.config.choices import ASYNC, ONE_STEP_OFF
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import collectives
-from megatron_rl.distributed.bridge import REQUEST, SETTINGS, WEIGHTS, Bridge, WeightSender
+from megatron_rl.distributed.bridge import Bridge, WeightSender
 from megatron_rl.distributed.cross_world import data_group, joint_group
+from megatron_rl.distributed.messages import GenerationRequest, SamplingSettings, WeightsPush
 from megatron_rl.distributed.runtime import job_placement, job_store, resolve_device
-from megatron_rl.rollout.generator_service import rollout_from_json
+from megatron_rl.rollout.generator_service import rollout_from_message
 from megatron_rl.rollout.refit import refit_across_worlds, snapshot_for_push
 from megatron_rl.rollout.sampling import SamplingParams
 from megatron_rl.trainer.experience import Samples
-from megatron_rl.trainer.one_step_off import GeneratedBatch
+from megatron_rl.trainer.rollout_buffer import GeneratedBatch
+from megatron_rl.trainer.staleness import StalenessPlan
 from megatron_rl.utils.seeds import derive_seed
-
-
-def staleness_plan(cfg: Config) -> tuple[int, int]:
-    """``(bound, push_every)`` of ``trainer.mode`` on generator ranks of their own."""
-    if cfg.trainer.mode == ASYNC:
-        return cfg.trainer.max_staleness, cfg.trainer.push_weights_every
-    return (1 if cfg.trainer.mode == ONE_STEP_OFF else 0), 1
 
 
 class RemoteRollout:
@@ -58,7 +53,7 @@ class RemoteRollout:
         """``records_of(batch)``: what the environments of a batch's prompts start from (multi-turn)."""
         self.cfg, self.sampler, self.prompt_ids, self.sampling = cfg, sampler, prompt_ids, sampling
         self.records_of = records_of
-        self.bound, self.push_every = staleness_plan(cfg)
+        self.plan = StalenessPlan.of(cfg)
         self.rank0 = dist.get_rank() == 0
         self.bridge = Bridge(job_store()) if self.rank0 else None
         self.group = joint_group(cfg.distributed.timeout_s)
@@ -78,7 +73,7 @@ class RemoteRollout:
     def start(self, step: int, buffered: list[int], chunks: list) -> None:
         """At the start (or resume) after ``step`` updates, with batches ``buffered`` already at hand."""
         if self.rank0:
-            self.bridge.post({"kind": SETTINGS, "sampling": dataclasses.asdict(self.sampling)})
+            self.bridge.post(SamplingSettings(dataclasses.asdict(self.sampling)))
         self.next_request = max([step, *buffered]) + 1
         self.push(step, chunks)
 
@@ -88,21 +83,19 @@ class RemoteRollout:
         on their sender threads when the generators take it."""
         snapshot = snapshot_for_push(chunks, self.group, self.trainers)
         if self.rank0:
-            self.bridge.post({"kind": WEIGHTS, "version": version})
+            self.bridge.post(WeightsPush(version))
         self.sender.put(version, snapshot)
         self.pushed = version
         self._request()
 
     def _request(self) -> None:
-        while self.next_request <= self.cfg.trainer.steps and self.next_request <= self.pushed + self.bound + 1:
+        while self.next_request <= self.plan.last_batch(self.pushed, self.cfg.trainer.steps):
             step = self.next_request
             batch = self.sampler.next_batch()
             if self.rank0:
-                request = {"kind": REQUEST, "step": step, "prompt_ids": [self.prompt_ids[i] for i in batch],
-                           "seed": derive_seed(self.cfg.run.seed, "rollout", step)}
-                if self.records_of is not None:
-                    request["records"] = self.records_of(batch)
-                self.bridge.post(request)
+                self.bridge.post(GenerationRequest(
+                    step, [self.prompt_ids[i] for i in batch], derive_seed(self.cfg.run.seed, "rollout", step),
+                    records=self.records_of(batch) if self.records_of is not None else None))
             self.requested[step] = batch
             self.next_request += 1
 
@@ -110,7 +103,7 @@ class RemoteRollout:
         """The actor has ``step`` updates: push them when due and of use -- while batches remain to
         request, or (partial rollouts) while requested ones may still be generating."""
         useful = self.next_request <= self.cfg.trainer.steps or (self.cfg.trainer.partial_rollouts and self.requested)
-        if step % self.push_every == 0 and useful:
+        if self.plan.push_due(step) and useful:
             self.push(step, chunks)
 
     def take(self, step: int) -> tuple[GeneratedBatch, dict]:
@@ -118,20 +111,19 @@ class RemoteRollout:
         generation cost on their side."""
         batch = self.requested.pop(step)
         start = time.perf_counter()
-        result = None
+        taken = None
         if self.rank0:
-            result = self.bridge.take_result(step)
-            result["trainer_wait_s"] = time.perf_counter() - start
-        result = collectives.broadcast_object(result, src=0)
-        rollout = rollout_from_json(result["rollout"], [self.prompt_ids[i] for i in batch])
+            taken = (self.bridge.take_result(step), time.perf_counter() - start)  # checked on receipt
+        result, wait_s = collectives.broadcast_object(taken, src=0)
+        rollout = rollout_from_message(result.rollout, [self.prompt_ids[i] for i in batch])
         samples = Samples.from_rollout(rollout, batch, batch_id=str(step))
         tokens = sum(len(r) for r in samples.response_ids)
-        metrics = {"rollout/generate_s": result["generate_s"], "rollout/generator_idle_s": result["idle_s"],
-                   "rollout/generator_tokens_per_s": tokens / max(result["generate_s"], 1e-9),
-                   "rollout/trainer_wait_s": result["trainer_wait_s"],
-                   "rollout/refit_bytes": result["refit_bytes"], "rollout/generator_shard_bytes": result["shard_bytes"],
-                   "timing/refit_s": result["refit_s"]}
-        return GeneratedBatch(samples, int(result["version"])), metrics
+        metrics = {"rollout/generate_s": result.generate_s, "rollout/generator_idle_s": result.idle_s,
+                   "rollout/generator_tokens_per_s": tokens / max(result.generate_s, 1e-9),
+                   "rollout/trainer_wait_s": wait_s,
+                   "rollout/refit_bytes": result.refit_bytes, "rollout/generator_shard_bytes": result.shard_bytes,
+                   "timing/refit_s": result.refit_s}
+        return GeneratedBatch(samples, result.version), metrics
 
     def drain(self) -> dict[int, GeneratedBatch]:
         """Every requested batch, waited for: what a checkpoint keeps so nothing is in flight."""

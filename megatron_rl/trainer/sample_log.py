@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.distributed import faults
 from megatron_rl.trainer.experience import Samples
-from megatron_rl.trainer.one_step_off import generating_versions
+from megatron_rl.trainer.staleness import generating_versions
 from megatron_rl.utils import run_files
 
 STEP_FILE = "step_{:08d}.jsonl"
