@@ -60,17 +60,16 @@ def test_padded_vocab_never_leaks():
 
 
 def _tp_body(temperature):
-    from megatron.core import parallel_state as ps
-
+    from megatron_rl.distributed.runtime import active_groups
     from megatron_rl.testing.layouts import use_layout
 
     use_layout(tp=2)
+    tp = active_groups().tp
     h, w, labels, (a, b) = _case(vocab=101, padded=128)
-    rank = ps.get_tensor_model_parallel_rank()
-    shard = w.chunk(2)[rank].clone().requires_grad_()
+    shard = w.chunk(2)[tp.rank()].clone().requires_grad_()
     hh = h.clone().requires_grad_()
     logp, ent = vocab_parallel_logprobs(hh, shard, labels, true_vocab_size=101, temperature=temperature,
-                                        chunk_size=17)
+                                        chunk_size=17, tp_group=tp)
     ((logp * a).sum() + (ent * b).sum()).backward()
     return logp.detach(), ent.detach(), hh.grad, shard.grad
 
@@ -87,6 +86,14 @@ def test_tensor_parallel_shards_match_naive():
         assert (grad_h - h2.grad).abs().max() <= 1e-6
     grad_w = torch.cat([r[3] for r in results])
     assert (grad_w - w2.grad).abs().max() <= 1e-6
+
+
+def test_a_vocabulary_shard_without_its_group_is_refused():
+    """A caller that forgets the tensor-parallel group would score one shard as the whole
+    vocabulary; the op refuses instead of returning wrong log-probs."""
+    h, w, labels, _ = _case(vocab=101, padded=128)
+    with pytest.raises(ValueError, match="tp_group"):
+        vocab_parallel_logprobs(h, w.chunk(2)[0], labels, true_vocab_size=101)
 
 
 def _peak(fn) -> int:
@@ -119,13 +126,13 @@ def test_extra_memory_below_a_quarter_of_naive_at_2k_tokens():
     assert ratio < 0.25
 
 
-def _keep_or_recompute(dtype, temperature: float, with_entropy: bool, keep_bytes: float, tp_rank=None):
+def _keep_or_recompute(dtype, temperature: float, with_entropy: bool, keep_bytes: float, tp=None):
     h, w, labels, (a, b) = _case(tokens=40, vocab=101, padded=128)
-    if tp_rank is not None:
-        w = w.chunk(2)[tp_rank]
+    if tp is not None:
+        w = w.chunk(2)[tp.rank()]
     hh, ww = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
     logp, ent = vocab_parallel_logprobs(hh, ww, labels, true_vocab_size=101, temperature=temperature, chunk_size=17,
-                                        with_entropy=with_entropy, keep_logits_bytes=keep_bytes)
+                                        with_entropy=with_entropy, keep_logits_bytes=keep_bytes, tp_group=tp)
     loss = (logp.double() * a).sum() + ((ent.double() * b).sum() if with_entropy else 0.0)
     loss.backward()
     return [t.detach().clone() for t in (logp, ent, hh.grad, ww.grad)]
@@ -143,13 +150,11 @@ def test_kept_logits_give_the_recomputed_bits(dtype, temperature, with_entropy):
 
 
 def _keep_tp_body():
-    from megatron.core import parallel_state as ps
-
+    from megatron_rl.distributed.runtime import active_groups
     from megatron_rl.testing.layouts import use_layout
 
     use_layout(tp=2)
-    rank = ps.get_tensor_model_parallel_rank()
-    return [_keep_or_recompute(torch.float32, 0.9, True, keep, rank) for keep in (2**30, 0)]
+    return [_keep_or_recompute(torch.float32, 0.9, True, keep, active_groups().tp) for keep in (2**30, 0)]
 
 
 def test_kept_logits_give_the_recomputed_bits_on_tensor_parallel_shards():
@@ -185,16 +190,15 @@ def test_logits_are_kept_only_within_the_bound():
 
 
 def _tp_bf16_body():
-    from megatron.core import parallel_state as ps
-
+    from megatron_rl.distributed.runtime import active_groups
     from megatron_rl.testing.layouts import use_layout
 
     use_layout(tp=2)
+    tp = active_groups().tp
     h, w, labels, (a, b) = _case(vocab=101, padded=128)
-    rank = ps.get_tensor_model_parallel_rank()
-    shard = w.bfloat16().chunk(2)[rank].clone().requires_grad_()
+    shard = w.bfloat16().chunk(2)[tp.rank()].clone().requires_grad_()
     hh = h.bfloat16().requires_grad_()
-    logp, ent = vocab_parallel_logprobs(hh, shard, labels, true_vocab_size=101, chunk_size=17)
+    logp, ent = vocab_parallel_logprobs(hh, shard, labels, true_vocab_size=101, chunk_size=17, tp_group=tp)
     ((logp.double() * a).sum() + (ent.double() * b).sum()).backward()
     return logp.detach(), ent.detach(), hh.grad, shard.grad
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 import torch
-from megatron.core import parallel_state as ps
 
 from megatron_rl.distributed import collectives
+from megatron_rl.distributed.runtime import active_groups
 
 
 def _to_host(logs: Iterable[Mapping[str, torch.Tensor]], names: list[str], width: int) -> tuple[list, torch.Tensor]:
@@ -34,7 +34,7 @@ def reduce_sum_count(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable
     """
     names = list(names)
     totals = torch.zeros(len(names), 2, dtype=torch.float64)
-    if ps.get_tensor_model_parallel_rank() == 0:
+    if active_groups().tp.rank() == 0:
         where, values = _to_host(logs, names, 2)
         for i, value in zip(where, values):  # host tensors: in order, as before
             totals[i] += value
@@ -46,7 +46,7 @@ def reduce_sums(logs: Iterable[Mapping[str, torch.Tensor]], names: Iterable[str]
     """Job-wide sums of scalar logs (e.g. loss pieces already divided by a global denominator)."""
     names = list(names)
     totals = torch.zeros(len(names), dtype=torch.float64)
-    if ps.get_tensor_model_parallel_rank() == 0:
+    if active_groups().tp.rank() == 0:
         where, values = _to_host(logs, names, 1)
         for i, value in zip(where, values):
             totals[i] += float(value[0])

@@ -1,8 +1,9 @@
 """Process groups: torch.distributed (NCCL on GPU, gloo on CPU) and Megatron's parallel_state.
 
 ``init_distributed`` starts the world once per process; ``init_model_parallel`` (re)builds
-Megatron's TP/PP/VPP/CP/DP groups for a layout and may be called again with another layout (the
-test harness reuses worker processes that way).
+Megatron's TP/PP/VPP/CP/DP groups for a layout, returns them as a ``ProcessGroupCollection``, and
+may be called again with another layout (the test harness reuses worker processes that way).
+Entry points start through :mod:`megatron_rl.distributed.startup`.
 """
 
 from __future__ import annotations
@@ -167,12 +168,12 @@ def shutdown_distributed() -> None:
     alive: their threads race the interpreter's teardown, and the process can abort after its last
     line with "terminate called without an active exception".  Launched ranks leave with
     ``os._exit`` (:mod:`megatron_rl.distributed.guard`) and need none of this."""
-    global _CURRENT, _PLACEMENT
+    global _CURRENT, _GROUPS, _PLACEMENT
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         destroy_model_parallel_groups()
-    _CURRENT = None
+    _CURRENT = _GROUPS = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _PLACEMENT = None
@@ -193,6 +194,7 @@ def job_placement() -> Placement | None:
 
 
 _CURRENT: ParallelLayout | None = None
+_GROUPS = None  # the ProcessGroupCollection of _CURRENT
 
 
 def active_layout() -> ParallelLayout | None:
@@ -200,15 +202,24 @@ def active_layout() -> ParallelLayout | None:
     return _CURRENT
 
 
-def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 600) -> None:
-    """Build megatron's parallel groups for ``layout`` (tearing down a previous layout)."""
-    global _CURRENT
+def active_groups():
+    """The ``ProcessGroupCollection`` of :func:`active_layout` (None before any layout is built).
+
+    For code below the entry points that has no collection handed to it; entry points keep the one
+    :func:`init_model_parallel` returns."""
+    return _GROUPS
+
+
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 600):
+    """Build megatron's parallel groups for ``layout`` (tearing down a previous layout); returns
+    them as a ``megatron.core.process_groups_config.ProcessGroupCollection``."""
+    global _CURRENT, _GROUPS
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
 
     if ps.model_parallel_is_initialized():
         destroy_model_parallel_groups()
-        _CURRENT = None
+        _CURRENT = _GROUPS = None
     world = dist.get_world_size()
     if world % layout.model_parallel_size:
         raise ValueError(
@@ -228,6 +239,14 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int
         create_gloo_process_groups=cuda_available(),
     )
     _CURRENT = layout
+    _GROUPS = ProcessGroupCollection.use_mpu_process_groups()
+    reseed(seed)
+    return _GROUPS
+
+
+def reseed(seed: int) -> None:
+    """Seed torch's and megatron's model-parallel RNGs as a fresh layout does."""
+    from megatron.core import tensor_parallel
+
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     torch.manual_seed(seed)
-

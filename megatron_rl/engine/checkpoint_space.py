@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed import collectives
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.errors import StorageError
 from megatron_rl.utils.run_files import SPACE_ERRNOS
 
@@ -145,9 +146,7 @@ def _local_estimate(parts: dict, with_optimizer: bool) -> int:
 def _replicas() -> int:
     """How many ranks hold the same parameters (data and context parallel copies)."""
     try:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        return active_groups().dp_cp.size()
     except (AssertionError, AttributeError, RuntimeError, TypeError):
         return 1
 

@@ -25,12 +25,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel.utils import is_pp_last_stage
 
 from megatron_rl.compat.megatron_fixes import pre_normalised_count
 from megatron_rl.data.batching import plan_microbatches, split_data_parallel
 from megatron_rl.data.microbatch import Microbatch, alignment, build_microbatch
 from megatron_rl.distributed import collectives
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.engine.pipeline import run_microbatches
 from megatron_rl.models.canonical import unwrap
 
@@ -95,17 +96,18 @@ def run_sequences(
     stats: Optional[dict] = None,
 ) -> tuple[list[dict], list]:
     """Returns (per-sequence outputs on every rank, what ``loss_fn`` logged on this rank)."""
-    tp = ps.get_tensor_model_parallel_world_size()
-    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    pgs = active_groups()
+    tp = pgs.tp.size()
+    cp, cp_rank = pgs.cp.size(), pgs.cp.rank()
+    dp, dp_rank = pgs.dp.size(), pgs.dp.rank()
     sp = unwrap(chunks[0]).config.sequence_parallel
     align = alignment(cp, tp, sp)
     lengths = [int(s["tokens"].numel()) for s in seqs]
     mine = split_data_parallel(lengths, dp, dp_rank)
-    pp, interleaved = ps.get_pipeline_model_parallel_world_size(), len(chunks) > 1
+    pp, interleaved = pgs.pp.size(), len(chunks) > 1
     groups = plan_microbatches(
         lengths, mine, max_tokens_per_rank=plan.max_tokens_per_rank, micro_batch_size=plan.micro_batch_size,
-        cp=cp, align=align, packed=plan.packed, dp_group=ps.get_data_parallel_group(),
+        cp=cp, align=align, packed=plan.packed, dp_group=pgs.dp,
         multiple_of=pp if interleaved else 1,
         min_count=max(plan.min_microbatches,
                       interleaved_training_minimum(pp) if interleaved and not forward_only else 1),
@@ -181,21 +183,20 @@ def _gather_outputs(mine: dict[int, dict], names, group) -> dict[int, dict]:
 
 def _collect(collected, num_seqs: int, names) -> list[dict]:
     """Per-sequence outputs from the last stage's CP/DP shards onto every rank."""
-    last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    pgs = active_groups()
+    last_stage = is_pp_last_stage(pgs.pp)
     mine: dict[int, dict] = {}
     if last_stage:
-        cp_group = ps.get_context_parallel_group()
+        cp_group = pgs.cp
         for mb, outs in collected:
             per_name = {n: mb.gather_sequences(outs[n], cp_group) for n in names if n in outs}
             for j, idx in enumerate(mb.seq_indices):
                 mine[idx] = {n: vecs[j] for n, vecs in per_name.items()}
-        if ps.get_data_parallel_world_size() > 1:
-            mine = _gather_outputs(mine, names, ps.get_data_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        src = dist.get_global_rank(ps.get_pipeline_model_parallel_group(),
-                                   ps.get_pipeline_model_parallel_world_size() - 1)
-        mine = collectives.broadcast_object(mine if last_stage else None, src,
-                                            group=ps.get_pipeline_model_parallel_group())
+        if pgs.dp.size() > 1:
+            mine = _gather_outputs(mine, names, pgs.dp)
+    if pgs.pp.size() > 1:
+        src = dist.get_global_rank(pgs.pp, pgs.pp.size() - 1)
+        mine = collectives.broadcast_object(mine if last_stage else None, src, group=pgs.pp)
     missing = [i for i in range(num_seqs) if i not in mine]
     if missing:
         raise RuntimeError(f"no outputs for sequences {missing[:5]}")

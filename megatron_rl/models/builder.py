@@ -12,14 +12,13 @@ import functools
 import importlib.util
 
 import torch
-from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.compat.megatron_fixes import transformer_config_fixes
 from megatron_rl.compat.yarn import rope_fusion_allowed, set_yarn_attributes
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.distributed.runtime import ParallelLayout
+from megatron_rl.distributed.runtime import ParallelLayout, active_groups, active_layout
 from megatron_rl.models.arch import (
     ACTIVATIONS,
     MEGATRON_ROPE_SCALING_FACTOR,
@@ -180,6 +179,16 @@ def gpt_model(model: ModelConfig, config: TransformerConfig, impl: str, vocab: i
     return chunk
 
 
+def pipeline_ends(vp_stage: int | None) -> tuple[bool, bool]:
+    """Whether virtual stage ``vp_stage`` of this rank is the first / last stage of the pipeline
+    (megatron's ``is_pipeline_first/last_stage(ignore_virtual=False)`` on the active groups)."""
+    pp, vpp = active_groups().pp, active_layout().vpp
+    first, last = pp.rank() == 0, pp.rank() == pp.size() - 1
+    if vpp is not None:
+        first, last = first and vp_stage == 0, last and vp_stage == vpp - 1
+    return first, last
+
+
 def build_gpt_chunks(
     model: ModelConfig, layout: ParallelLayout, device: torch.device, model_cls=RLGPTModel, *,
     initialize: bool = True, vocab_rows: int | None = None, **model_kwargs
@@ -198,9 +207,8 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None
-        chunk = gpt_model(model, config, impl, vocab, pre_process=ps.is_pipeline_first_stage(ignore_virtual=False,
-                                                                                           vp_stage=stage),
-                          post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+        first, last = pipeline_ends(stage)
+        chunk = gpt_model(model, config, impl, vocab, pre_process=first, post_process=last,
                           model_cls=model_cls, vp_stage=stage, **model_kwargs)
         chunks.append(chunk.to(device))
     attach_moe_state(chunks)

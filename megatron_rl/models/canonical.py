@@ -30,9 +30,9 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from megatron_rl.distributed import collectives
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.models.arch import global_expert_name, is_expert_param, local_norm_name
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -64,10 +64,10 @@ def tp_group_of(name: str):
     """``(group, rank, size)`` of the tensor-parallel split of parameter ``name``: the expert TP
     group for routed experts, the TP group otherwise."""
     if is_expert_param(name):
-        return (ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_rank(),
-                ps.get_expert_tensor_parallel_world_size())
-    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(),
-            ps.get_tensor_model_parallel_world_size())
+        group = active_groups().expt_tp
+    else:
+        group = active_groups().tp
+    return group, group.rank(), group.size()
 
 
 def _gated_fc1(name: str) -> bool:
@@ -188,14 +188,15 @@ def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> 
             local[name] = tp_merge(shards, name, dim=dim, true_vocab=true_vocab,
                                    gated=model.config.gated_linear_unit).cpu()
     # Expert-parallel ranks hold different experts: exchange them.
-    if any(is_expert_param(k) for k in local) and ps.get_expert_model_parallel_world_size() > 1:
+    groups = active_groups()
+    if any(is_expert_param(k) for k in local) and groups.ep.size() > 1:
         experts = {k: v for k, v in local.items() if is_expert_param(k)}
-        for part in collectives.all_gather_object(experts, group=ps.get_expert_model_parallel_group()):
+        for part in collectives.all_gather_object(experts, group=groups.ep):
             local.update(part)
     # Pipeline stages hold different layers: exchange them.
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if groups.pp.size() > 1:
         merged: dict[str, torch.Tensor] = {}
-        for part in collectives.all_gather_object(local, group=ps.get_pipeline_model_parallel_group()):
+        for part in collectives.all_gather_object(local, group=groups.pp):
             merged.update(part)
         return dict(sorted(merged.items()))
     return dict(sorted(local.items()))

@@ -23,12 +23,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.ops import cp_attention
 from megatron_rl.ops.packed_attention import packed_causal_attention
 from megatron_rl.ops.zigzag import host_values
@@ -61,13 +61,13 @@ class LocalCoreAttention(MegatronModule):
         if pg_collection is not None and hasattr(pg_collection, "cp"):
             self.cp_group = pg_collection.cp
         else:
-            self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+            self.cp_group = getattr(active_groups(), "cp", None)
 
     def _hierarchy(self):
         """``(a2a group, p2p group)`` for ``a2a+p2p``: megatron's hierarchical CP groups, inner first."""
         if self.cp_comm_type != "a2a+p2p":
             return None
-        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        groups = getattr(active_groups(), "hcp", None)
         return tuple(groups) if groups else None
 
     def _cp(self) -> tuple[int, int]:

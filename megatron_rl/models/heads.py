@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES
 from megatron_rl.ops.logprob import DEFAULT_CHUNK_SIZE, logprob_temperature, vocab_parallel_logprobs
 
@@ -36,7 +36,7 @@ class ValueHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[s(/tp), b, h]`` hidden states -> ``[b, s]`` fp32 values."""
         values = self.linear(hidden.float()).squeeze(-1)
-        if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+        if self.sequence_parallel and active_groups().tp.size() > 1:
             # Every TP rank computes the loss on the full sequence: the gather's backward keeps
             # only this rank's slice of the gradient (no sum), exactly once per token.
             values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
@@ -74,6 +74,7 @@ class LogProbHead:
             true_vocab_size=model.true_vocab_size, temperature=logprob_temperature(self.temperature),
             chunk_size=self.chunk_size, sequence_parallel=model.config.sequence_parallel,
             with_entropy=self.with_entropy, keep_logits_bytes=self.keep_logits_bytes,
+            tp_group=getattr(active_groups(), "tp", None),  # None before any layout: one rank
         )
         out = {"logprob": logp}
         if self.with_entropy:

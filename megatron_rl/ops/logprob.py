@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -198,6 +197,7 @@ def vocab_parallel_logprobs(
     sequence_parallel: bool = False,
     with_entropy: bool = True,
     keep_logits_bytes: float = DEFAULT_KEEP_LOGITS_BYTES,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of ``labels`` and entropy per token, from the model's last hidden states.
 
@@ -206,14 +206,17 @@ def vocab_parallel_logprobs(
     global token ids (any value where the result is masked later).  Returns two ``[b, s]`` fp32
     tensors (float64 for float64 inputs).  Gradients flow to ``hidden`` and ``weight``.
     ``keep_logits_bytes``: keep the fp32 logits for backward when they take at most this many bytes
-    on this rank (0: always recompute them).
+    on this rank (0: always recompute them).  ``tp_group``: the tensor-parallel group ``weight`` is
+    split over (the layout's ``ProcessGroupCollection.tp``); None: this rank holds the whole vocabulary.
     """
-    tp_active = ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1
-    group = ps.get_tensor_model_parallel_group() if tp_active else None
+    group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+    if group is None and weight.size(0) < true_vocab_size:
+        raise ValueError(f"a [{weight.size(0)}, h] output weight holds only part of a {true_vocab_size}-token "
+                         "vocabulary: pass the tensor-parallel group it is split over as tp_group")
     if sequence_parallel and group is not None:
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=group)
     elif group is not None:
-        hidden = copy_to_tensor_model_parallel_region(hidden)
+        hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
     s, b, h = hidden.shape
     flat = hidden.transpose(0, 1).reshape(b * s, h)
     labels = labels.reshape(b * s).long()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import ParallelConfig
-from megatron_rl.distributed.runtime import ParallelLayout, active_layout, init_model_parallel
+from megatron_rl.distributed.runtime import ParallelLayout
+from megatron_rl.distributed.startup import start_layout
 
 
 def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None,
@@ -23,13 +23,4 @@ def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p
         batch_p2p_comm=batch_p2p_comm,
         hierarchical_context_parallel_sizes=list(hierarchical_cp) if hierarchical_cp else None, ep=ep, etp=etp,
     )
-    layout = ParallelLayout.from_config(cfg, dist.get_world_size())
-    if layout != active_layout():
-        init_model_parallel(layout, seed=seed)
-    else:
-        # The same reseed as the end of init_model_parallel, without rebuilding the groups.
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-        torch.manual_seed(seed)
-    return layout
+    return start_layout(ParallelLayout.from_config(cfg, dist.get_world_size()), seed, reuse=True).layout

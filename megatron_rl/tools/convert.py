@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
 from megatron_rl.config.schema import Config
-from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine.checkpoint import (
     ModelPart,
     check_checkpoint,
@@ -40,9 +40,8 @@ from megatron_rl.models.hf_bridge import copy_companion_files, export_hf, load_h
 
 
 def _setup(cfg: Config):
-    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
-    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
-    return layout, resolve_device(cfg.distributed)
+    started = start_model_parallel(cfg)
+    return started.layout, started.device
 
 
 def hf_to_megatron(cfg: Config, hf_dir: str, out_root: str) -> str:

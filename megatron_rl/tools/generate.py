@@ -167,12 +167,12 @@ def read_generation_input(cfg: Config, input_path: str, hf_dir: str | None = Non
 def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | None = None,
                  checkpoint: str | None = None, part: str = "actor", source: GenerationInput | None = None) -> int:
     """``source``: the input as validation read it (None: read it here)."""
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+    from megatron_rl.distributed.startup import start_model_parallel
     from megatron_rl.envs.build import with_environment
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.resolve import resolve
+    from megatron_rl.rollout.build import make_rollout_engine
     from megatron_rl.rollout.dp import generate_data_parallel
-    from megatron_rl.rollout.engine import make_rollout_engine
     from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 
     source = source or read_generation_input(cfg, input_path, hf_dir, checkpoint, part)
@@ -182,9 +182,8 @@ def run_generate(cfg: Config, input_path: str, output_path: str, hf_dir: str | N
     # share in one pass, within the KV budget, unless rollout.max_batch_size says otherwise); with
     # an environment or agent, trajectories up to their token limit.
     resolution = resolve(dataclasses.replace(cfg, model=model_cfg), dist.get_world_size(), source.job(cfg))
-    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
-    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
-    device = resolve_device(cfg.distributed)
+    started = start_model_parallel(cfg)
+    layout, device = started.layout, started.device
     chunks = build_gpt_chunks(model_cfg, layout, device)
     if checkpoint:
         from megatron_rl.engine.checkpoint import ModelPart, load_checkpoint

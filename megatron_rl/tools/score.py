@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import Config
-from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine.forward import batch_plan, run_sequences
 from megatron_rl.errors import DataError
 from megatron_rl.models.builder import build_gpt_chunks
@@ -73,9 +73,8 @@ def run_score(cfg: Config, hf_dir: str, input_path: str, output_path: str, tempe
     resolution = resolve(cfg, dist.get_world_size(), Job(max_seq_len=max(map(len, sequences))))
     cfg = resolution.config
     model_cfg = cfg.model
-    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
-    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
-    device = resolve_device(cfg.distributed)
+    started = start_model_parallel(cfg)
+    layout, device = started.layout, started.device
     chunks = build_gpt_chunks(model_cfg, layout, device)
     load_hf_weights(chunks, hf_dir)
     for chunk in chunks:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from megatron_rl.config.schema import Config
 from megatron_rl.distributed import faults
 from megatron_rl.distributed.metrics import reduce_sum_count
-from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+from megatron_rl.distributed.runtime import active_groups
+from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine.pipeline import run_microbatches
 from megatron_rl.engine.trainable import make_trainable
 from megatron_rl.models.builder import build_gpt_chunks
@@ -59,7 +59,7 @@ def lm_forward_step(device: torch.device):
             logp, _ = vocab_parallel_logprobs(
                 output, inner.output_weight(), batch["labels"].to(device),
                 true_vocab_size=inner.true_vocab_size, sequence_parallel=inner.config.sequence_parallel,
-                with_entropy=False,
+                with_entropy=False, tp_group=active_groups().tp,
             )
             mask = batch["mask"].to(device)
             nll = -(logp * mask).sum()
@@ -71,16 +71,17 @@ def lm_forward_step(device: torch.device):
     return forward_step
 
 
-def data_parallel_slice(tokens: torch.Tensor) -> torch.Tensor:
-    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+def data_parallel_slice(tokens: torch.Tensor, dp_group=None) -> torch.Tensor:
+    """This data-parallel rank's share of ``tokens``; ``dp_group`` defaults to the active layout's."""
+    dp_group = active_groups().dp if dp_group is None else dp_group
+    dp, rank = dp_group.size(), dp_group.rank()
     per = tokens.size(0) // dp
     return tokens[rank * per : (rank + 1) * per]
 
 
 def run_smoke(cfg: Config, log=print) -> list[float]:
-    layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
-    init_model_parallel(layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
-    device = resolve_device(cfg.distributed)
+    started = start_model_parallel(cfg)
+    layout, groups, device = started.layout, started.groups, started.device
     chunks = build_gpt_chunks(cfg.model, layout, device)
     trainable = make_trainable(chunks, cfg.actor.optim, cfg.smoke.steps)
     sm = cfg.smoke
@@ -95,8 +96,8 @@ def run_smoke(cfg: Config, log=print) -> list[float]:
             faults.maybe_inject(step + 1)
             tokens = synthetic_sequences(step, layout.dp * sm.num_microbatches * sm.micro_batch_size,
                                          sm.seq_length, cfg.model.vocab_size, cfg.run.seed)
-            mbs = lm_microbatches(data_parallel_slice(tokens), sm.micro_batch_size, layout.cp,
-                                  ps.get_context_parallel_rank())
+            mbs = lm_microbatches(data_parallel_slice(tokens, groups.dp), sm.micro_batch_size, layout.cp,
+                                  groups.cp.rank())
             trainable.zero_grad()
             logs = run_microbatches(trainable.chunks, mbs, step_fn, forward_only=False,
                                     seq_length=sm.seq_length // layout.cp, micro_batch_size=sm.micro_batch_size)

@@ -22,12 +22,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from megatron_rl.algorithms import kl as kl_mod
 from megatron_rl.algorithms import losses
 from megatron_rl.config.schema import AlgorithmConfig, Config
 from megatron_rl.data.microbatch import Microbatch
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.ops import zigzag
 
 
@@ -61,9 +61,10 @@ def loss_denominator(agg: str, valid_lengths: Sequence[int]) -> float:
 def context_parallel_row_sum(x: torch.Tensor) -> torch.Tensor:
     """``[B]`` sums of the rows of a detached ``[B, local_len]`` over all context-parallel shards."""
     total = x.detach().sum(-1)
-    if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+    groups = active_groups()
+    if groups is not None and groups.cp.size() > 1:
         total = total.clone()
-        dist.all_reduce(total, group=ps.get_context_parallel_group())
+        dist.all_reduce(total, group=groups.cp)
     return total
 
 

@@ -7,9 +7,9 @@ import contextlib
 from typing import Optional, Sequence
 
 import torch
-from megatron.core import parallel_state as ps
 
 from megatron_rl.distributed import collectives
+from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.models.moe.router import STATS, RLTopKRouter
 from megatron_rl.models.moe.tokens import token_map
 
@@ -41,7 +41,7 @@ class MoEState:
 
     def exchange(self) -> None:
         """Every recorded (row, position) on every rank of this pipeline stage (TP x DP x CP)."""
-        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+        group = active_groups().tp_dp_cp
         mine = {r.layer_number: r.recorded for r in self.routers}
         for part in collectives.all_gather_object(mine, group=group):
             for router in self.routers:
@@ -61,8 +61,8 @@ class _ChunkHook:
         self.state, self.routers, self.sp = state, routers, sequence_parallel
 
     def __call__(self, mb) -> None:
-        tmap = token_map(mb, self.state.rows, ps.get_tensor_model_parallel_rank(),
-                         ps.get_tensor_model_parallel_world_size(), self.sp)
+        tp = active_groups().tp
+        tmap = token_map(mb, self.state.rows, tp.rank(), tp.size(), self.sp)
         for router in self.routers:
             router.tokens = tmap
 
@@ -167,7 +167,7 @@ def gather_rollout_routing(local: dict, sample_index: dict[int, int], reports: b
     send theirs.  A collective over the stage's TP x DP x CP ranks."""
     mine = {sample_index[rid]: tables for rid, tables in local.items()} if reports else {}
     merged: dict[int, dict] = {}
-    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    group = active_groups().tp_dp_cp
     for part in collectives.all_gather_object(mine, group=group):
         merged.update(part)
     return merged

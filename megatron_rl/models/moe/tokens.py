@@ -6,7 +6,8 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
-from megatron.core import parallel_state as ps
+
+from megatron_rl.distributed.runtime import active_groups
 
 
 @dataclasses.dataclass
@@ -95,7 +96,8 @@ def map_for_count(tmap: Optional[TokenMap], count: int) -> Optional[TokenMap]:
     layer type); None when neither fits (e.g. an idle expert-parallel rank's dummy forward)."""
     if tmap is None or tmap.count == count:
         return tmap
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp_group = active_groups().tp
+    tp = tp_group.size()
     if tp > 1 and tmap.count == count * tp:
-        return _sequence_parallel_slice(tmap, tmap.seq, tmap.pos, tmap.real, ps.get_tensor_model_parallel_rank(), tp)
+        return _sequence_parallel_slice(tmap, tmap.seq, tmap.pos, tmap.real, tp_group.rank(), tp)
     return None
