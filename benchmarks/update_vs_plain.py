@@ -229,7 +229,7 @@ def _pieces_loss(alg, den: float, lengths: list, with_entropy: bool):
 
 
 class OurUpdate:
-    """The trainer's actor update (``PPOTrainer._update_actor``) with RL pieces switched on in turn."""
+    """The trainer's actor update (``trainer/policy_update.py::update_actor``) with RL pieces switched on in turn."""
 
     def __init__(self, setup: Setup, weights_from=None):
         from megatron_rl.distributed.runtime import ParallelLayout

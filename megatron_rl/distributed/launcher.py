@@ -99,18 +99,8 @@ def _last_phase(err_base: str, rank: int) -> str:
         return "starting"
 
 
-def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S,
-                 rank_names: dict[int, str] | None = None) -> int:
-    """Run ``python -m megatron_rl.tools.cli <argv>`` on ``nproc`` ranks; return the job's exit code.
-    ``grace_s``: how long the ranks get to checkpoint and exit after a stop signal; ``rank_names``:
-    how failure messages name ranks that are not plain training ranks (generator ranks)."""
-    names = rank_names or {}
-
-    def named(rank: int) -> str:
-        return f"rank {rank} ({names[rank]})" if rank in names else f"rank {rank}"
-
-    tmp = tempfile.mkdtemp(prefix="megatron_rl_launch_")
-    err_base = os.path.join(tmp, "error")
+def _start_ranks(argv: list[str], nproc: int, extra_env: dict | None, err_base: str) -> list[subprocess.Popen]:
+    """Each rank: this command line again, in a session of its own, with its rendezvous environment."""
     procs = []
     for rank in range(nproc):
         env = dict(os.environ)
@@ -124,71 +114,115 @@ def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, gra
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", *argv],
                                       env=env, start_new_session=True, preexec_fn=_die_with_parent))
-    stop = {"asked": None, "abort": False}
+    return procs
 
-    def _forward(signum, _frame):
-        if stop["asked"] is not None and signum in (signal.SIGINT, signal.SIGTERM):
-            stop["abort"] = True  # the second request: now
+
+class _StopSignals:
+    """The launcher's SIGINT/SIGTERM/SIGUSR1 while the ranks run: the first is passed on to the
+    ranks (which checkpoint and exit), a second SIGINT or SIGTERM asks to abort."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs, self.asked, self.abort = procs, None, False
+        self._old = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+
+    def _forward(self, signum, _frame) -> None:
+        if self.asked is not None and signum in (signal.SIGINT, signal.SIGTERM):
+            self.abort = True  # the second request: now
             return
-        if stop["asked"] is None:
-            stop["asked"] = time.monotonic()
+        if self.asked is None:
+            self.asked = time.monotonic()
         if signum == signal.SIGINT:
             print("Ctrl-C: the ranks stop after this step with a checkpoint (Ctrl-C again aborts without one)",
                   file=sys.stderr, flush=True)
-        _ask(procs, signal.SIGTERM if signum == signal.SIGINT else signum)
+        _ask(self.procs, signal.SIGTERM if signum == signal.SIGINT else signum)
 
-    old = {s: signal.signal(s, _forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    def left_early(rank: int) -> bool:
-        """Exit code 0 without the mark a finished rank writes (a C library's exit(0))."""
-        return procs[rank].returncode == 0 and not os.path.exists(done_file(err_base, rank))
-
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) or c == 0 and left_early(r) for r, c in enumerate(codes)):
-                break
-            if all(c == 0 for c in codes):
-                _stop(procs, signal.SIGKILL)  # helpers the ranks left behind
-                return 0
-            late = stop["asked"] is not None and time.monotonic() - stop["asked"] > grace_s
-            if stop["abort"] or late:
-                why = ("a second stop signal" if stop["abort"]
-                       else f"the ranks were still running {grace_s:.0f} s after the stop signal")
-                print(f"megatron-rl: aborting the job ({why}); no checkpoint of the current step",
-                      file=sys.stderr, flush=True)
-                _end_all(procs)
-                return EXIT_INTERRUPTED if stop["abort"] else 1
-            time.sleep(POLL_S)
-        # Ranks killed by a signal before we sent any (OOM killer, kill -9) are the root cause:
-        # their peers' errors are only the broken connections that followed.
-        time.sleep(POLL_S)
-        codes = [p.poll() for p in procs]
-        killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
-        early = [r for r, c in enumerate(codes) if c == 0 and left_early(r)]
-        _end_all(procs)
-        record = _first_failure(err_base)
-        if early and not killed and record is None:
-            rank = early[0]
-            print(f"megatron-rl: {named(rank)} exited with code 0 before its work was done (in "
-                  f"{_last_phase(err_base, rank)}): a reward function, tool or library it runs ended the process "
-                  f"without an error; stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
-            return 1
-        if killed or record is None:
-            rank = killed[0] if killed else next(r for r, c in enumerate(codes) if c not in (None, 0))
-            code = procs[rank].returncode
-            reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-            print(f"megatron-rl: {named(rank)} died ({reason}) without a Python traceback; "
-                  f"stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
-            if record is not None:
-                last = record["message"].strip().splitlines()[-1]
-                print(f"  then {named(record['rank'])} failed: {last}", file=sys.stderr, flush=True)
-            return code if code > 0 else 1
-        print(f"megatron-rl: {named(record['rank'])} failed (exit code {record['exit_code']}); "
-              f"stopped the other {nproc - 1} rank(s)\n{record['message']}", file=sys.stderr, flush=True)
-        return int(record["exit_code"]) or 1
-    finally:
-        for s, handler in old.items():
+    def restore(self) -> None:
+        for s, handler in self._old.items():
             signal.signal(s, handler)
+
+
+class _Ranks:
+    """The running ranks of one job and what they left in its error files."""
+
+    def __init__(self, procs: list[subprocess.Popen], err_base: str, rank_names: dict[int, str]):
+        self.procs, self.err_base, self.names = procs, err_base, rank_names
+
+    def named(self, rank: int) -> str:
+        return f"rank {rank} ({self.names[rank]})" if rank in self.names else f"rank {rank}"
+
+    def left_early(self, rank: int) -> bool:
+        """Exit code 0 without the mark a finished rank writes (a C library's exit(0))."""
+        return self.procs[rank].returncode == 0 and not os.path.exists(done_file(self.err_base, rank))
+
+
+def _watch(ranks: _Ranks, stop: _StopSignals, grace_s: float) -> int | None:
+    """Poll until every rank finished (0), the job is aborted (its exit code), or a rank failed (None)."""
+    procs = ranks.procs
+    while True:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) or c == 0 and ranks.left_early(r) for r, c in enumerate(codes)):
+            return None
+        if all(c == 0 for c in codes):
+            _stop(procs, signal.SIGKILL)  # helpers the ranks left behind
+            return 0
+        late = stop.asked is not None and time.monotonic() - stop.asked > grace_s
+        if stop.abort or late:
+            why = ("a second stop signal" if stop.abort
+                   else f"the ranks were still running {grace_s:.0f} s after the stop signal")
+            print(f"megatron-rl: aborting the job ({why}); no checkpoint of the current step",
+                  file=sys.stderr, flush=True)
+            _end_all(procs)
+            return EXIT_INTERRUPTED if stop.abort else 1
+        time.sleep(POLL_S)
+
+
+def _report_failure(ranks: _Ranks) -> int:
+    """End every rank, print the failure that caused the others, and return the job's exit code."""
+    procs, nproc, named = ranks.procs, len(ranks.procs), ranks.named
+    # Ranks killed by a signal before we sent any (OOM killer, kill -9) are the root cause:
+    # their peers' errors are only the broken connections that followed.
+    time.sleep(POLL_S)
+    codes = [p.poll() for p in procs]
+    killed = [r for r, c in enumerate(codes) if c is not None and c < 0]
+    early = [r for r, c in enumerate(codes) if c == 0 and ranks.left_early(r)]
+    _end_all(procs)
+    record = _first_failure(ranks.err_base)
+    if early and not killed and record is None:
+        rank = early[0]
+        print(f"megatron-rl: {named(rank)} exited with code 0 before its work was done (in "
+              f"{_last_phase(ranks.err_base, rank)}): a reward function, tool or library it runs ended the process "
+              f"without an error; stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
+        return 1
+    if killed or record is None:
+        rank = killed[0] if killed else next(r for r, c in enumerate(codes) if c not in (None, 0))
+        code = procs[rank].returncode
+        reason = f"signal {-code}" if code < 0 else f"exit code {code}"
+        print(f"megatron-rl: {named(rank)} died ({reason}) without a Python traceback; "
+              f"stopped the other {nproc - 1} rank(s)", file=sys.stderr, flush=True)
+        if record is not None:
+            last = record["message"].strip().splitlines()[-1]
+            print(f"  then {named(record['rank'])} failed: {last}", file=sys.stderr, flush=True)
+        return code if code > 0 else 1
+    print(f"megatron-rl: {named(record['rank'])} failed (exit code {record['exit_code']}); "
+          f"stopped the other {nproc - 1} rank(s)\n{record['message']}", file=sys.stderr, flush=True)
+    return int(record["exit_code"]) or 1
+
+
+def launch_local(argv: list[str], nproc: int, extra_env: dict | None = None, grace_s: float = STOP_GRACE_S,
+                 rank_names: dict[int, str] | None = None) -> int:
+    """Run ``python -m megatron_rl.tools.cli <argv>`` on ``nproc`` ranks; return the job's exit code.
+    ``grace_s``: how long the ranks get to checkpoint and exit after a stop signal; ``rank_names``:
+    how failure messages name ranks that are not plain training ranks (generator ranks)."""
+    tmp = tempfile.mkdtemp(prefix="megatron_rl_launch_")
+    err_base = os.path.join(tmp, "error")
+    procs = _start_ranks(argv, nproc, extra_env, err_base)
+    stop = _StopSignals(procs)
+    try:
+        ranks = _Ranks(procs, err_base, rank_names or {})
+        code = _watch(ranks, stop, grace_s)
+        return code if code is not None else _report_failure(ranks)
+    finally:
+        stop.restore()
         for path in glob.glob(err_base + "*"):
             os.unlink(path)
         os.rmdir(tmp)

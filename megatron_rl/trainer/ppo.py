@@ -33,9 +33,8 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms import losses
 from megatron_rl.algorithms.advantages import needs_critic
-from megatron_rl.algorithms.kl import apply_kl_penalty, make_kl_controller
+from megatron_rl.algorithms.kl import make_kl_controller
 from megatron_rl.algorithms.old_logprobs import old_logprob_source
-from megatron_rl.algorithms.rollout_correction import correction_weights
 from megatron_rl.algorithms.shaping import overlong_penalty
 from megatron_rl.config.choices import ONE_STEP_OFF
 from megatron_rl.config.model_io import model_config_to_dict
@@ -44,31 +43,24 @@ from megatron_rl.data.prompts import PromptSampler, PromptSet
 from megatron_rl.data.sources import load_prompt_source, tokenizer_spec
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.distributed import collectives, faults
-from megatron_rl.distributed.metrics import reduce_sum_count, reduce_sums
-from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel, resolve_device
+from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine import checkpoint
-from megatron_rl.engine.forward import batch_plan, run_sequences
-from megatron_rl.engine.offload import Offloader
-from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
+from megatron_rl.engine.forward import batch_plan
+from megatron_rl.engine.trainable import Trainable
 from megatron_rl.envs.build import with_environment
 from megatron_rl.envs.trajectories import env_metrics, trajectory_scores
-from megatron_rl.models.builder import build_gpt_chunks
-from megatron_rl.models.canonical import gather_canonical, load_canonical
-from megatron_rl.models.heads import ValueOutput, attach_value_head, logprob_head
-from megatron_rl.models.hf_bridge import load_hf_weights, model_source_meta
-from megatron_rl.models.moe import load_routing, moe_metrics, moe_pass
-from megatron_rl.models.seeded_init import seeded_init
-from megatron_rl.planner.memory import total_params
-from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, resolve
+from megatron_rl.models.hf_bridge import model_source_meta
+from megatron_rl.resolve import resolve
 from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.distributed import rewards_on_every_rank
 from megatron_rl.rewards.registry import Graded, get_reward_fn
+from megatron_rl.rollout.build import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.dp import generate_data_parallel
-from megatron_rl.rollout.engine import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.sampling import SamplingParams, eos_token_ids
 from megatron_rl.trainer.dynamic_sampling import fill_batch
 from megatron_rl.trainer.evaluation import Evaluator
-from megatron_rl.trainer.experience import Experience, Samples, compute_advantages, token_rewards_from_scores
+from megatron_rl.trainer.experience import Experience, Samples
+from megatron_rl.trainer.experience_pass import make_experience
 from megatron_rl.trainer.finished import (
     SET_ASIDE_ENV,
     finished_message,
@@ -76,30 +68,25 @@ from megatron_rl.trainer.finished import (
     set_aside_message,
     set_aside_previous_run,
 )
-from megatron_rl.trainer.guards import check_updates_applied
+from megatron_rl.trainer.initial_weights import init_weights
 from megatron_rl.trainer.metrics import (
     MetricsWriter,
     experience_metrics,
     memory_metrics,
-    optimizer_step_metrics,
     plot_metrics,
     throughput_metrics,
 )
-from megatron_rl.trainer.old_policy import OldPolicy, PolicyPass, old_policy
-from megatron_rl.trainer.one_step_off import GeneratedBatch, buffered_batches, staleness_metrics
+from megatron_rl.trainer.model_set import ModelSet, build_models
+from megatron_rl.trainer.old_policy import OldPolicy
+from megatron_rl.trainer.one_step_off import take_and_generate_ahead
+from megatron_rl.trainer.policy_update import update_models
 from megatron_rl.trainer.remote_rollout import RemoteRollout
 from megatron_rl.trainer.reward_signal import AgentSessions, RewardSignal, stderr_line
+from megatron_rl.trainer.rollout_buffer import GeneratedBatch, buffer_state, buffered_batches
 from megatron_rl.trainer.sample_log import SampleLog
-from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.trainer.signals import StopRequest
-from megatron_rl.trainer.update import (
-    actor_loss_fn,
-    actor_metric_names,
-    critic_loss_fn,
-    loss_denominator,
-    mini_batches,
-    scheduled_updates,
-)
+from megatron_rl.trainer.staleness import StalenessPlan, staleness_metrics
+from megatron_rl.trainer.startup_lines import layout_line, model_line, old_logprobs_line, rollout_line
 from megatron_rl.utils import phase
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
@@ -107,24 +94,6 @@ from megatron_rl.utils.timing import timed, timing_key
 
 def _rank0() -> bool:
     return dist.get_rank() == 0
-
-
-def layout_line(layout: ParallelLayout, world_size: int, device) -> str:
-    """The start-up line naming every parallel size, expert parallelism included (etp only
-    when it is not TP, its default)."""
-    vpp = f" vpp={layout.vpp}" if layout.vpp else ""
-    etp = f" etp={layout.etp}" if layout.etp else ""
-    sp = " (sequence parallel)" if layout.sequence_parallel else ""
-    return (f"layout: tp={layout.tp} pp={layout.pp}{vpp} cp={layout.cp} dp={layout.dp} ep={layout.ep}{etp}{sp}, "
-            f"world size {world_size}, {torch.device(device).type}")
-
-
-def model_source(cfg: Config) -> str:
-    if cfg.actor.init_checkpoint:
-        return cfg.actor.init_checkpoint
-    if cfg.model.hf_path:
-        return cfg.model.hf_path
-    return f"random init (seed {cfg.run.seed})"
 
 
 class PPOTrainer:
@@ -139,17 +108,48 @@ class PPOTrainer:
         self.resolution = resolve(cfg, dist.get_world_size())
         self.cfg = cfg = self.resolution.config
         self.log = log if _rank0() else (lambda *_: None)
-        self.layout = ParallelLayout.from_config(cfg.parallel, dist.get_world_size())
-        init_model_parallel(self.layout, seed=cfg.run.seed, timeout_s=cfg.distributed.timeout_s)
-        self.device = resolve_device(cfg.distributed)
+        started = start_model_parallel(cfg)
+        self.layout, self.groups, self.device = started.layout, started.groups, started.device
         self.log(layout_line(self.layout, dist.get_world_size(), self.device))
         self.run_dir = os.path.join(cfg.run.dir, cfg.run.name)
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         os.makedirs(self.run_dir, exist_ok=True)
-        alg = cfg.algorithm
-        self.use_critic = needs_critic(alg.advantage)
-        self.use_ref = alg.kl_coef > 0
+        self.use_critic = needs_critic(cfg.algorithm.advantage)
+        self.use_ref = cfg.algorithm.kl_coef > 0
+        self._load_data()
+        self.log(rollout_line(self.resolution))
+        self.old_logprobs = old_logprob_source(cfg.algorithm.old_logprobs)
+        self.log(old_logprobs_line(self.resolution, self.old_logprobs.name))
+        self.log("resolved: " + ", ".join(self.resolution.lines()))
+        self._make_step_inputs()
+        self.models: ModelSet = build_models(cfg, self.layout, self.device, self.plan, self.use_ref, self.use_critic)
+        self.log(model_line(cfg, self.models.built_line()))
+        self._make_engine_and_outputs()
+        self.start_step = self._resume_or_init()
+        if cfg.rollout.ranks:
+            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling,
+                                        records_of=self.prompts.records if cfg.rollout.multi_turn else None)
+            self.stop.asked_elsewhere = self.remote.stop_asked  # a signal that reached a generator rank only
+        if cfg.trainer.offload:  # after the SFT warm-up (in _resume_or_init), which replaces the actor's optimizer
+            self.models.start_offloading()
 
+    @property
+    def actor(self) -> Trainable:
+        return self.models.actor
+
+    @property
+    def reference(self) -> Optional[list]:
+        return self.models.reference
+
+    @property
+    def critic(self) -> Optional[Trainable]:
+        return self.models.critic
+
+    # ------------------------------------------------------------------ setup
+
+    def _load_data(self) -> None:
+        """Tokenizer, prompts, and how sequences are cut into micro-batches."""
+        cfg = self.cfg
         spec = tokenizer_spec(cfg.data, cfg.model.hf_path)
         self.tokenizer = load_tokenizer(spec)
         self.log(f"tokenizer: {spec} (vocab {self.tokenizer.vocab_size})")
@@ -157,16 +157,10 @@ class PPOTrainer:
         self.plan = batch_plan(cfg.batch, self.layout, self.resolution.get("batch.token_budget").value,
                                pad_id=self.tokenizer.pad_id)
         self.log(f"batching: {self.plan.describe()}")
-        engine, batch = self.resolution.get("rollout.engine"), self.resolution.get("rollout.max_batch_size")
-        batching = self.resolution.get("rollout.batching")
-        how = f" (auto: {batching.why})" if batching.origin == AUTO_ORIGIN else ""
-        self.log(f"rollout: {engine.value} engine, {batching.value} batching{how}, up to {batch.value} sequences "
-                 "per generation pass per rank "
-                 f"({'derived' if batch.origin == DERIVED else 'rollout.max_batch_size'})")
-        self.old_logprobs = old_logprob_source(cfg.algorithm.old_logprobs)
-        auto = self.resolution.get("algorithm.old_logprobs").origin == AUTO_ORIGIN
-        self.log(f"old log-probs: {self.old_logprobs.name}" + (" (auto)" if auto else ""))
-        self.log("resolved: " + ", ".join(self.resolution.lines()))
+
+    def _make_step_inputs(self) -> None:
+        """What a step draws, samples with and grades by, and the KL controller."""
+        cfg, alg = self.cfg, self.cfg.algorithm
         self.sampler = PromptSampler(self.prompts, cfg.trainer.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
         self.reward_fn = get_reward_fn(cfg.reward.fn, cfg.reward.convention, cfg.reward.kwargs)
         self.reward_signal = RewardSignal(self.prompts.answer_key, needs_answers(self.reward_fn), self.log)
@@ -178,16 +172,10 @@ class PPOTrainer:
             stop_token_ids=eos_token_ids(self.tokenizer, cfg.model.hf_path),
             stop_sequences=tuple(tuple(self.tokenizer.encode(s)) for s in cfg.rollout.stop),
         )
-        updates = scheduled_updates(cfg)
-        self.actor = make_trainable(self._build(), cfg.actor.optim, updates)
-        self.reference: Optional[list] = freeze(self._build()) if self.use_ref else None
-        self.critic: Optional[Trainable] = (
-            make_trainable(attach_value_head(self._build()), cfg.critic.optim, updates) if self.use_critic else None
-        )
-        built = ", ".join(name for name, on in (("actor", True), ("reference", self.use_ref),
-                                                 ("critic", self.use_critic)) if on)
-        self.log(f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
-                 f"hidden {cfg.model.hidden_size}); built {built}")
+
+    def _make_engine_and_outputs(self) -> None:
+        """The rollout engine, the evaluator on it, and the metrics and sample logs."""
+        cfg = self.cfg
         # With generator ranks of their own, rollout.layout is theirs; the trainers' engine (evaluation)
         # generates on the training layout.
         own = on_active_layout(cfg.rollout) if cfg.rollout.ranks else cfg.rollout
@@ -195,38 +183,14 @@ class PPOTrainer:
             cfg, make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay),
             self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
-                                   lambda: (self._phase("actor"), self.engine.load_from_chunks(self.actor.chunks)),
-                                   self.log)
+                                   self._weights_to_engine, self.log)
         self.metrics = MetricsWriter(self.run_dir, _rank0(), cfg.trainer.steps, cfg.trainer.tensorboard,
                                      cfg.trainer.wandb, cfg.run.name, config=dataclasses.asdict(cfg))
         self.sample_log = SampleLog(self.run_dir, _rank0() and cfg.trainer.log_samples, self.tokenizer)
-        self.start_step = self._resume_or_init()
-        if cfg.rollout.ranks:
-            self.remote = RemoteRollout(cfg, self.sampler, self.prompts.prompt_ids, self.sampling,
-                                        records_of=self.prompts.records if cfg.rollout.multi_turn else None)
-            self.stop.asked_elsewhere = self.remote.stop_asked  # a signal that reached a generator rank only
-        # Built from the actor as it is now: the SFT warm-up (in _resume_or_init) replaced its optimizer.
-        self._offloaders = self._make_offloaders() if cfg.trainer.offload else {}
 
-    # ------------------------------------------------------------------ offload
-
-    def _make_offloaders(self) -> dict:
-        out = {"actor": Offloader(self.actor.chunks, self.actor.optimizer)}
-        if self.critic is not None:
-            out["critic"] = Offloader(self.critic.chunks, self.critic.optimizer)
-        if self.reference is not None:
-            out["reference"] = Offloader(self.reference)
-        return out
-
-    def _phase(self, active: Optional[str]) -> None:
-        """Keep ``active`` on the device and the other models in host memory (None: all on device)."""
-        for name, offloader in self._offloaders.items():
-            if active is None or name == active:
-                offloader.onload()
-            else:
-                offloader.offload()
-
-    # ------------------------------------------------------------------ setup
+    def _weights_to_engine(self) -> None:
+        self.models.phase("actor")
+        self.engine.load_from_chunks(self.actor.chunks)
 
     def _load_prompts(self) -> PromptSet:
         data = self.cfg.data
@@ -236,37 +200,7 @@ class PPOTrainer:
         self.log(f"prompts: {len(prompts)} from {data.train_path}{dropped}")
         return prompts
 
-    def _build(self) -> list:
-        return build_gpt_chunks(self.cfg.model, self.layout, self.device)
-
-    def _init_weights(self) -> None:
-        """Actor from HF / a checkpoint / a seeded draw that is the same on every layout
-        (:mod:`megatron_rl.models.seeded_init`), then the SFT warm-up; reference and critic start
-        from the (warmed-up) actor."""
-        cfg = self.cfg
-        if cfg.actor.init_checkpoint:
-            checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(self.actor.chunks)},
-                                       with_optimizer=False, load_rng=False,
-                                       model_config=model_config_to_dict(cfg.model))
-        elif cfg.model.hf_path:
-            load_hf_weights(self.actor.chunks, cfg.model.hf_path)
-        else:
-            seeded_init(self.actor.chunks, cfg.run.seed)
-        self.actor.weights_replaced()
-        if cfg.trainer.sft_warmup_steps:
-            with phase.entered("SFT warm-up"):
-                self.actor = sft_warmup(self.actor, self.prompts, self.tokenizer, cfg, self.plan, self.device,
-                                        self.log, make_env=getattr(self.engine, "make_env", None))
-        if self.reference is None and self.critic is None:
-            return
-        initial = gather_canonical(self.actor.chunks)
-        if self.reference is not None:
-            load_canonical(self.reference, initial)
-        if self.critic is not None:
-            load_canonical(self.critic.chunks, initial, strict=False)
-            if cfg.critic.hf_path:
-                load_hf_weights(self.critic.chunks, cfg.critic.hf_path)
-            self.critic.weights_replaced()
+    # ------------------------------------------------------------------ saving and resuming
 
     def _resume_or_init(self) -> int:
         mode = self.cfg.trainer.resume
@@ -282,10 +216,10 @@ class PPOTrainer:
             candidates = list(reversed(checkpoint.list_checkpoints(self.ckpt_root)))
         else:
             candidates = [mode]
-        loaded = checkpoint.load_newest(candidates, self._parts(), model_config_to_dict(self.cfg.model),
-                                        fall_back=mode == "auto", log=self.log)
+        loaded = checkpoint.load_newest(candidates, self.models.checkpoint_parts(),
+                                        model_config_to_dict(self.cfg.model), fall_back=mode == "auto", log=self.log)
         if loaded is None:
-            self._init_weights()
+            init_weights(self.models, self.cfg, self.prompts, self.tokenizer, self.engine, self.log)
             self.metrics.truncate_after(-1)  # a fresh start: no line survives, not even a step-0 evaluation
             self.sample_log.truncate_after(-1)
             return 0
@@ -301,26 +235,18 @@ class PPOTrainer:
         self.log(f"resumed after step {step} from {path}")
         return step
 
-    def _parts(self) -> dict:
-        parts = {"actor": checkpoint.ModelPart(self.actor.chunks, self.actor.optimizer, self.actor.scheduler)}
-        if self.critic is not None:
-            parts["critic"] = checkpoint.ModelPart(self.critic.chunks, self.critic.optimizer, self.critic.scheduler)
-        if self.reference is not None:
-            parts["reference"] = checkpoint.ModelPart(self.reference)
-        return parts
-
     def save(self, step: int) -> str:
-        meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self._parts()},
+        meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self.models.checkpoint_parts()},
                 **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer)}
         if self.remote is not None:  # nothing in flight: every requested batch is in the checkpoint
             self.buffer.update(self.remote.drain())
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
         if self.buffer:  # batches generated for the coming steps
-            state["rollout_buffer"] = [{"step": j, **batch.state_dict()} for j, batch in sorted(self.buffer.items())]
+            state["rollout_buffer"] = buffer_state(self.buffer)
         # Step 0 (a stop before the first update): the optimizers hold no state yet, and megatron's
         # sharded optimizer state would name moments that were never made; the resumed job starts them.
-        return checkpoint.save_checkpoint(self.ckpt_root, step, self._parts(), trainer_state=state, meta=meta,
-                                          keep_last=self.cfg.trainer.keep_last, with_optimizer=step > 0)
+        return checkpoint.save_checkpoint(self.ckpt_root, step, self.models.checkpoint_parts(), trainer_state=state,
+                                          meta=meta, keep_last=self.cfg.trainer.keep_last, with_optimizer=step > 0)
 
     def _save_and_say(self, step: int, final: bool) -> str:
         """Save, with a line after it; before the last one also a line, since the job waits for it."""
@@ -366,7 +292,7 @@ class PPOTrainer:
                 due = cfg.trainer.save_every and step % cfg.trainer.save_every == 0
                 stopping = stop.agreed()
                 if due or stopping or step == cfg.trainer.steps:
-                    self._phase(None)
+                    self.models.phase(None)
                     path = self._save_and_say(step, final=stopping or step == cfg.trainer.steps)
                     if stopping:
                         self.log(f"{stop.describe()}: checkpoint after step {step} at {path}; exiting")
@@ -395,12 +321,14 @@ class PPOTrainer:
         with timed("step", timings):
             if self.remote is None:
                 with timed("weight_sync", timings):
-                    self._phase("actor")
+                    self.models.phase("actor")
                     self.engine.load_from_chunks(self.actor.chunks)
             samples, scores, sampling_metrics = self._sample(step, timings)
             with timed("experience", timings):
-                exp = self._experience(samples, scores, timings)
-            metrics, policy = self._update(exp, step, timings)
+                exp = make_experience(self.models, samples, scores, self.cfg, self.old_logprobs, self.kl_ctl.value,
+                                      timings)
+            metrics, policy = update_models(self.models, exp, step, self.cfg, self.old_logprobs, self.kl_ctl.value,
+                                            timings)
             metrics.update(self._update_kl_coef(exp, policy))
             metrics.update(experience_metrics(exp, policy))
             metrics.update(sampling_metrics)
@@ -414,7 +342,7 @@ class PPOTrainer:
                               int(sampling_metrics["rollout/policy_version"]))
         metrics.update(memory_metrics())
         metrics["rollout/weights_gb"] = self.engine.weight_bytes() / 2**30
-        refit = getattr(self.engine, "last_refit", None)  # rollout.layout of its own: the copy into it
+        refit = self.engine.last_refit  # rollout.layout of its own: the copy into it
         if refit is not None:
             metrics[timing_key("refit")] = refit.seconds
             metrics["rollout/refit_bytes"] = refit.bytes_received
@@ -458,9 +386,8 @@ class PPOTrainer:
             samples, scores, _ = grade(current.samples)
         elif one_step_off or self.buffer:  # (a sync run resumed with batches generated ahead: those first)
             with timed("rollout", timings):
-                current = self.buffer.pop(step, None) or self._generate(step, version)
-                if one_step_off and step < self.cfg.trainer.steps and step + 1 not in self.buffer:
-                    self.buffer[step + 1] = self._generate(step + 1, version)
+                current = take_and_generate_ahead(self.buffer, step, version, StalenessPlan.of(self.cfg),
+                                                  self.cfg.trainer.steps, self._generate)
             samples, scores, _ = grade(current.samples)
         elif alg.dynamic_sampling:
             filled = fill_batch(draw, self.cfg.trainer.prompts_per_step, alg.dynamic_sampling_max_rounds)
@@ -517,143 +444,6 @@ class PPOTrainer:
         graded = dataclasses.replace(graded, scores=trajectory_scores(samples, graded.scores))
         self.reward_signal.observe(graded.scores, samples.groups())
         return graded
-
-    def _experience(self, samples: Samples, scores: torch.Tensor, timings: dict) -> Experience:
-        alg = self.cfg.algorithm
-        seqs = samples.sequences()
-        mask = samples.response_mask()
-        head = logprob_head(self.cfg)
-        ref = values = recomputed = None
-        # Routing replay: the experts the rollout engine routed to, else the old-log-prob pass's.
-        replay_mode = None
-        if alg.routing_replay:
-            replay_mode = "forward_replay" if load_routing(self.actor.chunks, samples.routing) else "record"
-        with torch.no_grad():
-            if self.old_logprobs.recompute:
-                with timed("old_logprob", timings):
-                    self._phase("actor")
-                    with moe_pass(self.actor.chunks, seqs, replay_mode):
-                        outs, _ = run_sequences(self.actor.chunks, seqs, head, self.plan, self.device)
-                recomputed = PolicyPass.from_outputs(samples, mask, outs)
-            if self.reference is not None:
-                with timed("ref_logprob", timings):
-                    self._phase("reference")
-                    ref, _ = run_sequences(self.reference, seqs, dataclasses.replace(head, with_entropy=False),
-                                           self.plan, self.device)
-            if self.critic is not None:
-                with timed("values", timings):
-                    self._phase("critic")
-                    values, _ = run_sequences(self.critic.chunks, seqs, ValueOutput(), self.plan, self.device)
-        # training_forward: none here, the loss reads its own forward's (detached).
-        old_logprob = None
-        if recomputed is not None:
-            old_logprob = recomputed.logprob
-        elif self.old_logprobs.from_rollout:
-            old_logprob = samples.rollout_logprobs() * mask
-        ref_logprob = samples.pad_responses([o["logprob"] for o in ref]) * mask if ref is not None else None
-        value_rows = samples.pad_responses([o["value"] for o in values]) * mask if values is not None else None
-        token_rewards = token_rewards_from_scores(scores, mask)
-        if ref_logprob is not None and alg.kl_in_reward:
-            # The KL penalty in the reward (else the actor loss carries it); outcome estimators (GRPO,
-            # RLOO, ...) see it as the row sum of the penalised token rewards.  Validation keeps
-            # old_logprobs=training_forward away from it, so the old log-probs are known here.
-            token_rewards, _ = apply_kl_penalty(token_rewards, old_logprob, ref_logprob, mask, self.kl_ctl.value,
-                                                alg.kl_kind)
-        advantage_rows, returns = compute_advantages(
-            alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows, alg,
-        )
-        weights, metrics = None, {}
-        correction = alg.rollout_correction
-        if correction.mode != "off":
-            weights, metrics = correction_weights(old_logprob, samples.rollout_logprobs(), mask, correction.mode,
-                                                  correction.level, correction.threshold)
-        return Experience(samples, scores, mask, old_logprob, ref_logprob, value_rows, token_rewards,
-                          advantage_rows, returns, rollout_weights=weights, metrics=metrics, trainer_pass=recomputed)
-
-    def _update(self, exp: Experience, step: int, timings: dict) -> tuple[dict, OldPolicy]:
-        """The actor's, then the critic's updates on the same mini-batches; returns their metrics
-        and the policy before the update (:mod:`megatron_rl.trainer.old_policy`), measured by the
-        recompute pass or by the update's first forward."""
-        alg = self.cfg.algorithm
-        fields = {"advantages": exp.advantages}
-        if self.old_logprobs.loss_reads_old:  # without the field the loss takes its own forward's
-            fields["old_logprob"] = exp.old_logprob
-        if self.reference is not None and not alg.kl_in_reward:
-            fields["ref_logprob"] = exp.ref_logprob
-        if exp.rollout_weights is not None:
-            fields["rollout_weight"] = exp.rollout_weights
-        if self.critic is not None:
-            fields.update(old_value=exp.values, returns=exp.returns)
-        seqs = exp.training_sequences(fields)
-        valid = [len(r) for r in exp.samples.response_ids]
-        batches = []  # (members, their sequences, their response lengths, the loss denominator), every epoch
-        for epoch in range(alg.ppo_epochs):
-            order_seed = None if alg.mini_batches == 1 else derive_seed(self.cfg.run.seed, "mini_batches", step, epoch)
-            for members in mini_batches(len(seqs), alg.mini_batches, order_seed):
-                lengths = [valid[i] for i in members]
-                batches.append((members, [seqs[i] for i in members], lengths, loss_denominator(alg.loss_agg, lengths)))
-        actor_results, actor_logs, first_forward = self._update_actor(batches, timings)
-        critic_results, critic_logs = self._update_critic(batches, timings) if self.critic is not None else ([], [])
-        trainer_pass = exp.trainer_pass
-        if first_forward is not None:
-            members, outs = first_forward
-            trainer_pass = PolicyPass.from_outputs(exp.samples, exp.mask, outs, members)
-        # A critic whose updates all failed also poisons the actor's advantages: name it first.
-        check_updates_applied("critic", critic_results, step, self.cfg)
-        check_updates_applied("actor", actor_results, step, self.cfg)
-        updates = len(actor_results)
-        flat = [log for logs in actor_logs for log in logs]
-        out = {k: v / updates for k, v in reduce_sums(flat, ["actor/pg_loss", "actor/entropy_loss",
-                                                               "actor/kl_loss"]).items()}
-        out.update(reduce_sum_count(flat, actor_metric_names(alg)))
-        out.update(optimizer_step_metrics("actor", actor_results))
-        out["actor/lr"] = self.actor.lr
-        out.update(moe_metrics(self.actor.chunks))  # MoE: router losses, routing-replay mismatch
-        if self.critic is not None:
-            flat = [log for logs in critic_logs for log in logs]
-            out["critic/vf_loss"] = reduce_sums(flat, ["critic/vf_loss"])["critic/vf_loss"] / updates
-            out.update(reduce_sum_count(flat, ["critic/vf_clipfrac", "critic/vpred_mean"]))
-            out.update(optimizer_step_metrics("critic", critic_results))
-            out.update(moe_metrics(self.critic.chunks, "critic/"))
-        return out, old_policy(exp, trainer_pass, alg.kl_kind)
-
-    def _update_actor(self, batches: list, timings: dict) -> tuple[list, list, Optional[tuple]]:
-        """One optimizer step per mini-batch; returns the step results, the loss logs and, where the
-        old log-probs are not recomputed, the first forward's outputs (the weights before any update)."""
-        alg = self.cfg.algorithm
-        kl_loss_coef = self.kl_ctl.value if self.reference is not None and not alg.kl_in_reward else 0.0
-        measure = self.old_logprobs.measured_in_update
-        head = logprob_head(self.cfg, with_entropy=alg.entropy_coef > 0 or measure)
-        horizon = self.cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm
-        results, logs_all, first_forward = [], [], None
-        for members, sub, lengths, den in batches:
-            with timed("actor_update", timings):
-                self._phase("actor")
-                self.actor.zero_grad()
-                with moe_pass(self.actor.chunks, sub, "replay" if alg.routing_replay else "train", members):
-                    outs, logs = run_sequences(self.actor.chunks, sub, head, self.plan, self.device,
-                                               loss_fn=actor_loss_fn(alg, den, lengths, kl_loss_coef, horizon),
-                                               forward_only=False)
-                results.append(self.actor.step())
-                logs_all.append(logs)
-                if measure and first_forward is None:
-                    first_forward = (members, outs)
-        return results, logs_all, first_forward
-
-    def _update_critic(self, batches: list, timings: dict) -> tuple[list, list]:
-        alg = self.cfg.algorithm
-        horizon = self.cfg.rollout.max_new_tokens
-        results, logs_all = [], []
-        for members, sub, lengths, den in batches:
-            with timed("critic_update", timings):
-                self._phase("critic")
-                self.critic.zero_grad()
-                with moe_pass(self.critic.chunks, sub, "train", members):
-                    _, logs = run_sequences(self.critic.chunks, sub, ValueOutput(), self.plan, self.device,
-                                            loss_fn=critic_loss_fn(alg, den, lengths, horizon), forward_only=False)
-                results.append(self.critic.step())
-                logs_all.append(logs)
-        return results, logs_all
 
     def _update_kl_coef(self, exp: Experience, policy: OldPolicy) -> dict:
         """Move the KL coefficient by the KL to the reference measured this step; both as metrics."""

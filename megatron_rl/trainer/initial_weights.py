@@ -1,0 +1,49 @@
+"""The weights a fresh run starts from (a resumed run takes its checkpoint's instead)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from megatron_rl.config.model_io import model_config_to_dict
+from megatron_rl.config.schema import Config
+from megatron_rl.data.prompts import PromptSet
+from megatron_rl.engine import checkpoint
+from megatron_rl.envs.trajectories import EnvironmentRollout
+from megatron_rl.models.canonical import gather_canonical, load_canonical
+from megatron_rl.models.hf_bridge import load_hf_weights
+from megatron_rl.models.seeded_init import seeded_init
+from megatron_rl.trainer.model_set import ModelSet
+from megatron_rl.trainer.sft import sft_warmup
+from megatron_rl.utils import phase
+
+
+def init_weights(models: ModelSet, cfg: Config, prompts: PromptSet, tokenizer, engine,
+                 log: Callable[[str], None]) -> None:
+    """Actor from HF / a checkpoint / a seeded draw that is the same on every layout
+    (:mod:`megatron_rl.models.seeded_init`), then the SFT warm-up; reference and critic start
+    from the (warmed-up) actor."""
+    if cfg.actor.init_checkpoint:
+        checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(models.actor.chunks)},
+                                   with_optimizer=False, load_rng=False,
+                                   model_config=model_config_to_dict(cfg.model))
+    elif cfg.model.hf_path:
+        load_hf_weights(models.actor.chunks, cfg.model.hf_path)
+    else:
+        seeded_init(models.actor.chunks, cfg.run.seed)
+    models.actor.weights_replaced()
+    if cfg.trainer.sft_warmup_steps:
+        # rollout.env's environments replay the demonstrations (agent sessions and single turns have none)
+        make_env = engine.make_env if isinstance(engine, EnvironmentRollout) else None
+        with phase.entered("SFT warm-up"):
+            models.actor = sft_warmup(models.actor, prompts, tokenizer, cfg, models.plan, models.device,
+                                      log, make_env=make_env)
+    if models.reference is None and models.critic is None:
+        return
+    initial = gather_canonical(models.actor.chunks)
+    if models.reference is not None:
+        load_canonical(models.reference, initial)
+    if models.critic is not None:
+        load_canonical(models.critic.chunks, initial, strict=False)
+        if cfg.critic.hf_path:
+            load_hf_weights(models.critic.chunks, cfg.critic.hf_path)
+        models.critic.weights_replaced()
