@@ -7,7 +7,8 @@ give the one-process per-token log-probs, entropy, values and every parameter gr
 optimizer (parameters after one Adam step), for each CP communication type.  Micro-batches of a
 step differ in length, which the pipeline schedules must carry (VPP too, with
 ``compat/megatron_fixes.py``'s shape-exchange order and at least ``2*pp`` micro-batches per
-training pass).  Besides the chosen layouts, a few random ones per run (seeded; the seed is printed).
+training pass).  Besides the chosen layouts, a few random ones per run (seeded; the seed is printed),
+drawn and compared by ``megatron-rl check-layouts``'s functions.
 
 ``a2a+p2p`` runs at cp=4 with hierarchical sizes ``[2, 2]`` (a2a inside pairs of CP ranks, the
 ring across them), so its layouts take twice the ranks; TP2xPP2 with it would need 16 and is left
@@ -21,7 +22,13 @@ import random
 
 import pytest
 
-from tests.support.helpers import CP_STEP_OPTIM, check_against_reference
+from tests.support.helpers import (
+    CP_STEP_OPTIM,
+    CP_TOL,
+    check_against_reference,
+    max_diff_outputs,
+    max_diff_tensors,
+)
 
 # Every comm type of the local attention path.  a2a groups have 2 ranks: the test model's 4 heads
 # and 2 KV heads split to 2 and 1 per rank; at TP2 to 1 head per rank, the one KV head replicated.
@@ -116,42 +123,35 @@ def test_virtual_pipeline_with_data_dependent_micro_batches_matches_one_process(
 
 # ----------------------------------------------------------------------------- random layouts
 
-def draw_layout(rng, world: int = 4) -> tuple[dict, dict, dict, dict]:
-    """One valid (layout, plan, model, optimizer) for ``world`` ranks of the CP test model
-    (4 layers, 4 heads / 2 KV heads, the 7 mixed-length sequences)."""
-    while True:
-        tp, pp, cp = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
-        if world % (tp * pp * cp):
-            continue
-        dp = world // (tp * pp * cp)
-        layout = dict(tp=tp, pp=pp, cp=cp, sp=tp > 1 and rng.random() < 0.5)
-        if cp > 1:
-            layout["cp_comm_type"] = rng.choice(["p2p", "all_gather"] + (["a2a"] if tp == 1 else []))
-        if pp > 1 and dp == 1 and rng.random() < 0.5:
-            layout["vpp"] = 2  # 2*pp micro-batches per pass: every data-parallel rank needs 4 sequences
-        plan = rng.choice([dict(max_tokens_per_rank=rng.choice([40, 64, 400])),
-                           dict(micro_batch_size=rng.choice([1, 2, 3])),
-                           dict(max_tokens_per_rank=1216, derived=True, min_microbatches=pp)])
-        plan["packed"] = rng.random() < 0.75
-        if not plan["packed"] and cp > 1 and layout.get("cp_comm_type") == "a2a":
-            continue
-        model = dict(num_layers=4)
-        if rng.random() < 0.3:
-            model["recompute"] = dict(granularity="full", method="uniform", num_layers=1)
-        optim = dict(CP_STEP_OPTIM, use_distributed_optimizer=dp > 1 and rng.random() < 0.5)
-        return layout, plan, model, optim
-
-
 RANDOM_SEED = int(os.environ.get("MEGATRON_RL_LAYOUT_SEED", random.SystemRandom().randrange(1 << 30)))
 
 
 @pytest.mark.parametrize("draw", range(3))
 def test_random_layout_matches_one_process(draw):
-    """Replay a failure with ``MEGATRON_RL_LAYOUT_SEED=<seed printed here>``."""
-    rng = random.Random(RANDOM_SEED * 10 + draw)
-    layout, plan, model, optim = draw_layout(rng)
-    print(f"random layout: MEGATRON_RL_LAYOUT_SEED={RANDOM_SEED} draw {draw}: {layout} {plan} {model} {optim}")
-    # The distributed optimizer leaves each rank's gradient buffer reduced on its own shard only:
-    # compare the parameters after the step, as the chosen distributed-optimizer layouts do.
-    check_against_reference(4, layout, plan, model_kw=model, optim_kw=optim, do_step=True,
-                            compare_grads=not optim["use_distributed_optimizer"])
+    """``megatron-rl check-layouts``'s draw and comparison on the CP test model (4 layers, 4 heads / 2
+    KV heads, the 7 mixed-length sequences): one training step of a random layout that ``validate``
+    accepts, every output, gradient (but under the distributed optimizer, which leaves each rank's
+    gradient buffer reduced on its own shard only) and updated weight within 1e-5 of one process.
+    Replay a failure with ``MEGATRON_RL_LAYOUT_SEED=<seed printed here>``."""
+    from megatron_rl.config.schema import Config
+    from megatron_rl.testing.layout_parity import model_config
+    from megatron_rl.tools.check_layouts import compare_layout, reference_run, table
+    from megatron_rl.tools.layout_draw import draw_layout, validated_by
+
+    chosen = draw_layout(random.Random(RANDOM_SEED * 10 + draw), 4, model_config(dict(num_layers=4)),
+                         validated_by(Config(), 4))
+    print(f"random layout: MEGATRON_RL_LAYOUT_SEED={RANDOM_SEED} draw {draw}: {chosen.layout} {chosen.plan} "
+          f"{chosen.describe()} {chosen.optim}")
+    ref = reference_run(chosen, steps=1)
+    result, got = compare_layout(4, chosen, ref)
+    print("\n".join(table([result])))
+    assert result.tol == CP_TOL and result.ok, result.diffs
+    # The same bounds, absolute: outputs, gradients and the parameters after the step.
+    outs = max_diff_outputs(got["outs"], ref["outs"])
+    assert all(v <= CP_TOL for v in outs.values()), outs
+    if not chosen.optim["use_distributed_optimizer"]:
+        assert max_diff_tensors(got["grads"], ref["grads"]) <= CP_TOL
+    assert max_diff_tensors(got["params"], ref["params"]) <= CP_TOL
+    assert max_diff_tensors(ref["params"], ref["weights"]) > 1e-3  # the step moved the weights
+    # The comparison means something: gradients reach every parameter.
+    assert all(float(g.abs().max()) > 0 for g in ref["grads"].values())

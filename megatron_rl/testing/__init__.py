@@ -1,1 +1,2 @@
-"""Helpers for testing parallel code on CPU: a gloo worker pool and layout switching."""
+"""Helpers for testing parallel code on CPU: a gloo worker pool, layout switching, and the training
+step that layouts are compared with one process on (``megatron-rl check-layouts`` runs it too)."""

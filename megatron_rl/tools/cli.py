@@ -11,6 +11,7 @@ CKPT is a step_XXXXXXXX directory, or a run directory or its checkpoints/ (the n
     megatron-rl plan     --model qwen2.5-7b --response-len 32768 --nodes 1 --gpus-per-node 8 --gpu-memory 80
     megatron-rl validate CONFIG [--world-size N] [key=value ...]
     megatron-rl features [--markdown]
+    megatron-rl check-layouts --config CONFIG [--layouts N] [--seed S] [--steps 2] [--world 4] [key=value ...]
 
 Bad input (config, data, checkpoint, the paths a tool is given) prints one line naming the key
 and the fix, exit code 2, before any rank starts where it can.
@@ -75,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     from megatron_rl.tools.plan import add_arguments
 
     add_arguments(p)
+    p = sub.add_parser("check-layouts", help="train the config's model, shrunk, on random layouts and compare each "
+                                             "with one process")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--layouts", type=int, default=4, help="random layouts to check (default 4)")
+    p.add_argument("--seed", type=int, help="seed of the draw (default: a random one, printed)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per layout (default 2)")
+    p.add_argument("--world", type=int, default=4, help="CPU ranks of each layout (default 4)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
     p = sub.add_parser("features", help="print the feature matrix and the installed versions")
     p.add_argument("--markdown", action="store_true", help="print docs/feature_matrix.md")
     return parser
@@ -314,6 +323,13 @@ def _validate(args) -> int:
     return 0
 
 
+def _check_layouts(args) -> int:
+    from megatron_rl.tools.check_layouts import run_check_layouts
+
+    cfg, _ = _load(args.config, args.overrides, None, command=None)
+    return run_check_layouts(cfg, args, log=lambda line: print(line, flush=True))
+
+
 def _import_from_the_working_directory() -> None:
     """``reward.fn=my_rewards:score`` resolves the same for every launch: ``python -m`` (the local
     launcher's ranks) puts the working directory first on ``sys.path``, the ``megatron-rl`` script
@@ -349,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             return _features(args)
         if args.command == "validate":
             return _validate(args)
+        if args.command == "check-layouts":
+            return _check_layouts(args)
         if args.command == "plan":
             from megatron_rl.tools.plan import run_plan
 

@@ -8,9 +8,22 @@ reads ``TINY`` at collection time.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
+
+# The layout parity tests' model, batch, body and comparisons (``megatron-rl check-layouts`` runs them too).
+from megatron_rl.testing.layout_parity import (  # noqa: F401
+    CP_LENGTHS,
+    CP_MODEL,
+    CP_STEP_OPTIM,
+    CP_TOL,
+    ActorCriticHead,
+    actor_critic_step,
+    build_with_value_head,
+    make_sequences,
+    max_diff_outputs,
+    max_diff_tensors,
+)
 
 # A PPO run small enough for a few steps on CPU in seconds; tests append layout and run overrides.
 TINY = [
@@ -244,114 +257,8 @@ def check_scores(path: str, reference: list) -> float:
 
 # ----------------------------------------------------------------------------- CP layout parity
 
-# The actor-critic model and sequences the context-parallel layout tests compare with one process.
-CP_MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                num_query_groups=2, vocab_size=100, params_dtype="float32")
-# Odd lengths, several shorter than 2*cp chunks (1..3 tokens), so padding and empty chunks occur.
-CP_LENGTHS = (13, 1, 30, 2, 7, 3, 21)
-CP_TOL = 1e-5
-# With an optimizer step: adam_eps well above the gradients' rounding noise (Adam's first step
-# divides by |g| + eps, so a tiny gradient would turn a 1e-16 layout difference into a 1e-5 update).
-CP_STEP_OPTIM = dict(lr=1e-2, adam_eps=1e-4)
-
-
-def make_sequences(lengths=CP_LENGTHS, vocab=CP_MODEL["vocab_size"], seed=11) -> list[dict]:
-    """Token ids plus per-token loss coefficients; fields pad with 0, which masks the padding."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [{"tokens": torch.randint(0, vocab, (n,), generator=g),
-             "coef_logp": torch.randn(n, generator=g),
-             "coef_entropy": torch.randn(n, generator=g),
-             "target": torch.randn(n, generator=g),
-             "mask": torch.ones(n)} for n in lengths]
-
-
-@dataclasses.dataclass(frozen=True)
-class ActorCriticHead:
-    """Log-probs, entropy and values from one forward, so one run checks all three."""
-
-    outputs = ("logprob", "entropy", "value")
-
-    def __call__(self, model, hidden, tensors):
-        from megatron_rl.models.heads import LogProbHead, ValueOutput
-
-        out = LogProbHead(chunk_size=16)(model, hidden, tensors)
-        out.update(ValueOutput()(model, hidden, tensors))
-        return out
-
-
-def build_with_value_head(layout, weights, params_dtype: str = "auto", model_kw: dict | None = None):
-    """:data:`CP_MODEL` (updated by ``model_kw``) with a non-zero value head; canonical ``weights``
-    loaded, or gathered if None.  Returns ``(chunks, weights)``."""
-    import torch
-
-    from megatron_rl.config.schema import ModelConfig, RecomputeConfig
-    from megatron_rl.models.builder import build_gpt_chunks
-    from megatron_rl.models.canonical import gather_canonical, load_canonical
-    from megatron_rl.models.heads import attach_value_head
-
-    kw = dict(CP_MODEL, params_dtype=params_dtype)
-    kw.update(model_kw or {})
-    if isinstance(kw.get("recompute"), dict):
-        kw["recompute"] = RecomputeConfig(**kw["recompute"])
-    model = ModelConfig(**kw)
-    chunks = attach_value_head(build_gpt_chunks(model, layout, torch.device("cpu")))
-    for chunk in chunks:
-        if chunk.post_process:
-            # The value head freezes the LM output layer; these tests want its gradient too.
-            chunk.output_layer.weight.requires_grad_(True)
-            g = torch.Generator().manual_seed(5)
-            with torch.no_grad():
-                chunk.value_head.linear.weight.copy_(torch.randn(1, model.hidden_size, generator=g) * 0.2)
-                chunk.value_head.linear.bias.fill_(0.3)
-    if weights is None:
-        weights = gather_canonical(chunks)
-    else:
-        load_canonical(chunks, weights, strict=False)
-    return chunks, weights
-
-
-def actor_critic_step(layout_kw: dict, weights, lengths, plan_kw: dict, forward_only: bool = False,
-                      model_kw: dict | None = None, optim_kw: dict | None = None, do_step: bool = False):
-    """Harness body: one forward+backward of the actor/critic loss through ``run_sequences``.
-
-    Rank 0 returns the per-sequence outputs, the canonical weights, the per-rank token counts, the
-    canonical gradients and (``do_step``) the canonical parameters after one optimizer step; the
-    other ranks return their local token counts."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_rl.config.schema import OptimConfig
-    from megatron_rl.engine.forward import BatchPlan, run_sequences
-    from megatron_rl.engine.trainable import make_trainable
-    from megatron_rl.models.canonical import gather_canonical
-    from megatron_rl.testing.layouts import use_layout
-
-    layout = use_layout(**layout_kw)
-    chunks, weights = build_with_value_head(layout, weights, model_kw=model_kw)
-    trainable = make_trainable(chunks, OptimConfig(**(optim_kw or {})), total_steps=1)
-    seqs = make_sequences(lengths)
-    total = float(sum(lengths))
-
-    def loss_fn(outs, tensors, mb):
-        per_token = (outs["logprob"] * tensors["coef_logp"] + outs["entropy"] * tensors["coef_entropy"]
-                     + tensors["mask"] * (outs["value"] - tensors["target"]) ** 2)
-        return per_token.sum() / total, {}
-
-    trainable.zero_grad()
-    stats: dict = {}
-    outs, _ = run_sequences(trainable.chunks, seqs, ActorCriticHead(), BatchPlan(**plan_kw), torch.device("cpu"),
-                            loss_fn=None if forward_only else loss_fn, forward_only=forward_only, stats=stats)
-    result = {"outs": outs, "weights": weights, "local_tokens": stats["local_tokens"]}
-    if not forward_only:
-        result["grads"] = gather_canonical(trainable.chunks, "grad")
-        if do_step:
-            update = trainable.step()
-            assert update.ok, update.reason
-            result["params"] = gather_canonical(trainable.chunks)
-    return result if dist.get_rank() == 0 else stats["local_tokens"]
-
+# The model, batch, body and comparisons of the layout parity tests: megatron_rl/testing/layout_parity.py
+# (imported above), which ``megatron-rl check-layouts`` runs too.
 
 _CP_REFERENCES: dict = {}
 
@@ -366,22 +273,6 @@ def cp_reference(lengths=CP_LENGTHS, model_kw: dict | None = None, optim_kw: dic
         _CP_REFERENCES[key] = run_distributed(1, actor_critic_step, {}, None, tuple(lengths),
                                               dict(micro_batch_size=3), False, model_kw, optim_kw, do_step)[0]
     return _CP_REFERENCES[key]
-
-
-def max_diff_outputs(got: list[dict], ref: list[dict]) -> dict:
-    """Largest |got - ref| per output name over all sequences (shapes must match)."""
-    worst: dict = {}
-    for a, b in zip(got, ref, strict=True):
-        for name in b:
-            assert a[name].shape == b[name].shape, name
-            worst[name] = max(worst.get(name, 0.0), float((a[name] - b[name]).abs().max()))
-    return worst
-
-
-def max_diff_tensors(got: dict, ref: dict) -> float:
-    """Largest |got - ref| over two dicts of canonical tensors with the same keys."""
-    assert got.keys() == ref.keys(), sorted(set(got) ^ set(ref))
-    return max(float((got[k] - ref[k]).abs().max()) for k in ref)
 
 
 def check_against_reference(world, layout_kw, plan_kw, lengths=CP_LENGTHS, model_kw=None, optim_kw=None,
