@@ -210,18 +210,12 @@ def build_moe(layout, weights, moe_kw: dict, value_head: bool = True, recompute:
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical, load_canonical
     from megatron_rl.models.heads import attach_value_head
+    from megatron_rl.testing.layout_parity import seed_value_head
 
     model = ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw), recompute=RecomputeConfig(granularity=recompute))
     chunks = build_gpt_chunks(model, layout, torch.device("cpu"))
     if value_head:
-        attach_value_head(chunks)
-        for chunk in chunks:
-            if chunk.post_process:
-                chunk.output_layer.weight.requires_grad_(True)
-                g = torch.Generator().manual_seed(5)
-                with torch.no_grad():
-                    chunk.value_head.linear.weight.copy_(torch.randn(1, model.hidden_size, generator=g) * 0.2)
-                    chunk.value_head.linear.bias.fill_(0.3)
+        seed_value_head(attach_value_head(chunks), model.hidden_size)
     if weights is None:
         weights = gather_canonical(chunks)
     else:

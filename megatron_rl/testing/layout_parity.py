@@ -62,6 +62,21 @@ def model_config(model_kw=None, params_dtype: str = "auto"):
     return ModelConfig(**kw)
 
 
+def seed_value_head(chunks, hidden_size: int):
+    """Give the last stage's value head fixed non-zero weights and let the LM output layer (which the
+    value head freezes) keep its gradient: parity comparisons want both."""
+    import torch
+
+    for chunk in chunks:
+        if chunk.post_process:
+            chunk.output_layer.weight.requires_grad_(True)
+            g = torch.Generator().manual_seed(5)
+            with torch.no_grad():
+                chunk.value_head.linear.weight.copy_(torch.randn(1, hidden_size, generator=g) * 0.2)
+                chunk.value_head.linear.bias.fill_(0.3)
+    return chunks
+
+
 def build_with_value_head(layout, weights, params_dtype: str = "auto", model_kw=None):
     """The model of :func:`model_config` with a non-zero value head; canonical ``weights`` loaded,
     or gathered if None.  Returns ``(chunks, weights)``."""
@@ -72,15 +87,8 @@ def build_with_value_head(layout, weights, params_dtype: str = "auto", model_kw=
     from megatron_rl.models.heads import attach_value_head
 
     model = model_config(model_kw, params_dtype)
-    chunks = attach_value_head(build_gpt_chunks(model, layout, torch.device("cpu")))
-    for chunk in chunks:
-        if chunk.post_process:
-            # The value head freezes the LM output layer; these comparisons want its gradient too.
-            chunk.output_layer.weight.requires_grad_(True)
-            g = torch.Generator().manual_seed(5)
-            with torch.no_grad():
-                chunk.value_head.linear.weight.copy_(torch.randn(1, model.hidden_size, generator=g) * 0.2)
-                chunk.value_head.linear.bias.fill_(0.3)
+    chunks = seed_value_head(attach_value_head(build_gpt_chunks(model, layout, torch.device("cpu"))),
+                             model.hidden_size)
     if weights is None:
         weights = gather_canonical(chunks)
     else:
