@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import os
 
@@ -242,6 +243,24 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int
     _GROUPS = ProcessGroupCollection.use_mpu_process_groups()
     reseed(seed)
     return _GROUPS
+
+
+def layout_groups(tp: int, pp: int, ep: int, expert_tp: int, world: int):
+    """megatron's groups for a layout beside the active one (an inference model on
+    ``rollout.layout``), as a ``ProcessGroupCollection``; collective: every rank of the world
+    creates them, once per process and layout."""
+    from megatron.core.inference.shards import build_inference_pg_collection
+
+    return build_inference_pg_collection(world_size=world, tp_size=tp, pp_size=pp, cp_size=1, ep_size=ep,
+                                         expt_tp_size=expert_tp)
+
+
+@functools.lru_cache(maxsize=None)
+def one_rank_group():
+    """A group of this rank alone (created collectively, once per process): it stands in for a
+    model's CP group while that model generates whole sequences."""
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
 
 
 def reseed(seed: int) -> None:

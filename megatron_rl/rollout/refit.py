@@ -26,18 +26,14 @@ import torch.distributed as dist
 
 from megatron_rl.compat.resharding import cached_reshard_plan, global_layer_renamer, preset_refit_tensors
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.distributed.runtime import ParallelLayout
+from megatron_rl.distributed.runtime import ParallelLayout, layout_groups
 from megatron_rl.layout.sizes import RolloutLayout
 
 
 @functools.lru_cache(maxsize=None)
 def inference_groups(infer: RolloutLayout, world: int):
-    """megatron's process groups of the inference layout over the whole world (collective: every
-    rank creates them, once per process and layout)."""
-    from megatron.core.inference.shards import build_inference_pg_collection
-
-    return build_inference_pg_collection(world_size=world, tp_size=infer.tp, pp_size=infer.pp, cp_size=1,
-                                         ep_size=infer.ep, expt_tp_size=infer.expert_tp)
+    """megatron's process groups of the inference layout over the whole world (collective)."""
+    return layout_groups(infer.tp, infer.pp, infer.ep, infer.expert_tp, world)
 
 
 def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: ParallelLayout,

@@ -9,6 +9,7 @@ from typing import Optional
 
 from megatron_rl.compat.inference_graphs import DecodeGraphs
 from megatron_rl.compat.paged_attention import install_paged_attention, paged_attention_refusal, pick_paged_attention
+from megatron_rl.distributed.runtime import one_rank_group
 from megatron_rl.models.arch import max_positions
 from megatron_rl.rollout.engine import RolloutBatch
 from megatron_rl.rollout.megatron.controller import (
@@ -21,7 +22,6 @@ from megatron_rl.rollout.megatron.draws import sampled_batch
 from megatron_rl.rollout.megatron.modes import (
     after_generating,
     kv_cache_bytes_for,
-    one_rank_group,
     without_context_parallel,
 )
 from megatron_rl.rollout.megatron.wrapper import actor_wrapper_class

@@ -4,10 +4,11 @@ context-parallel group, sequence parallelism off, megatron's caches made while g
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.distributed.runtime import one_rank_group
 
 
 def kv_cache_bytes_for(budget: float, device: torch.device) -> int:
@@ -23,14 +24,6 @@ def kv_cache_bytes_for(budget: float, device: torch.device) -> int:
 
         free = psutil.virtual_memory().available
     return int(budget * free)
-
-
-@functools.lru_cache(maxsize=None)
-def one_rank_group():
-    """The process groups this module builds: a group of this rank alone (created collectively, once
-    per process), standing in for the model's CP group while it generates."""
-    group, _ = dist.new_subgroups(group_size=1)
-    return group
 
 
 @contextlib.contextmanager
