@@ -505,7 +505,7 @@ def section_sdpa(check: Check):
 def model_flops_per_token(model_cfg, seq_len: float) -> float:
     """Training FLOPs per token (forward + backward): 6 per weight of the layers and the output
     projection, plus causal attention 6 * seq * heads * head_dim per layer."""
-    from megatron_rl.models.arch import attention_dims
+    from megatron_rl.layout.arch import attention_dims
     from megatron_rl.planner.memory import layer_params
 
     heads, _, d = attention_dims(model_cfg)

@@ -153,7 +153,7 @@ def _rollout_paged_attention(cfg: Config, world: Optional[int], job: Job):
 
 def _rollout_cuda_graphs(cfg: Config, world: Optional[int], job: Job):
     """Read after rollout.batching and rollout.paged_attention are resolved."""
-    from megatron_rl.models.arch import is_moe
+    from megatron_rl.layout.arch import is_moe
     from megatron_rl.rollout.choice import pick_cuda_graphs
 
     on, why = pick_cuda_graphs(cfg.rollout.cuda_graphs, cuda=cfg.distributed.device == "cuda",
@@ -174,7 +174,7 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     unset = all(v is None for v in dataclasses.asdict(asked).values())
     memory = cuda_memory_bytes() if cfg.distributed.device == "cuda" else None
     if unset and world and memory:
-        from megatron_rl.models.arch import resolve_dtype
+        from megatron_rl.layout.arch import resolve_dtype
         from megatron_rl.planner.recipe import planned_rollout_layout
 
         dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
@@ -254,8 +254,8 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds on a rank (at least 1): a rank of
     rollout.layout holds its stage's layers and its TP share of the KV heads."""
     from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.layout.kv import kv_bytes
-    from megatron_rl.models.arch import resolve_dtype
 
     if cfg.rollout.max_batch_size is not None:
         return cfg.rollout.max_batch_size, SET, ""
@@ -277,7 +277,7 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
 def _token_budget(cfg: Config, world: Optional[int], job: Job):
     """Tokens per micro-batch per rank when the config sets neither a budget nor a micro-batch size."""
     from megatron_rl.distributed.runtime import ParallelLayout
-    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.planner.memory import derived_token_budget
 
     if cfg.batch.max_tokens_per_rank or cfg.batch.micro_batch_size:

@@ -69,7 +69,7 @@ register_workaround(
             "(low/high frequency factors 1/4, original length 8192 fixed in RotaryEmbedding); HF "
             "configs with other values are refused"
         ),
-        used_in="models/arch.py:LLAMA3_ROPE_FIXED",
+        used_in="layout/arch.py:LLAMA3_ROPE_FIXED",
     )
 )
 register_workaround(

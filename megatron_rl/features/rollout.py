@@ -67,7 +67,7 @@ def _kernels_refused(cfg, world):
 
 def _graphs_refused(cfg, world):
     """rollout.cuda_graphs=true where megatron's engine cannot replay graphs."""
-    from megatron_rl.models.arch import is_moe
+    from megatron_rl.layout.arch import is_moe
     from megatron_rl.rollout.choice import cuda_graphs_refusal
 
     r = cfg.rollout

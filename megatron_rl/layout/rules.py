@@ -17,8 +17,8 @@ import dataclasses
 from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.layout.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
 from megatron_rl.layout.sizes import expert_tp, shares_training_weights
-from megatron_rl.models.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
 
 
 def _always(model, layout) -> bool:

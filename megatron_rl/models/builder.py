@@ -19,7 +19,7 @@ from megatron_rl.compat.megatron_fixes import transformer_config_fixes
 from megatron_rl.compat.yarn import rope_fusion_allowed, set_yarn_attributes
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import ParallelLayout, active_groups, active_layout
-from megatron_rl.models.arch import (
+from megatron_rl.layout.arch import (
     ACTIVATIONS,
     MEGATRON_ROPE_SCALING_FACTOR,
     padded_vocab_size,

@@ -29,10 +29,10 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.layout.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.layout.kv import kv_bytes
 from megatron_rl.layout.rules import rollout_problems
 from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
-from megatron_rl.models.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
 from megatron_rl.planner import moe
 

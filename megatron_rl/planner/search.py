@@ -8,9 +8,9 @@ from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig, MoEConfig
 from megatron_rl.data.microbatch import align_to, alignment
+from megatron_rl.layout.arch import is_moe
 from megatron_rl.layout.rules import PP_RULES, TP_RULES, a2a_heads_ok, problems, training_problems
 from megatron_rl.layout.sizes import RolloutLayout
-from megatron_rl.models.arch import is_moe
 from megatron_rl.planner import moe
 from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, estimate, format_value
 

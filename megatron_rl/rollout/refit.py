@@ -45,7 +45,7 @@ def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: P
     """This rank's shard of the inference model, weights allocated but not initialised (the
     first :func:`refit` fills them)."""
     from megatron_rl.capabilities import resolve_transformer_impl
-    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.models.builder import gpt_model, transformer_config
     from megatron_rl.models.moe import attach_moe_state
 
@@ -71,7 +71,7 @@ def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: P
 def refit_vocab_rows(model_cfg: ModelConfig, train_tp: int, infer_tp: int) -> int:
     """The inference model's vocabulary rows: the training model's padded count, so the
     embedding and output layer map row for row (a TP1 model alone would pad less than a TP2 one)."""
-    from megatron_rl.models.arch import padded_vocab_size
+    from megatron_rl.layout.arch import padded_vocab_size
 
     rows = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, train_tp)
     if rows % infer_tp:
