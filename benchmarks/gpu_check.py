@@ -447,7 +447,8 @@ def _packed_blocks_error(heads: int, kv: int, d: int, dev) -> str:
 def section_sdpa(check: Check):
     """The paths on the full model's head shape (2 layers are enough to see the kernels)."""
     from megatron_rl.data.microbatch import build_microbatch
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.ops import cp_attention
     from megatron_rl.rollout.megatron import MegatronRolloutEngine
@@ -544,7 +545,8 @@ def _plain_megatron_tflops(check: Check, model_cfg, seq: int, samples: int) -> t
     from megatron.core.models.gpt import GPTModel
 
     from megatron_rl.data.microbatch import build_microbatch
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
 
     init_model_parallel(ParallelLayout())

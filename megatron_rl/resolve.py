@@ -253,9 +253,9 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     """Every sample a rank generates in a step in one pass, at most what
     :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds on a rank (at least 1): a rank of
     rollout.layout holds its stage's layers and its TP share of the KV heads."""
-    from megatron_rl.distributed.runtime import ParallelLayout
     from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.layout.kv import kv_bytes
+    from megatron_rl.layout.sizes import ParallelLayout
 
     if cfg.rollout.max_batch_size is not None:
         return cfg.rollout.max_batch_size, SET, ""
@@ -276,8 +276,8 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
 
 def _token_budget(cfg: Config, world: Optional[int], job: Job):
     """Tokens per micro-batch per rank when the config sets neither a budget nor a micro-batch size."""
-    from megatron_rl.distributed.runtime import ParallelLayout
     from megatron_rl.layout.arch import resolve_dtype
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.planner.memory import derived_token_budget
 
     if cfg.batch.max_tokens_per_rank or cfg.batch.micro_batch_size:

@@ -771,8 +771,8 @@ def test_megatron_routing_indices_are_ours_where_recorded_and_lost_for_some_requ
 
 def test_moe_config_maps_to_megatron_fields():
     from megatron_rl.config.schema import ModelConfig, MoEConfig
-    from megatron_rl.distributed.runtime import ParallelLayout
     from megatron_rl.layout.arch import global_expert_name
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import transformer_config_kwargs
     from megatron_rl.models.hf_config import model_config_from_hf
 

@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from megatron_rl.compat.resharding import cached_reshard_plan, global_layer_renamer, preset_refit_tensors
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.distributed.runtime import ParallelLayout
-from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.layout.sizes import ParallelLayout, RolloutLayout
 
 
 @functools.lru_cache(maxsize=None)
