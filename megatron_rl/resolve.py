@@ -168,7 +168,7 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     elsewhere (the CPU) each unset size is the training layout's, so nothing is copied."""
     from megatron_rl.compat.devices import cuda_memory_bytes
     from megatron_rl.config.schema import RolloutLayoutConfig
-    from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
+    from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 
     asked, train = cfg.rollout.layout, cfg.parallel
     unset = all(v is None for v in dataclasses.asdict(asked).values())
@@ -182,7 +182,7 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
         chosen = mem.layout
         return (RolloutLayoutConfig(tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, etp=chosen.etp), DERIVED,
                 f"{memory / 2**30:.0f} GiB GPUs: {why}")
-    filled = RolloutLayout.filled(asked, train)
+    filled = ParallelLayout.for_rollout(asked, train)
     layout = RolloutLayoutConfig(tp=filled.tp, pp=filled.pp, ep=filled.ep, etp=filled.etp)
     shares = shares_training_weights(filled, train)
     why = ("generates with the actor's own shards, nothing copied" if shares

@@ -13,7 +13,7 @@ import pytest
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.layout.kv import kv_bytes
 from megatron_rl.layout.rules import a2a_heads_ok
-from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import memory
 from megatron_rl.planner.search import plan, preset
 from megatron_rl.testing.harness import run_distributed
@@ -258,7 +258,7 @@ def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
     whole pages per sequence plus the page the engine reserves.  (The engine's page count for such
     a budget is checked in tests/test_rollout_megatron_engine.py.)"""
     cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128
-    lay = memory.PlanOption(tp=2, pp=2, rollout_layout=RolloutLayout(tp=2, pp=2))
+    lay = memory.PlanOption(tp=2, pp=2, rollout_layout=ParallelLayout(tp=2, pp=2))
     per_token = 2 * (28 // 2) * (4 // 2) * 128 * 2
     assert kv_bytes(cfg, 1, 2, tp=2, pp=2) == per_token
     assert kv_bytes(cfg, 1, 2) == 4 * per_token  # the whole model
@@ -289,7 +289,7 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     assert memory.rollout_resident_bytes(models, offload=True) == pytest.approx(p_gpu * 2)  # the rest in host memory
     mem, why = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
                                             concurrency=16)
-    assert mem.layout == RolloutLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
+    assert mem.layout == ParallelLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
     weights = memory.total_params(cfg) * 2  # TP1 PP1: the whole model, untied embeddings
     assert mem.extra_weights == mem.weights == pytest.approx(weights)
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, every layer, every KV head, bf16
@@ -303,11 +303,11 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     # More than TP1 x PP1 holds: TP1 again, over 2 stages (4 replicas, each rank half the layers' weights and KV).
     mem2, _ = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
                                            concurrency=21)
-    assert mem2.layout == RolloutLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
+    assert mem2.layout == ParallelLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
     assert mem2.extra_weights == pytest.approx(memory.params_per_gpu(cfg, memory.PlanOption(pp=2, dp=4)) * 2)
     assert mem2.kv_per_sequence == per_token / 2 * 256 * pages
     # The training layout's sizes share the actor's shards: nothing added, a quarter of the KV heads per rank.
-    same = memory.rollout_memory(cfg, train, RolloutLayout(tp=4), seq_len=seq, resident=resident,
+    same = memory.rollout_memory(cfg, train, ParallelLayout(tp=4), seq_len=seq, resident=resident,
                                  budget_bytes=budget)
     assert same.shares and same.extra_weights == 0 and same.kv_per_sequence == per_token / 4 * 256 * pages
     # Nothing holds 1000 per replica: the layout that holds the most over the world (sharing: no copy).
@@ -381,7 +381,7 @@ def test_planned_rollout_layout_of_generator_ranks_counts_no_training_state():
     assert colocated.resident > 0 and apart.resident == 0 and not apart.shares
     # Beside the training state TP1 holds too few sequences, so it took two stages; alone, TP1 PP1
     # holds them with 8 replicas, and more sequences at once over the ranks.
-    assert colocated.layout == RolloutLayout(tp=1, pp=2)
-    assert apart.layout == RolloutLayout(tp=1, pp=1) and apart.replicas == 8
+    assert colocated.layout == ParallelLayout(tp=1, pp=2)
+    assert apart.layout == ParallelLayout(tp=1, pp=1) and apart.replicas == 8
     assert apart.concurrency > colocated.concurrency
     assert apart.peak == pytest.approx(apart.weights + apart.kv) and "KV cache for 16 sequences" in why

@@ -13,15 +13,15 @@ from megatron_rl.features.base import (
     need,
 )
 from megatron_rl.layout.rules import ROLLOUT_RULES
-from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
+from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 from megatron_rl.rollout.choice import STATIC, batching_facts
 
 AREA = "rollout"
 
 
-def _filled(c) -> RolloutLayout:
+def _filled(c) -> ParallelLayout:
     """rollout.layout with each unset size the training layout's."""
-    return RolloutLayout.filled(c.rollout.layout, c.parallel)
+    return ParallelLayout.for_rollout(c.rollout.layout, c.parallel)
 
 
 def _shares(c) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 from megatron_rl.compat.megatron_fixes import default_batch_p2p_comm
 from megatron_rl.config.schema import ParallelConfig
@@ -14,7 +13,9 @@ from megatron_rl.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class ParallelLayout:
-    """A resolved parallel layout; ``dp`` is derived from the world size."""
+    """A world's parallel sizes: the training layout (``dp`` derived from the world size), and the
+    rollout layout the inference model generates on (:meth:`for_rollout`: CP 1, one chunk per rank,
+    the rest of the world data-parallel replicas)."""
 
     tp: int = 1
     pp: int = 1
@@ -40,6 +41,31 @@ class ParallelLayout:
     def expert_model_parallel_size(self) -> int:
         """Ranks one copy of the experts spans: etp x ep x pp (megatron's expert rank generator)."""
         return self.expert_tp * self.ep * self.pp
+
+    @classmethod
+    def for_rollout(cls, asked, train) -> "ParallelLayout":
+        """``rollout.layout``: ``asked`` (its sizes may be None; or None) with each unset size the
+        training layout's (``train``: a ``PlanOption``, ``ParallelLayout`` or ``parallel`` config).
+        ``dp`` stays 1 until a world is known (:meth:`on_world`)."""
+        if asked is None:
+            return cls(tp=train.tp, pp=train.pp, ep=train.ep, etp=train.etp)
+        return cls(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
+                   etp=asked.etp or train.etp)
+
+    def replicas(self, world: int) -> int:
+        """Model replicas ``world`` ranks hold: its data-parallel size there."""
+        return world // self.model_parallel_size
+
+    def on_world(self, world: int) -> "ParallelLayout":
+        """This layout with ``dp`` the rest of ``world``."""
+        return dataclasses.replace(self, dp=self.replicas(world))
+
+    def name(self) -> str:
+        """``tp2 pp1`` (and ``cp``, ``ep`` / ``etp`` where set): how the planner names a rollout layout."""
+        out = f"tp{self.tp} pp{self.pp}" + (f" cp{self.cp}" if self.cp > 1 else "")
+        if self.ep > 1 or self.expert_tp != self.tp:
+            out += f" ep{self.ep}" + (f" etp{self.etp}" if self.expert_tp != self.tp else "")
+        return out
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> "ParallelLayout":
@@ -81,57 +107,12 @@ def hierarchical_cp_sizes(parallel: ParallelConfig) -> tuple[int, ...] | None:
     return tuple(int(n) for n in sizes)
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutLayout:
-    """``rollout.layout``: the inference model's TP / PP / EP / expert-TP (``etp`` None = ``tp``);
-    CP is 1 and the rest of the world are data-parallel replicas.  The one layout type of the
-    planner, resolution, validation and the refit."""
-
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    @classmethod
-    def of_training(cls, train) -> "RolloutLayout":
-        """The training layout's sizes (a ``PlanOption``, ``ParallelLayout`` or ``parallel``
-        config): with one chunk per rank, the layout that shares its weights."""
-        return cls(tp=train.tp, pp=train.pp, ep=train.ep, etp=train.etp)
-
-    @classmethod
-    def filled(cls, asked, train) -> "RolloutLayout":
-        """``asked`` (``rollout.layout``, sizes may be None; or None) with each unset size the
-        training layout's."""
-        if asked is None:
-            return cls.of_training(train)
-        return cls(tp=asked.tp or train.tp, pp=asked.pp or train.pp, ep=asked.ep or train.ep,
-                   etp=asked.etp or train.etp)
-
-    def replicas(self, world: int) -> int:
-        return world // (self.tp * self.pp)
-
-    def name(self) -> str:
-        out = f"tp{self.tp} pp{self.pp}"
-        if self.ep > 1 or self.expert_tp != self.tp:
-            out += f" ep{self.ep}" + (f" etp{self.etp}" if self.expert_tp != self.tp else "")
-        return out
-
-    def settings(self) -> dict:
-        """As ``rollout.layout`` config values (``etp`` null when it equals ``tp``)."""
-        etp = None if self.etp in (None, self.tp) else self.etp
-        return {"rollout.layout": {"tp": self.tp, "pp": self.pp, "ep": self.ep, "etp": etp}}
-
-
 def expert_tp(layout) -> int:
     """A layout's expert-TP: its ``etp``, null meaning its ``tp``."""
     return getattr(layout, "etp", None) or layout.tp
 
 
-def shares_training_weights(infer: RolloutLayout, train) -> bool:
+def shares_training_weights(infer: ParallelLayout, train) -> bool:
     """Whether the engine can generate with the actor's own chunk (no second model, no copy): the
     same TP / PP / EP / expert-TP and one chunk per rank (``train``: a ``PlanOption``,
     ``ParallelLayout`` or ``parallel`` config).  CP needs no copy: each CP rank generates whole

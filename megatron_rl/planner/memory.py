@@ -32,7 +32,7 @@ from megatron_rl.config.schema import ModelConfig
 from megatron_rl.layout.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.layout.kv import kv_bytes
 from megatron_rl.layout.rules import rollout_problems
-from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
+from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
 from megatron_rl.planner import moe
 
@@ -62,7 +62,7 @@ class PlanOption:
     hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
     ep: int = 1  # MoE: expert parallel (planner/moe.py)
     etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
-    rollout_layout: Optional["RolloutLayout"] = None  # megatron's engine: rollout.layout as set; None = chosen
+    rollout_layout: Optional[ParallelLayout] = None  # megatron's engine: rollout.layout as set; None = chosen
     generators: int = 0  # rollout.ranks: GPUs that only generate (on rollout.layout); the layout above trains
 
     @property
@@ -460,7 +460,7 @@ ROLLOUT_PP_SIZES = (1, 2, 4, 8, 16)
 ROLLOUT_CONCURRENCY = 16
 
 
-def rollout_option(infer: RolloutLayout, world: int) -> PlanOption:
+def rollout_option(infer: ParallelLayout, world: int) -> PlanOption:
     """``infer`` on ``world`` ranks as the memory model's :class:`PlanOption` (no CP, no sequence parallelism)."""
     return PlanOption(tp=infer.tp, pp=infer.pp, dp=infer.replicas(world), sequence_parallel=False, ep=infer.ep,
                       etp=infer.etp)
@@ -470,7 +470,7 @@ def rollout_option(infer: RolloutLayout, world: int) -> PlanOption:
 class RolloutMemory:
     """Per-rank memory of the rollout phase on megatron's engine with ``layout``."""
 
-    layout: RolloutLayout
+    layout: ParallelLayout
     replicas: int
     shares: bool  # generates on the actor's shards: no second copy
     weights: float  # bf16 weights of the inference shard (the actor's own when ``shares``)
@@ -491,7 +491,7 @@ class RolloutMemory:
         return self.sequences * self.replicas
 
 
-def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *, seq_len: int, resident: float,
+def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: ParallelLayout, *, seq_len: int, resident: float,
                    budget_bytes: float, max_sequences: int = 256, param_bytes: int = 2,
                    block_tokens: int = KV_BLOCK_TOKENS, generators: Optional[int] = None) -> RolloutMemory:
     """What generating with ``infer`` holds per rank: ``resident`` (the training state left on the
@@ -514,14 +514,14 @@ def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *,
 
 
 def rollout_layout_options(cfg: ModelConfig, train: PlanOption, generators: Optional[int] = None
-                           ) -> list[RolloutLayout]:
+                           ) -> list[ParallelLayout]:
     """Inference layouts worth trying beside ``train`` (or on ``generators`` ranks of their own):
     every TP and PP that divide what they must, with the training layout's expert parallelism
     (expert-TP: the training one's)."""
     out = []
     for tp in ROLLOUT_TP_SIZES:
         for pp in ROLLOUT_PP_SIZES:
-            infer = RolloutLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
+            infer = ParallelLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
             if infer.etp == infer.tp:
                 infer = dataclasses.replace(infer, etp=None)
             if generators and infer.ep > 1 and infer.pp > 1:  # never the actor's shards there
@@ -548,7 +548,7 @@ def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, 
     if not options and generators:
         raise ValueError(f"no rollout.layout divides this model over {generators} generator rank(s)")
     if not options:  # nothing else divides: the training layout
-        mem = rollout_memory(cfg, train, RolloutLayout.of_training(train), seq_len=seq_len, resident=resident,
+        mem = rollout_memory(cfg, train, ParallelLayout.for_rollout(None, train), seq_len=seq_len, resident=resident,
                              budget_bytes=budget_bytes, max_sequences=max_sequences, param_bytes=param_bytes,
                              block_tokens=block_tokens)
         return mem, f"{mem.layout.name()}: the training layout's sizes (no other layout divides this model and world)"

@@ -6,11 +6,11 @@ import dataclasses
 import itertools
 from typing import Callable, Optional
 
-from megatron_rl.config.schema import ModelConfig, MoEConfig
+from megatron_rl.config.schema import ModelConfig, MoEConfig, RolloutLayoutConfig
 from megatron_rl.data.microbatch import align_to, alignment
 from megatron_rl.layout.arch import is_moe
 from megatron_rl.layout.rules import PP_RULES, TP_RULES, a2a_heads_ok, problems, training_problems
-from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import moe
 from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, estimate, format_value
 
@@ -136,8 +136,8 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, rollout_layout:
                     for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
                         infer = None
                         if rollout_layout:
-                            infer = RolloutLayout.filled(RolloutLayout(**rollout_layout),
-                                                         RolloutLayout(tp=tp, pp=pp, ep=ep, etp=etp))
+                            infer = ParallelLayout.for_rollout(RolloutLayoutConfig(**rollout_layout),
+                                                               ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp))
                         lay = PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
                                          distributed_optimizer=dist_opt, cp_comm_type=comm, hierarchical_cp=levels,
                                          ep=ep, etp=etp, rollout_layout=infer, generators=generators)

@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from megatron_rl.compat.resharding import cached_reshard_plan, global_layer_renamer, preset_refit_tensors
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.layout.sizes import ParallelLayout, RolloutLayout
+from megatron_rl.layout.sizes import ParallelLayout
 
 
 @functools.lru_cache(maxsize=None)
-def inference_groups(infer: RolloutLayout, world: int):
+def inference_groups(infer: ParallelLayout, world: int):
     """megatron's process groups of the inference layout over the whole world (collective: every
     rank creates them, once per process and layout)."""
     from megatron.core.inference.shards import build_inference_pg_collection
@@ -39,7 +39,7 @@ def inference_groups(infer: RolloutLayout, world: int):
                                          ep_size=infer.ep, expt_tp_size=infer.expert_tp)
 
 
-def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: ParallelLayout,
+def build_inference_model(model_cfg: ModelConfig, infer: ParallelLayout, train: ParallelLayout,
                           device: torch.device):
     """This rank's shard of the inference model, weights allocated but not initialised (the
     first :func:`refit` fills them)."""
@@ -50,8 +50,7 @@ def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: P
 
     world = dist.get_world_size()
     groups = inference_groups(infer, world)
-    layout = ParallelLayout(tp=infer.tp, pp=infer.pp, cp=1, dp=infer.replicas(world), sequence_parallel=False,
-                            ep=infer.ep, etp=infer.etp if infer.etp and infer.etp != infer.tp else None)
+    layout = dataclasses.replace(infer.on_world(world), etp=infer.etp if infer.etp != infer.tp else None)
     impl = resolve_transformer_impl(model_cfg.transformer_impl)
     dtype = resolve_dtype(model_cfg.params_dtype, device)
     # Recompute is a training setting: the inference model never runs a backward.
