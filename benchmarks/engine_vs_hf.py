@@ -87,7 +87,7 @@ def build(args, device: torch.device, tmp: str) -> Setup:
     import transformers
 
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.hf_bridge import load_hf_weights
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config

@@ -447,7 +447,8 @@ def _packed_blocks_error(heads: int, kv: int, d: int, dev) -> str:
 def section_sdpa(check: Check):
     """The paths on the full model's head shape (2 layers are enough to see the kernels)."""
     from megatron_rl.data.microbatch import build_microbatch
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.ops import cp_attention
     from megatron_rl.rollout.megatron import MegatronRolloutEngine
@@ -505,7 +506,7 @@ def section_sdpa(check: Check):
 def model_flops_per_token(model_cfg, seq_len: float) -> float:
     """Training FLOPs per token (forward + backward): 6 per weight of the layers and the output
     projection, plus causal attention 6 * seq * heads * head_dim per layer."""
-    from megatron_rl.models.arch import attention_dims
+    from megatron_rl.layout.arch import attention_dims
     from megatron_rl.planner.memory import layer_params
 
     heads, _, d = attention_dims(model_cfg)
@@ -544,7 +545,8 @@ def _plain_megatron_tflops(check: Check, model_cfg, seq: int, samples: int) -> t
     from megatron.core.models.gpt import GPTModel
 
     from megatron_rl.data.microbatch import build_microbatch
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
 
     init_model_parallel(ParallelLayout())
@@ -585,13 +587,14 @@ def _sync(check: Check) -> None:
 
 
 def section_memory(check: Check):
-    from megatron_rl.planner.memory import GiB, PlanOption, estimate
+    from megatron_rl.planner.memory import GiB, estimate
+    from megatron_rl.planner.option import PlanOption
 
     cfg = check.facts.get("cfg")
     if cfg is None:
         raise RuntimeError("no PPO config (section a did not start)")
     budget = (torch.cuda.get_device_properties(0).total_memory if not check.cpu else 80 * GiB)
-    plan = estimate(cfg.model, PlanOption(sequence_parallel=False), prompt_len=cfg.data.max_prompt_tokens,
+    plan = estimate(cfg.model, PlanOption.of(sequence_parallel=False), prompt_len=cfg.data.max_prompt_tokens,
                     response_len=cfg.rollout.max_new_tokens, tokens_per_microbatch=cfg.batch.max_tokens_per_rank,
                     budget_bytes=budget, max_rollout_batch=cfg.rollout.max_batch_size,
                     with_critic=check.critic, with_reference=cfg.algorithm.kl_coef > 0)
@@ -634,7 +637,8 @@ CPU_PROFILE = dict(model="tiny", tokens=256, microbatches=2, seq_len=32, rounds=
 def section_update_profile(check: Check):
     import update_vs_plain as uvp
 
-    from megatron_rl.planner.memory import PlanOption, model_state, peak_bytes
+    from megatron_rl.planner.memory import model_state, peak_bytes
+    from megatron_rl.planner.option import PlanOption
 
     prof = CPU_PROFILE if check.cpu else GPU_PROFILE
     args = uvp.parse(["--model", prof["model"], "--tokens-per-microbatch", str(prof["tokens"]),
@@ -669,7 +673,7 @@ def section_update_profile(check: Check):
            f"{loads['megatron']:.1f} s (GPTModel + dist_checkpointing.load): {loads['ours'] / loads['megatron']:.2f}x; "
            f"weights restored exactly: {loads['ours_weights_equal']}")
     if not check.cpu:
-        option = PlanOption(sequence_parallel=False)
+        option = PlanOption.of(sequence_parallel=False)
         state = model_state(m, option, with_critic=False, with_reference=False, param_bytes=2)
         planned = (state["actor weights"] + state["actor grads"] + state["actor optimizer"]
                    + peak_bytes(m, option, setup.budget, 2, seq_len=max(int(s["tokens"].numel()) for s in setup.seqs)))

@@ -385,10 +385,11 @@ def _comm_ok(comm: str, cp: int, heads: int, kv_heads: int) -> str | None:
 
 def _planned_peak(args_kw: dict, cp: int, comm: str, mode: str, local: int, length: int) -> float | None:
     try:
-        from megatron_rl.planner.memory import PlanOption, peak_bytes
+        from megatron_rl.planner.memory import peak_bytes
+        from megatron_rl.planner.option import PlanOption
     except ImportError:  # a planner without it (older trees)
         return None
-    layout = PlanOption(cp=cp, cp_comm_type=comm if cp > 1 else "p2p", sequence_parallel=False)
+    layout = PlanOption.of(cp=cp, cp_comm_type=comm if cp > 1 else "p2p", sequence_parallel=False)
     bytes_per = torch.empty((), dtype=_dtype(args_kw)).element_size()
     return peak_bytes(_model_config(args_kw), layout, local, bytes_per, seq_len=length, training=mode == "train",
                       chunk=args_kw["logprob_chunk"])

@@ -32,7 +32,7 @@ import time
 MiB = 2**20
 WORLD = 4
 
-# Training layouts (keyword arguments of ``use_layout``) and inference layouts (of ``RolloutLayout``).
+# Training layouts (keyword arguments of ``use_layout``) and inference layouts (of ``ParallelLayout``).
 TRAINING = {
     "tp2": dict(tp=2), "pp2": dict(pp=2), "pp2_vpp2": dict(pp=2, vpp=2), "tp2_pp2": dict(tp=2, pp=2),
     "cp2": dict(cp=2), "tp2_cp2": dict(tp=2, cp=2), "ep2": dict(ep=2), "pp2_ep2": dict(pp=2, ep=2),
@@ -58,7 +58,7 @@ def measure_pair(model_kw: dict, train_kw: dict, infer_kw: dict, repeats: int) -
     from megatron.core.resharding.refit import clear_plan_cache
 
     from megatron_rl.config.schema import ModelConfig, MoEConfig
-    from megatron_rl.layout.sizes import RolloutLayout
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical
     from megatron_rl.rollout import refit as refit_mod
@@ -67,7 +67,7 @@ def measure_pair(model_kw: dict, train_kw: dict, infer_kw: dict, repeats: int) -
     model_cfg = ModelConfig(**{**model_kw, "moe": MoEConfig(**model_kw.get("moe", {}))})
     train = use_layout(**train_kw, seed=7)
     chunks = build_gpt_chunks(model_cfg, train, torch.device("cpu"))
-    infer = refit_mod.build_inference_model(model_cfg, RolloutLayout(**infer_kw), train,
+    infer = refit_mod.build_inference_model(model_cfg, ParallelLayout(**infer_kw), train,
                                             torch.device("cpu"))
     out = dict(refit_s=[], gather_s=[], refit_bytes=[],
                shard_bytes=sum(p.numel() * p.element_size() for p in infer.parameters()),

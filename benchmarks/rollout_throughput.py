@@ -169,7 +169,8 @@ def run_engine(name: str, cfg: ModelConfig, prompts: list[list[int]], params, ba
     """In a fresh one-rank worker: build the model, generate once, report speed and KV sizes."""
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import load_canonical
-    from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
+    from megatron_rl.planner.memory import engine_kv_cache_bytes
+    from megatron_rl.planner.option import PlanOption
     from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.testing.weights import random_canonical

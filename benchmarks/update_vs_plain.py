@@ -80,7 +80,8 @@ class Setup:
 def init_world(device: torch.device) -> None:
     from megatron_rl.config.schema import DistributedConfig
     from megatron_rl.distributed.env import free_port
-    from megatron_rl.distributed.runtime import ParallelLayout, init_distributed, init_model_parallel
+    from megatron_rl.distributed.runtime import init_distributed, init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
 
     if not torch.distributed.is_initialized():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -149,8 +150,8 @@ class PlainStep:
         from megatron.core.models.gpt import GPTModel
 
         from megatron_rl.data.microbatch import build_microbatch
-        from megatron_rl.distributed.runtime import ParallelLayout
         from megatron_rl.engine.trainable import make_trainable
+        from megatron_rl.layout.sizes import ParallelLayout
         from megatron_rl.models.builder import build_gpt_chunks
 
         chunks = build_gpt_chunks(setup.model_cfg, ParallelLayout(), setup.device, model_cls=GPTModel)
@@ -232,9 +233,9 @@ class OurUpdate:
     """The trainer's actor update (``trainer/policy_update.py::update_actor``) with RL pieces switched on in turn."""
 
     def __init__(self, setup: Setup, weights_from=None):
-        from megatron_rl.distributed.runtime import ParallelLayout
         from megatron_rl.engine.forward import BatchPlan
         from megatron_rl.engine.trainable import make_trainable
+        from megatron_rl.layout.sizes import ParallelLayout
         from megatron_rl.models.builder import build_gpt_chunks
 
         chunks = build_gpt_chunks(setup.model_cfg, ParallelLayout(), setup.device)
@@ -292,8 +293,8 @@ class OurUpdate:
 
 
 def _build(setup: Setup, model_cls=None):
-    from megatron_rl.distributed.runtime import ParallelLayout
     from megatron_rl.engine.trainable import make_trainable
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
 
     kwargs = {} if model_cls is None else {"model_cls": model_cls}

@@ -153,7 +153,7 @@ def _rollout_paged_attention(cfg: Config, world: Optional[int], job: Job):
 
 def _rollout_cuda_graphs(cfg: Config, world: Optional[int], job: Job):
     """Read after rollout.batching and rollout.paged_attention are resolved."""
-    from megatron_rl.models.arch import is_moe
+    from megatron_rl.layout.arch import is_moe
     from megatron_rl.rollout.choice import pick_cuda_graphs
 
     on, why = pick_cuda_graphs(cfg.rollout.cuda_graphs, cuda=cfg.distributed.device == "cuda",
@@ -168,13 +168,13 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     elsewhere (the CPU) each unset size is the training layout's, so nothing is copied."""
     from megatron_rl.compat.devices import cuda_memory_bytes
     from megatron_rl.config.schema import RolloutLayoutConfig
-    from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
+    from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 
     asked, train = cfg.rollout.layout, cfg.parallel
     unset = all(v is None for v in dataclasses.asdict(asked).values())
     memory = cuda_memory_bytes() if cfg.distributed.device == "cuda" else None
     if unset and world and memory:
-        from megatron_rl.models.arch import resolve_dtype
+        from megatron_rl.layout.arch import resolve_dtype
         from megatron_rl.planner.recipe import planned_rollout_layout
 
         dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
@@ -182,7 +182,7 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
         chosen = mem.layout
         return (RolloutLayoutConfig(tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, etp=chosen.etp), DERIVED,
                 f"{memory / 2**30:.0f} GiB GPUs: {why}")
-    filled = RolloutLayout.filled(asked, train)
+    filled = ParallelLayout.for_rollout(asked, train)
     layout = RolloutLayoutConfig(tp=filled.tp, pp=filled.pp, ep=filled.ep, etp=filled.etp)
     shares = shares_training_weights(filled, train)
     why = ("generates with the actor's own shards, nothing copied" if shares
@@ -253,9 +253,9 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
     """Every sample a rank generates in a step in one pass, at most what
     :data:`ROLLOUT_KV_BUDGET_BYTES` of full-length KV cache holds on a rank (at least 1): a rank of
     rollout.layout holds its stage's layers and its TP share of the KV heads."""
-    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.layout.kv import kv_bytes
-    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.layout.sizes import ParallelLayout
 
     if cfg.rollout.max_batch_size is not None:
         return cfg.rollout.max_batch_size, SET, ""
@@ -276,8 +276,8 @@ def _rollout_batch(cfg: Config, world: Optional[int], job: Job):
 
 def _token_budget(cfg: Config, world: Optional[int], job: Job):
     """Tokens per micro-batch per rank when the config sets neither a budget nor a micro-batch size."""
-    from megatron_rl.distributed.runtime import ParallelLayout
-    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.layout.arch import resolve_dtype
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.planner.memory import derived_token_budget
 
     if cfg.batch.max_tokens_per_rank or cfg.batch.micro_batch_size:

@@ -48,7 +48,7 @@ def test_pp2_vpp_with_batched_p2p_is_rejected():
     text = _error(["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "parallel.batch_p2p_comm=true"], 2)
     assert "silently wrong" in text and "batch_p2p_comm=false" in text
     # Left on auto, the same layout is accepted and batched p2p is switched off for it.
-    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.sizes import ParallelLayout
 
     cfg = load_config(None, ["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4"])
     validate(cfg, 2)

@@ -50,7 +50,7 @@ def test_cuda_settings_follow_the_installed_kernels():
 
 def _kwargs(device, **kw):
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import transformer_config_kwargs
 
     model = ModelConfig(**kw.pop("model", {}))

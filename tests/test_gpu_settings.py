@@ -84,7 +84,8 @@ def hierarchical_cp_body(build: bool):
     from megatron.core import parallel_state as ps
 
     from megatron_rl.config.schema import ParallelConfig
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.testing.layouts import use_layout
 
     class Stop(Exception):
@@ -126,8 +127,8 @@ def test_a2a_p2p_builds_megatrons_hierarchical_cp_groups():
 
 def test_hierarchical_cp_sizes_are_checked():
     from megatron_rl.config.schema import ParallelConfig
-    from megatron_rl.distributed.runtime import hierarchical_cp_sizes
     from megatron_rl.errors import ConfigError
+    from megatron_rl.layout.sizes import hierarchical_cp_sizes
 
     assert hierarchical_cp_sizes(ParallelConfig(cp=8, cp_comm_type="a2a+p2p",
                                                 hierarchical_context_parallel_sizes=[2, 4])) == (2, 4)

@@ -14,7 +14,7 @@ import torch
 from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
 from megatron_rl.config.schema import ModelConfig, RopeScalingConfig
 from megatron_rl.errors import ConfigError
-from megatron_rl.models.arch import max_positions, rope_inv_freq
+from megatron_rl.layout.arch import max_positions, rope_inv_freq
 from megatron_rl.models.hf_config import hf_config_with_rope_scaling, model_config_from_hf
 from megatron_rl.tools.cli import main
 

@@ -701,7 +701,8 @@ def engine_routing_body(layout_kw: dict, tight: bool) -> dict:
     (``routing_indices``), compared request by request on this rank's pipeline stage.  ``tight``: a
     KV cache of a few pages and 3 requests in flight, so requests are evicted and re-prefilled."""
     from megatron_rl.config.schema import ModelConfig, MoEConfig
-    from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
+    from megatron_rl.planner.memory import engine_kv_cache_bytes
+    from megatron_rl.planner.option import PlanOption
     from megatron_rl.rollout.dp import data_parallel_share, generator_of_this_rank
     from megatron_rl.rollout.megatron import MegatronRolloutEngine
     from megatron_rl.rollout.sampling import SamplingParams
@@ -771,8 +772,8 @@ def test_megatron_routing_indices_are_ours_where_recorded_and_lost_for_some_requ
 
 def test_moe_config_maps_to_megatron_fields():
     from megatron_rl.config.schema import ModelConfig, MoEConfig
-    from megatron_rl.distributed.runtime import ParallelLayout
-    from megatron_rl.models.arch import global_expert_name
+    from megatron_rl.layout.arch import global_expert_name
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import transformer_config_kwargs
     from megatron_rl.models.hf_config import model_config_from_hf
 
@@ -845,15 +846,16 @@ def test_planner_counts_experts_per_rank_and_plans_qwen3_30b_a3b(capsys):
     """Experts are split over EP x ETP, their Adam state over the expert data-parallel ranks; the
     planner finds a one-node layout for Qwen3-30B-A3B at 32k (the preset's) and at 64k (with CP),
     and none at 128k."""
-    from megatron_rl.planner.memory import PlanOption, params_per_gpu, total_params
+    from megatron_rl.planner.memory import params_per_gpu, total_params
+    from megatron_rl.planner.option import PlanOption
     from megatron_rl.planner.search import plan, preset
 
     cfg = preset("qwen3-30b-a3b")
     assert total_params(cfg) == pytest.approx(30.53e9, rel=1e-3)  # the model card's 30.5B
     experts = 48 * 128 * 3 * 2048 * 768
-    one = params_per_gpu(cfg, PlanOption(tp=2, cp=4))
-    assert one - params_per_gpu(cfg, PlanOption(tp=2, cp=4, ep=4)) == pytest.approx(experts / 2 * (1 - 1 / 4))
-    assert PlanOption(tp=2, cp=4, ep=4, etp=1).overrides()[-2:] == ["parallel.ep=4", "parallel.etp=1"]
+    one = params_per_gpu(cfg, PlanOption.of(tp=2, cp=4))
+    assert one - params_per_gpu(cfg, PlanOption.of(tp=2, cp=4, ep=4)) == pytest.approx(experts / 2 * (1 - 1 / 4))
+    assert PlanOption.of(tp=2, cp=4, ep=4, etp=1).overrides()[-2:] == ["parallel.ep=4", "parallel.etp=1"]
     from megatron_rl.planner.moe import layout_options
 
     # EP with pipeline stages is planned too (megatron's engine generates on PP x EP)
@@ -918,14 +920,15 @@ def test_planner_moe_activations_match_a_measurement(layout, shared):
     against what autograd keeps in a training forward, per rank."""
     from megatron_rl.config.schema import ModelConfig, MoEConfig
     from megatron_rl.planner import memory
+    from megatron_rl.planner.option import PlanOption
 
     world, layout_kw = {"ep1": (1, {}), "ep2": LAYOUTS["ep2"], "tp2_sp_ep2": LAYOUTS["tp2_sp_ep2"]}[layout]
     moe_kw = dict(MOE, shared_expert_ffn_hidden_size=32 if shared else None, shared_expert_gate=shared)
     length = 512
     got = max(run_distributed(world, moe_saved_body, layout_kw, moe_kw, length), key=lambda r: r["saved"])
     cfg = ModelConfig(**MOE_MODEL, moe=MoEConfig(**moe_kw))
-    option = memory.PlanOption(tp=layout_kw.get("tp", 1), dp=world // layout_kw.get("tp", 1),
-                               sequence_parallel=layout_kw.get("sp", False), ep=layout_kw.get("ep", 1))
+    option = PlanOption.of(tp=layout_kw.get("tp", 1), dp=world // layout_kw.get("tp", 1),
+                           sequence_parallel=layout_kw.get("sp", False), ep=layout_kw.get("ep", 1))
     planned = (memory.activation_bytes(cfg, option, got["local_tokens"], 4, seq_len=length)
                + memory.head_bytes(cfg, option, got["local_tokens"], 4, chunk=64)["saved"])
     error = planned / got["saved"] - 1

@@ -13,8 +13,9 @@ import pytest
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.layout.kv import kv_bytes
 from megatron_rl.layout.rules import a2a_heads_ok
-from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import memory
+from megatron_rl.planner.option import PlanOption, cp_levels
 from megatron_rl.planner.search import plan, preset
 from megatron_rl.testing.harness import run_distributed
 
@@ -45,9 +46,9 @@ PLANNER_TOLERANCE = 0.01
 ACTIVATION_CASES = [(1, "p2p"), (2, "p2p"), (4, "p2p"), (2, "all_gather"), (2, "a2a"), (4, "a2a"), (4, "a2a+p2p")]
 
 
-def _layout(cp: int, comm: str) -> memory.PlanOption:
-    return memory.PlanOption(cp=cp, cp_comm_type=comm, sequence_parallel=False,
-                             hierarchical_cp=(2, cp // 2) if comm == "a2a+p2p" else None)
+def _layout(cp: int, comm: str) -> PlanOption:
+    return PlanOption.of(cp=cp, cp_comm_type=comm, sequence_parallel=False,
+                         hierarchical_cp=(2, cp // 2) if comm == "a2a+p2p" else None)
 
 
 @pytest.mark.parametrize("cp,comm", ACTIVATION_CASES)
@@ -91,7 +92,7 @@ def test_attention_transient_by_comm_type():
     cfg = preset("qwen2.5-7b")  # 28 heads, 4 KV heads of dim 128: at TP2, 14 and 2 per rank
     per_rank = {}
     for comm in ("p2p", "all_gather", "a2a", "a2a+p2p"):
-        layout = memory.PlanOption(tp=2, cp=4, cp_comm_type=comm, hierarchical_cp=(2, 2))
+        layout = PlanOption.of(tp=2, cp=4, cp_comm_type=comm, hierarchical_cp=(2, 2))
         short, long = (memory.attention_transient_bytes(cfg, layout, n // 4, 2, seq_len=n, backward=True)
                        for n in (32768, 131072))
         per_rank[comm] = long
@@ -115,7 +116,7 @@ def test_a2a_options_respect_head_counts():
     assert {"p2p", "a2a", "a2a+p2p"} <= comms
     for c in result.candidates:
         if c.layout.cp > 1 and c.layout.cp_comm_type in ("a2a", "a2a+p2p"):
-            assert a2a_heads_ok(cfg, c.layout.tp, memory.cp_levels(c.layout)[0]), c.layout
+            assert a2a_heads_ok(cfg, c.layout.tp, cp_levels(c.layout)[0]), c.layout
         if c.layout.cp_comm_type == "a2a+p2p":
             assert "parallel.hierarchical_context_parallel_sizes=[2,2]" in c.layout.overrides() or \
                 c.layout.cp != 4
@@ -127,7 +128,7 @@ def test_logprob_estimate_within_1_percent_of_measurement():
 
     measured = bench.measure_logprob_path(4096, 128, 8192, 512, torch.device("cpu"))
     model = ModelConfig(hidden_size=128, vocab_size=8192)
-    layout = memory.PlanOption()
+    layout = PlanOption()
     planned_chunks = memory.head_bytes(model, layout, 4096, 4, chunk=512)["logprob_chunks"]
     planned_naive = memory.naive_logits_bytes(model, layout, 4096)
     chunked, naive = measured["chunked"]["peak"], measured["naive"]["peak"]
@@ -157,9 +158,9 @@ def test_too_big_for_the_cluster_names_the_smallest_node_count():
 
 def test_recompute_and_cp_lower_the_activation_estimate():
     cfg = preset("qwen2.5-7b")
-    base = memory.activation_bytes(cfg, memory.PlanOption(tp=4), 32768, 2)
-    assert memory.activation_bytes(cfg, memory.PlanOption(tp=4, recompute="full"), 32768, 2) < 0.2 * base
-    assert memory.activation_bytes(cfg, memory.PlanOption(tp=4, cp=2), 16384, 2) == pytest.approx(base / 2, rel=0.01)
+    base = memory.activation_bytes(cfg, PlanOption.of(tp=4), 32768, 2)
+    assert memory.activation_bytes(cfg, PlanOption.of(tp=4, recompute="full"), 32768, 2) < 0.2 * base
+    assert memory.activation_bytes(cfg, PlanOption.of(tp=4, cp=2), 16384, 2) == pytest.approx(base / 2, rel=0.01)
 
 
 def _plan_output(capsys, *argv: str) -> tuple[int, list[str]]:
@@ -258,7 +259,7 @@ def test_megatron_engine_plans_a_paged_kv_budget_on_the_actors_shards():
     whole pages per sequence plus the page the engine reserves.  (The engine's page count for such
     a budget is checked in tests/test_rollout_megatron_engine.py.)"""
     cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128
-    lay = memory.PlanOption(tp=2, pp=2, rollout_layout=RolloutLayout(tp=2, pp=2))
+    lay = PlanOption.of(tp=2, pp=2, rollout_layout=ParallelLayout(tp=2, pp=2))
     per_token = 2 * (28 // 2) * (4 // 2) * 128 * 2
     assert kv_bytes(cfg, 1, 2, tp=2, pp=2) == per_token
     assert kv_bytes(cfg, 1, 2) == 4 * per_token  # the whole model
@@ -279,7 +280,7 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     8 x 80 GB leaves room during rollout for a TP1 copy of the weights and 20 sequences of 33k tokens
     per replica; the numbers by hand."""
     cfg = preset("qwen2.5-7b")  # 28 layers, 4 KV heads of 128, 7.62B parameters
-    train = memory.PlanOption(tp=4, dp=2, distributed_optimizer=True)
+    train = PlanOption.of(tp=4, dp=2, distributed_optimizer=True)
     budget = 0.9 * 80 * memory.GiB
     seq = 1024 + 32768
     p_gpu = memory.params_per_gpu(cfg, train)
@@ -289,7 +290,7 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     assert memory.rollout_resident_bytes(models, offload=True) == pytest.approx(p_gpu * 2)  # the rest in host memory
     mem, why = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
                                             concurrency=16)
-    assert mem.layout == RolloutLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
+    assert mem.layout == ParallelLayout(tp=1, pp=1) and mem.replicas == 8 and not mem.shares
     weights = memory.total_params(cfg) * 2  # TP1 PP1: the whole model, untied embeddings
     assert mem.extra_weights == mem.weights == pytest.approx(weights)
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, every layer, every KV head, bf16
@@ -303,11 +304,11 @@ def test_rollout_layout_memory_and_choice_for_qwen7b_at_32k():
     # More than TP1 x PP1 holds: TP1 again, over 2 stages (4 replicas, each rank half the layers' weights and KV).
     mem2, _ = memory.choose_rollout_layout(cfg, train, seq_len=seq, resident=resident, budget_bytes=budget,
                                            concurrency=21)
-    assert mem2.layout == RolloutLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
-    assert mem2.extra_weights == pytest.approx(memory.params_per_gpu(cfg, memory.PlanOption(pp=2, dp=4)) * 2)
+    assert mem2.layout == ParallelLayout(tp=1, pp=2) and mem2.replicas == 4 and mem2.sequences >= 21
+    assert mem2.extra_weights == pytest.approx(memory.params_per_gpu(cfg, PlanOption.of(pp=2, dp=4)) * 2)
     assert mem2.kv_per_sequence == per_token / 2 * 256 * pages
     # The training layout's sizes share the actor's shards: nothing added, a quarter of the KV heads per rank.
-    same = memory.rollout_memory(cfg, train, RolloutLayout(tp=4), seq_len=seq, resident=resident,
+    same = memory.rollout_memory(cfg, train, ParallelLayout(tp=4), seq_len=seq, resident=resident,
                                  budget_bytes=budget)
     assert same.shares and same.extra_weights == 0 and same.kv_per_sequence == per_token / 4 * 256 * pages
     # Nothing holds 1000 per replica: the layout that holds the most over the world (sharing: no copy).
@@ -381,7 +382,7 @@ def test_planned_rollout_layout_of_generator_ranks_counts_no_training_state():
     assert colocated.resident > 0 and apart.resident == 0 and not apart.shares
     # Beside the training state TP1 holds too few sequences, so it took two stages; alone, TP1 PP1
     # holds them with 8 replicas, and more sequences at once over the ranks.
-    assert colocated.layout == RolloutLayout(tp=1, pp=2)
-    assert apart.layout == RolloutLayout(tp=1, pp=1) and apart.replicas == 8
+    assert colocated.layout == ParallelLayout(tp=1, pp=2)
+    assert apart.layout == ParallelLayout(tp=1, pp=1) and apart.replicas == 8
     assert apart.concurrency > colocated.concurrency
     assert apart.peak == pytest.approx(apart.weights + apart.kv) and "KV cache for 16 sequences" in why

@@ -35,7 +35,7 @@ def refit_body(model_kw: dict, train_kw: dict, infer_kw: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_rl.config.schema import ModelConfig, MoEConfig
-    from megatron_rl.layout.sizes import RolloutLayout
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical, load_canonical
     from megatron_rl.rollout.refit import build_inference_model, refit
@@ -45,7 +45,7 @@ def refit_body(model_kw: dict, train_kw: dict, infer_kw: dict) -> dict:
     train = use_layout(**train_kw, seed=7)
     chunks = build_gpt_chunks(model_cfg, train, torch.device("cpu"))
     canonical = gather_canonical(chunks)
-    infer_layout = RolloutLayout(**infer_kw)
+    infer_layout = ParallelLayout(**infer_kw)
     infer = build_inference_model(model_cfg, infer_layout, train, torch.device("cpu"))
     first = refit(chunks, infer, "gloo")
     with torch.no_grad():  # a second refit after the weights moved: the cached plan, new values

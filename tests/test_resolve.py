@@ -87,7 +87,7 @@ def test_the_token_budget_is_resolved_before_launch_for_the_job():
     sequence the job makes: the config's lengths for training, what ``score`` was given for it."""
     from megatron_rl.data.batching import default_token_budget
     from megatron_rl.data.microbatch import alignment
-    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.planner.memory import activation_bytes_per_token
 
     asked = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml"), ["batch.micro_batch_size=null"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import ModelConfig, RopeScalingConfig
-from megatron_rl.models.arch import rope_inv_freq
+from megatron_rl.layout.arch import rope_inv_freq
 from megatron_rl.rollout.engine import RolloutBatch, RolloutEngine
 from megatron_rl.rollout.sampling import SamplingParams, sample, top_k_filter, top_p_filter
 from megatron_rl.testing.weights import random_canonical

@@ -485,7 +485,8 @@ def test_seed_gives_the_same_samples_whatever_the_kv_budget_and_scheduling():
     """A KV cache of a few pages, 3 requests in flight and 8-token prefill chunks: requests pause,
     are evicted and re-prefilled -- and every sample is the one a roomy engine draws.  The tight
     budget is the planner's for 3 sequences of 20 tokens: the engine must make it 3 x 5 pages."""
-    from megatron_rl.planner.memory import PlanOption, engine_kv_cache_bytes
+    from megatron_rl.planner.memory import engine_kv_cache_bytes
+    from megatron_rl.planner.option import PlanOption
 
     cfg = _cfg()
     params = SamplingParams(temperature=0.9, max_new_tokens=20, n=2)

@@ -154,7 +154,7 @@ def test_a_single_process_job_needs_no_tcp_port(tmp_path):
 
 def test_the_layout_line_names_expert_parallelism():
     from megatron_rl.config.schema import ParallelConfig
-    from megatron_rl.distributed.runtime import ParallelLayout
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.trainer.ppo import layout_line
 
     moe = ParallelLayout.from_config(ParallelConfig(tp=2, ep=2, etp=1, sequence_parallel=True), 8)

@@ -16,7 +16,8 @@ MODEL = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_hea
 
 def _chunks(tp: int, pp: int, ep: int, tie: bool, experts: int | None, megatron_seed: int):
     from megatron_rl.config.schema import Config
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
 
     model = Config().model
@@ -101,8 +102,9 @@ def test_a_run_from_random_init_gives_the_same_numbers_on_every_layout(tmp_path)
 def checkpoint_parts_body(path):
     """Canonical weights of every part of the checkpoint at ``path`` (one process)."""
     from megatron_rl.config.loader import load_config
-    from megatron_rl.distributed.runtime import ParallelLayout, init_model_parallel
+    from megatron_rl.distributed.runtime import init_model_parallel
     from megatron_rl.engine.checkpoint import ModelPart, load_checkpoint
+    from megatron_rl.layout.sizes import ParallelLayout
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical
     from megatron_rl.models.heads import attach_value_head

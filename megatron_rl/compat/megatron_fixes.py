@@ -69,7 +69,7 @@ register_workaround(
             "(low/high frequency factors 1/4, original length 8192 fixed in RotaryEmbedding); HF "
             "configs with other values are refused"
         ),
-        used_in="models/arch.py:LLAMA3_ROPE_FIXED",
+        used_in="layout/arch.py:LLAMA3_ROPE_FIXED",
     )
 )
 register_workaround(
@@ -102,7 +102,7 @@ register_workaround(
             "interleaved 1F1B with PP=2 and batch_p2p_comm=True gives wrong losses and gradients; "
             "default_batch_p2p_comm() turns it off there and validation refuses it when set"
         ),
-        used_in="distributed/runtime.py:ParallelLayout.from_config; features/layouts.py:parallel.batch_p2p_comm",
+        used_in="layout/sizes.py:ParallelLayout.from_config; features/layouts.py:parallel.batch_p2p_comm",
     )
 )
 

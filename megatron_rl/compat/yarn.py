@@ -5,7 +5,7 @@
   them), and ``Attention`` takes the attention factor ("mscale") from the same attributes.
   :func:`set_yarn_attributes` puts them on a built config.
 * megatron takes the mscale / mscale_all_dim ratio whenever both are not None; HF only when both
-  are non-zero (else ``0.1 ln(factor) + 1``).  :func:`megatron_rl.models.arch.yarn_megatron_mscales`
+  are non-zero (else ``0.1 ln(factor) + 1``).  :func:`megatron_rl.layout.arch.yarn_megatron_mscales`
   hands megatron the pair that gives HF's factor.
 * With ``apply_rope_fusion`` the fused THD RoPE (packed sequences) drops the mscale argument
   (``rope_utils.apply_rotary_pos_emb`` calls ``fused_apply_rotary_pos_emb_thd`` without it), and

@@ -8,10 +8,8 @@ Entry points start through :mod:`megatron_rl.distributed.startup`.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import functools
-import math
 import os
 
 import torch
@@ -19,83 +17,13 @@ import torch.distributed as dist
 
 from megatron_rl.capabilities import BACKENDS, DEVICES
 from megatron_rl.compat import cuda_available, enable_compat
-from megatron_rl.compat.megatron_fixes import default_batch_p2p_comm
 from megatron_rl.compat.parallel_state import destroy_model_parallel_groups
-from megatron_rl.config.schema import DistributedConfig, ParallelConfig
+from megatron_rl.config.schema import DistributedConfig
 from megatron_rl.distributed.env import PORT_FILE_ENV, SINGLE, LaunchEnv, detect_launch_env
 from megatron_rl.distributed.placement import Placement, place
 from megatron_rl.distributed.rendezvous import published_store
 from megatron_rl.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelLayout:
-    """A resolved parallel layout; ``dp`` is derived from the world size."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = False
-    cp_comm_type: str = "p2p"
-    batch_p2p_comm: bool = True
-    hierarchical_cp: tuple[int, ...] | None = None  # a2a+p2p: CP sizes per level, inner first
-    ep: int = 1  # expert parallel (MoE): experts split over ep ranks of the DP x CP ranks
-    etp: int | None = None  # expert tensor parallel; None = tp
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    @property
-    def expert_tp(self) -> int:
-        return self.etp or self.tp
-
-    @property
-    def expert_model_parallel_size(self) -> int:
-        """Ranks one copy of the experts spans: etp x ep x pp (megatron's expert rank generator)."""
-        return self.expert_tp * self.ep * self.pp
-
-    @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> "ParallelLayout":
-        mp = parallel.tp * parallel.pp * parallel.cp
-        batch = parallel.batch_p2p_comm
-        if batch is None:
-            batch = default_batch_p2p_comm(parallel.pp, parallel.vpp)
-        hierarchical = hierarchical_cp_sizes(parallel)
-        return cls(
-            tp=parallel.tp,
-            pp=parallel.pp,
-            vpp=parallel.vpp if parallel.vpp and parallel.vpp > 1 else None,
-            cp=parallel.cp,
-            dp=max(world_size // mp, 1),
-            sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
-            cp_comm_type=parallel.cp_comm_type,
-            batch_p2p_comm=batch,
-            hierarchical_cp=hierarchical,
-            ep=parallel.ep,
-            etp=parallel.etp if parallel.etp and parallel.etp != parallel.tp else None,
-        )
-
-
-def hierarchical_cp_sizes(parallel: ParallelConfig) -> tuple[int, ...] | None:
-    """The CP levels ``a2a+p2p`` needs (TransformerEngine takes ``[a2a group, p2p group]`` from
-    megatron's hierarchical CP groups); None for every other ``cp_comm_type``."""
-    sizes = parallel.hierarchical_context_parallel_sizes
-    key = "parallel.hierarchical_context_parallel_sizes"
-    if parallel.cp_comm_type != "a2a+p2p":
-        if sizes:
-            raise ConfigError(key, sizes, "only cp_comm_type=a2a+p2p uses hierarchical CP groups",
-                              "set parallel.cp_comm_type=a2a+p2p, or leave this key null")
-        return None
-    if not sizes or len(sizes) < 2 or any(int(n) < 1 for n in sizes) or math.prod(int(n) for n in sizes) != parallel.cp:
-        raise ConfigError(key, sizes,
-                          f"cp_comm_type=a2a+p2p needs CP sizes per level whose product is cp={parallel.cp}",
-                          f"give [a2a size, p2p size] with a2a x p2p = {parallel.cp}, "
-                          f"e.g. [{parallel.cp // 2 or 1}, 2]")
-    return tuple(int(n) for n in sizes)
-
+from megatron_rl.layout.sizes import ParallelLayout
 
 AUTO, CUDA, CPU = DEVICES
 _, NCCL, GLOO = BACKENDS  # the first is AUTO again

@@ -7,7 +7,7 @@ from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.losses import AGG_MODES, POLICY_LOSSES
 from megatron_rl.algorithms.old_logprobs import training_forward_blockers
 from megatron_rl.features.base import TESTED_CPU, Feature, _needs_groups, _registry_names, need
-from megatron_rl.models.arch import is_moe
+from megatron_rl.layout.arch import is_moe
 
 AREA = "algorithms"
 FEATURES = [

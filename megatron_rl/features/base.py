@@ -12,8 +12,8 @@ from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.old_logprobs import resolve_old_logprob_source
 from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.config.rules import config_value
+from megatron_rl.layout.arch import attention_dims
 from megatron_rl.layout.rules import a2a_heads_ok
-from megatron_rl.models.arch import attention_dims
 
 TESTED_CPU = "tested on CPU"
 TESTED_GPU = "tested on GPU"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, need
-from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.layout.sizes import ParallelLayout
 
 AREA = "environments"
 
@@ -14,7 +14,7 @@ def _env(c) -> bool:
 
 def _generator_ranks(c) -> int:
     """Ranks one generator (model replica) spans where the rollout runs."""
-    lay = RolloutLayout.filled(c.rollout.layout, c.parallel)
+    lay = ParallelLayout.for_rollout(c.rollout.layout, c.parallel)
     return lay.tp * lay.pp
 
 

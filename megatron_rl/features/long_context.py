@@ -15,7 +15,7 @@ from megatron_rl.features.base import (
     _uses_te,
     need,
 )
-from megatron_rl.models.arch import attention_dims
+from megatron_rl.layout.arch import attention_dims
 from megatron_rl.ops.cp_attention import A2A_COMM_TYPES
 
 AREA = "long context"

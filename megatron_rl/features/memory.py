@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Feature, Measured, _uses_te, need
-from megatron_rl.models.arch import RECOMPUTE_MODULES
+from megatron_rl.layout.arch import RECOMPUTE_MODULES
 
 AREA = "memory"
 FEATURES = [

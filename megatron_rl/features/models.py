@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import GPU_UNTESTED, TESTED_CPU, Constraint, Feature, Measured, need
-from megatron_rl.models.arch import LLAMA3_ROPE_FIXED, is_moe, max_positions, yarn_original_positions
+from megatron_rl.layout.arch import LLAMA3_ROPE_FIXED, is_moe, max_positions, yarn_original_positions
 
 LLAMA3_ORIGINAL = LLAMA3_ROPE_FIXED["original_max_position_embeddings"]
 

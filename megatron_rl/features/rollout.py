@@ -13,15 +13,15 @@ from megatron_rl.features.base import (
     need,
 )
 from megatron_rl.layout.rules import ROLLOUT_RULES
-from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
+from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 from megatron_rl.rollout.choice import STATIC, batching_facts
 
 AREA = "rollout"
 
 
-def _filled(c) -> RolloutLayout:
+def _filled(c) -> ParallelLayout:
     """rollout.layout with each unset size the training layout's."""
-    return RolloutLayout.filled(c.rollout.layout, c.parallel)
+    return ParallelLayout.for_rollout(c.rollout.layout, c.parallel)
 
 
 def _shares(c) -> bool:
@@ -67,7 +67,7 @@ def _kernels_refused(cfg, world):
 
 def _graphs_refused(cfg, world):
     """rollout.cuda_graphs=true where megatron's engine cannot replay graphs."""
-    from megatron_rl.models.arch import is_moe
+    from megatron_rl.layout.arch import is_moe
     from megatron_rl.rollout.choice import cuda_graphs_refusal
 
     r = cfg.rollout

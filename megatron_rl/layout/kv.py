@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.models.arch import attention_dims
+from megatron_rl.layout.arch import attention_dims
 
 
 def kv_bytes(model, tokens: int, bytes_per: int = 2, tp: int = 1, pp: int = 1) -> float:

@@ -4,9 +4,10 @@ before launch (with its one-line refusal), and the planner proposes only layouts
 allows, so ``megatron-rl plan`` never suggests what ``megatron-rl validate`` refuses.
 
 A rule's ``holds(model, layout, train, world)`` reads the model config, the layout it is about (the
-training sizes: a ``parallel`` config or the planner's ``PlanOption``; or a filled
-:class:`~megatron_rl.layout.sizes.RolloutLayout`), the training layout (the same object for the
-training rules) and the ranks it spans (None when unknown: the rules on the world size hold).
+training sizes: a ``parallel`` config or the planner's ``PlanOption``; or the rollout's
+:meth:`~megatron_rl.layout.sizes.ParallelLayout.for_rollout`), the training layout (the same
+object for the training rules) and the ranks it spans (None when unknown: the rules on the world
+size hold).
 ``problem`` and ``fix`` are templates over the config ``c`` and world ``w``; ``text`` is the rule
 as the feature matrix lists it.
 """
@@ -17,8 +18,8 @@ import dataclasses
 from typing import Callable, Optional
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.layout.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
 from megatron_rl.layout.sizes import expert_tp, shares_training_weights
-from megatron_rl.models.arch import attention_dims, expert_ffn_size, is_moe, padded_vocab_size
 
 
 def _always(model, layout) -> bool:
@@ -174,6 +175,6 @@ ROLLOUT_RULES = (
 
 
 def rollout_problems(model: ModelConfig, infer, train, world: Optional[int]) -> list[LayoutRule]:
-    """The rules ``infer`` (a filled ``RolloutLayout``) breaks beside the training layout ``train``
-    on the ``world`` ranks that generate (empty: it can generate)."""
+    """The rules ``infer`` (a rollout ``ParallelLayout``, its sizes filled) breaks beside the
+    training layout ``train`` on the ``world`` ranks that generate (empty: it can generate)."""
     return problems(ROLLOUT_RULES, model, infer, train, world)

@@ -18,8 +18,8 @@ from megatron_rl.capabilities import resolve_transformer_impl, te_version
 from megatron_rl.compat.megatron_fixes import transformer_config_fixes
 from megatron_rl.compat.yarn import rope_fusion_allowed, set_yarn_attributes
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.distributed.runtime import ParallelLayout, active_groups, active_layout
-from megatron_rl.models.arch import (
+from megatron_rl.distributed.runtime import active_groups, active_layout
+from megatron_rl.layout.arch import (
     ACTIVATIONS,
     MEGATRON_ROPE_SCALING_FACTOR,
     padded_vocab_size,
@@ -28,6 +28,7 @@ from megatron_rl.models.arch import (
     yarn_megatron_mscales,
     yarn_original_positions,
 )
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.models.gpt import RLGPTModel
 from megatron_rl.models.moe import attach_moe_state, moe_transformer_kwargs, router_class
 from megatron_rl.models.specs import block_spec

@@ -14,7 +14,7 @@ HF bridge's slice-wise import and export, the TP-sharded rollout engine):
   ``[gate_r; up_r]`` on rank r, so it is re-interleaved on gather and scatter;
 * the fused QKV projection is grouped per KV group (:func:`fuse_qkv`), so a contiguous block of
   its rows is a block of whole KV groups;
-* vocabulary-parallel tensors (embedding, output layer) are padded to :func:`megatron_rl.models.arch.padded_vocab_size`
+* vocabulary-parallel tensors (embedding, output layer) are padded to :func:`megatron_rl.layout.arch.padded_vocab_size`
   rows, the padding on the last TP rank;
 * with tied embeddings and PP>1 the last stage's ``output_layer.weight`` is a copy of the
   embedding and is left out of the canonical dict;
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from megatron_rl.distributed import collectives
 from megatron_rl.distributed.runtime import active_groups
-from megatron_rl.models.arch import global_expert_name, is_expert_param, local_norm_name
+from megatron_rl.layout.arch import global_expert_name, is_expert_param, local_norm_name
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 

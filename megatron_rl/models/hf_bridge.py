@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
-from megatron_rl.models.arch import DTYPES, attention_dims
+from megatron_rl.layout.arch import DTYPES, attention_dims
 from megatron_rl.models.canonical import (
     VOCAB_PARALLEL,
     fuse_gate_up,

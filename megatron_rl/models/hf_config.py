@@ -15,7 +15,7 @@ import os
 
 from megatron_rl.config.schema import ModelConfig, MoEConfig, RopeScalingConfig
 from megatron_rl.errors import ConfigError
-from megatron_rl.models.arch import LLAMA3_ROPE_FIXED, yarn_attention_factor, yarn_original_positions
+from megatron_rl.layout.arch import LLAMA3_ROPE_FIXED, yarn_attention_factor, yarn_original_positions
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe")

@@ -3,7 +3,7 @@
 megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism.  These norms are plain torch
 modules whose parameters carry ``sequence_parallel`` so that megatron's
 ``finalize_model_grads`` sums their gradients over the tensor-parallel group, which is all
-sequence parallelism needs from a norm.  The math is :func:`megatron_rl.models.arch.fp32_norm`.
+sequence parallelism needs from a norm.  The math is :func:`megatron_rl.layout.arch.fp32_norm`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from megatron_rl.models.arch import NORMALIZATIONS, fp32_norm
+from megatron_rl.layout.arch import NORMALIZATIONS, fp32_norm
 
 
 class _FP32Norm(torch.nn.Module):

@@ -29,12 +29,13 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.layout.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.layout.kv import kv_bytes
 from megatron_rl.layout.rules import rollout_problems
-from megatron_rl.layout.sizes import RolloutLayout, shares_training_weights
-from megatron_rl.models.arch import attention_dims, is_moe, padded_vocab_size
+from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
 from megatron_rl.planner import moe
+from megatron_rl.planner.option import PlanOption, cp_levels
 
 GiB = 2**30
 
@@ -48,78 +49,7 @@ ADAM_BYTES_PER_PARAM = 3 * 4
 LOGPROB_SAVED_BYTES_PER_TOKEN = 2 * 4 + 2 * 8
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanOption:
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sequence_parallel: bool = True
-    recompute: Optional[str] = None  # None | "selective" | "full"
-    offload: bool = False
-    distributed_optimizer: bool = False
-    cp_comm_type: str = "p2p"  # p2p | all_gather | a2a | a2a+p2p
-    hierarchical_cp: Optional[tuple] = None  # a2a+p2p: (a2a size, ring size); None = (2, cp / 2)
-    ep: int = 1  # MoE: expert parallel (planner/moe.py)
-    etp: Optional[int] = None  # MoE: expert tensor parallel; None = tp
-    rollout_layout: Optional["RolloutLayout"] = None  # megatron's engine: rollout.layout as set; None = chosen
-    generators: int = 0  # rollout.ranks: GPUs that only generate (on rollout.layout); the layout above trains
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    def settings(self, with_critic: bool = True) -> dict:
-        """The config keys this layout decides, with their values (``None`` = null): every
-        memory switch, also when off, so a config can be checked against the plan."""
-        out = {"parallel.tp": self.tp, "parallel.pp": self.pp, "parallel.cp": self.cp,
-               "parallel.sequence_parallel": self.sequence_parallel and self.tp > 1}
-        if self.cp > 1:
-            out["parallel.cp_comm_type"] = self.cp_comm_type
-            if self.cp_comm_type == "a2a+p2p":
-                out["parallel.hierarchical_context_parallel_sizes"] = list(cp_levels(self))
-        out["model.recompute.granularity"] = self.recompute
-        out["actor.optim.use_distributed_optimizer"] = self.distributed_optimizer
-        if with_critic:
-            out["critic.optim.use_distributed_optimizer"] = self.distributed_optimizer
-        out["trainer.offload"] = self.offload
-        out["rollout.engine"] = "megatron"
-        if self.generators:
-            out["rollout.ranks"] = self.generators
-        out.update(moe.settings(self))
-        return out
-
-    def overrides(self, with_critic: bool = True) -> list[str]:
-        """:meth:`settings` as command-line overrides; dense layouts leave out the expert sizes."""
-        dense = self.ep == 1 and self.etp is None
-        return [f"{key}={format_value(value)}" for key, value in self.settings(with_critic).items()
-                if not (dense and key in moe.SETTINGS_KEYS)]
-
-
-def format_value(value) -> str:
-    """A config value as an override writes it: true/false, null, [a,b]."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(str(v) for v in value) + "]"
-    return str(value)
-
-
 A2A_COMM_TYPES = ("a2a", "a2a+p2p")
-
-
-def cp_levels(layout: PlanOption) -> tuple[int, int]:
-    """``(a2a size, ring size)`` of the CP group: ``(cp, 1)`` for a2a, ``(1, cp)`` for p2p and
-    all_gather, the hierarchical sizes (default ``(2, cp / 2)``) for a2a+p2p."""
-    if layout.cp_comm_type == "a2a":
-        return layout.cp, 1
-    if layout.cp_comm_type == "a2a+p2p":
-        if layout.hierarchical_cp:
-            return int(layout.hierarchical_cp[0]), int(layout.hierarchical_cp[1])
-        return 2, max(layout.cp // 2, 1)
-    return 1, layout.cp
 
 
 def _kv_heads_after_a2a(kv_local: float, a2a: int) -> float:
@@ -460,17 +390,16 @@ ROLLOUT_PP_SIZES = (1, 2, 4, 8, 16)
 ROLLOUT_CONCURRENCY = 16
 
 
-def rollout_option(infer: RolloutLayout, world: int) -> PlanOption:
+def rollout_option(infer: ParallelLayout, world: int) -> PlanOption:
     """``infer`` on ``world`` ranks as the memory model's :class:`PlanOption` (no CP, no sequence parallelism)."""
-    return PlanOption(tp=infer.tp, pp=infer.pp, dp=infer.replicas(world), sequence_parallel=False, ep=infer.ep,
-                      etp=infer.etp)
+    return PlanOption(sizes=infer.on_world(world))
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutMemory:
     """Per-rank memory of the rollout phase on megatron's engine with ``layout``."""
 
-    layout: RolloutLayout
+    layout: ParallelLayout
     replicas: int
     shares: bool  # generates on the actor's shards: no second copy
     weights: float  # bf16 weights of the inference shard (the actor's own when ``shares``)
@@ -491,7 +420,7 @@ class RolloutMemory:
         return self.sequences * self.replicas
 
 
-def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *, seq_len: int, resident: float,
+def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: ParallelLayout, *, seq_len: int, resident: float,
                    budget_bytes: float, max_sequences: int = 256, param_bytes: int = 2,
                    block_tokens: int = KV_BLOCK_TOKENS, generators: Optional[int] = None) -> RolloutMemory:
     """What generating with ``infer`` holds per rank: ``resident`` (the training state left on the
@@ -514,14 +443,14 @@ def rollout_memory(cfg: ModelConfig, train: PlanOption, infer: RolloutLayout, *,
 
 
 def rollout_layout_options(cfg: ModelConfig, train: PlanOption, generators: Optional[int] = None
-                           ) -> list[RolloutLayout]:
+                           ) -> list[ParallelLayout]:
     """Inference layouts worth trying beside ``train`` (or on ``generators`` ranks of their own):
     every TP and PP that divide what they must, with the training layout's expert parallelism
     (expert-TP: the training one's)."""
     out = []
     for tp in ROLLOUT_TP_SIZES:
         for pp in ROLLOUT_PP_SIZES:
-            infer = RolloutLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
+            infer = ParallelLayout(tp=tp, pp=pp, ep=train.ep, etp=(train.etp or train.tp) if is_moe(cfg) else None)
             if infer.etp == infer.tp:
                 infer = dataclasses.replace(infer, etp=None)
             if generators and infer.ep > 1 and infer.pp > 1:  # never the actor's shards there
@@ -548,7 +477,7 @@ def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, 
     if not options and generators:
         raise ValueError(f"no rollout.layout divides this model over {generators} generator rank(s)")
     if not options:  # nothing else divides: the training layout
-        mem = rollout_memory(cfg, train, RolloutLayout.of_training(train), seq_len=seq_len, resident=resident,
+        mem = rollout_memory(cfg, train, ParallelLayout.for_rollout(None, train), seq_len=seq_len, resident=resident,
                              budget_bytes=budget_bytes, max_sequences=max_sequences, param_bytes=param_bytes,
                              block_tokens=block_tokens)
         return mem, f"{mem.layout.name()}: the training layout's sizes (no other layout divides this model and world)"
@@ -571,9 +500,9 @@ def choose_rollout_layout(cfg: ModelConfig, train: PlanOption, *, seq_len: int, 
 def activation_bytes_per_token(model, layout, dtype_bytes: int) -> float:
     """Bytes a rank keeps for backward per local token of a micro-batch: the decoder layers of its
     pipeline stage (pp micro-batches in flight) and the log-prob path, as the planner counts them."""
-    option = PlanOption(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
-                        sequence_parallel=layout.sequence_parallel, recompute=model.recompute.granularity,
-                        cp_comm_type=layout.cp_comm_type)
+    option = PlanOption.of(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp,
+                           sequence_parallel=layout.sequence_parallel, recompute=model.recompute.granularity,
+                           cp_comm_type=layout.cp_comm_type)
     # Kept logits are bounded by batch.logprob_keep_logits_gib on their own, not a cost per token.
     return (activation_bytes(model, option, 1, dtype_bytes)
             + head_bytes(model, option, 1, dtype_bytes, keep_logits_bytes=0)["saved"])

@@ -23,7 +23,7 @@ MoE layers): no weight copy, a paged KV cache of this stage's layers split over 
 
 from __future__ import annotations
 
-from megatron_rl.models.arch import expert_ffn_size, moe_layer_pattern
+from megatron_rl.layout.arch import expert_ffn_size, moe_layer_pattern
 
 
 def _ffn_params(h: int, f: int, gated: bool) -> int:

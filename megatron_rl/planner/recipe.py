@@ -73,17 +73,17 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
     Returns ``(RolloutMemory, why)``."""
     from megatron_rl.planner.memory import (
         ROLLOUT_CONCURRENCY,
-        PlanOption,
         choose_rollout_layout,
         model_state,
         rollout_resident_bytes,
     )
+    from megatron_rl.planner.option import PlanOption
     from megatron_rl.planner.search import HEADROOM
 
     p, inputs = cfg.parallel, plan_inputs(cfg)
-    train = PlanOption(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(world // (p.tp * p.pp * p.cp), 1),
-                       sequence_parallel=p.sequence_parallel, offload=cfg.trainer.offload,
-                       distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, ep=p.ep, etp=p.etp)
+    train = PlanOption.of(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(world // (p.tp * p.pp * p.cp), 1),
+                          sequence_parallel=p.sequence_parallel, offload=cfg.trainer.offload,
+                          distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, ep=p.ep, etp=p.etp)
     models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes)
     generators = cfg.rollout.ranks or None
     return choose_rollout_layout(cfg.model, train, seq_len=inputs.prompt_len + inputs.response_len,

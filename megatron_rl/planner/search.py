@@ -6,13 +6,14 @@ import dataclasses
 import itertools
 from typing import Callable, Optional
 
-from megatron_rl.config.schema import ModelConfig, MoEConfig
+from megatron_rl.config.schema import ModelConfig, MoEConfig, RolloutLayoutConfig
 from megatron_rl.data.microbatch import align_to, alignment
+from megatron_rl.layout.arch import is_moe
 from megatron_rl.layout.rules import PP_RULES, TP_RULES, a2a_heads_ok, problems, training_problems
-from megatron_rl.layout.sizes import RolloutLayout
-from megatron_rl.models.arch import is_moe
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import moe
-from megatron_rl.planner.memory import Breakdown, GiB, PlanOption, estimate, format_value
+from megatron_rl.planner.memory import Breakdown, GiB, estimate
+from megatron_rl.planner.option import PlanOption, format_value
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
 HEADROOM = 0.9
@@ -123,7 +124,7 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, rollout_layout:
     gpus -= generators
     for tp in _divisors(gpus, min(MAX_TP, gpus_per_node)):
         for pp in _divisors(gpus // tp, gpus):
-            dense = PlanOption(tp=tp, pp=pp)
+            dense = PlanOption.of(tp=tp, pp=pp)
             if problems(TP_RULES + PP_RULES, cfg, dense, dense, None):  # the other rules: below
                 continue
             for cp in _divisors(gpus // (tp * pp), gpus):
@@ -136,11 +137,11 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, rollout_layout:
                     for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
                         infer = None
                         if rollout_layout:
-                            infer = RolloutLayout.filled(RolloutLayout(**rollout_layout),
-                                                         RolloutLayout(tp=tp, pp=pp, ep=ep, etp=etp))
-                        lay = PlanOption(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
-                                         distributed_optimizer=dist_opt, cp_comm_type=comm, hierarchical_cp=levels,
-                                         ep=ep, etp=etp, rollout_layout=infer, generators=generators)
+                            infer = ParallelLayout.for_rollout(RolloutLayoutConfig(**rollout_layout),
+                                                               ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp))
+                        lay = PlanOption.of(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
+                                            distributed_optimizer=dist_opt, cp_comm_type=comm, hierarchical_cp=levels,
+                                            ep=ep, etp=etp, rollout_layout=infer, generators=generators)
                         if not training_problems(cfg, lay, lay.world):  # what validate refuses, never proposed
                             yield lay
 

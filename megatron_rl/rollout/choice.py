@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from megatron_rl.capabilities import paged_kernels_installed
 from megatron_rl.config.choices import ASYNC, AUTO, ROLLOUT_BATCHING
-from megatron_rl.models.arch import is_moe
+from megatron_rl.layout.arch import is_moe
 
 _, DYNAMIC, STATIC = ROLLOUT_BATCHING
 

@@ -33,8 +33,9 @@ from megatron_rl.distributed.messages import (
     WeightsPush,
 )
 from megatron_rl.distributed.placement import GENERATOR
-from megatron_rl.distributed.runtime import ParallelLayout, job_placement, job_store
+from megatron_rl.distributed.runtime import job_placement, job_store
 from megatron_rl.distributed.startup import start_model_parallel
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.rollout.build import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.dp import generate_data_parallel

@@ -26,29 +26,28 @@ import torch.distributed as dist
 
 from megatron_rl.compat.resharding import cached_reshard_plan, global_layer_renamer, preset_refit_tensors
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.distributed.runtime import ParallelLayout, layout_groups
-from megatron_rl.layout.sizes import RolloutLayout
+from megatron_rl.distributed.runtime import layout_groups
+from megatron_rl.layout.sizes import ParallelLayout
 
 
 @functools.lru_cache(maxsize=None)
-def inference_groups(infer: RolloutLayout, world: int):
+def inference_groups(infer: ParallelLayout, world: int):
     """megatron's process groups of the inference layout over the whole world (collective)."""
     return layout_groups(infer.tp, infer.pp, infer.ep, infer.expert_tp, world)
 
 
-def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: ParallelLayout,
+def build_inference_model(model_cfg: ModelConfig, infer: ParallelLayout, train: ParallelLayout,
                           device: torch.device):
     """This rank's shard of the inference model, weights allocated but not initialised (the
     first :func:`refit` fills them)."""
     from megatron_rl.capabilities import resolve_transformer_impl
-    from megatron_rl.models.arch import resolve_dtype
+    from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.models.builder import gpt_model, transformer_config
     from megatron_rl.models.moe import attach_moe_state
 
     world = dist.get_world_size()
     groups = inference_groups(infer, world)
-    layout = ParallelLayout(tp=infer.tp, pp=infer.pp, cp=1, dp=infer.replicas(world), sequence_parallel=False,
-                            ep=infer.ep, etp=infer.etp if infer.etp and infer.etp != infer.tp else None)
+    layout = dataclasses.replace(infer.on_world(world), etp=infer.etp if infer.etp != infer.tp else None)
     impl = resolve_transformer_impl(model_cfg.transformer_impl)
     dtype = resolve_dtype(model_cfg.params_dtype, device)
     # Recompute is a training setting: the inference model never runs a backward.
@@ -67,7 +66,7 @@ def build_inference_model(model_cfg: ModelConfig, infer: RolloutLayout, train: P
 def refit_vocab_rows(model_cfg: ModelConfig, train_tp: int, infer_tp: int) -> int:
     """The inference model's vocabulary rows: the training model's padded count, so the
     embedding and output layer map row for row (a TP1 model alone would pad less than a TP2 one)."""
-    from megatron_rl.models.arch import padded_vocab_size
+    from megatron_rl.layout.arch import padded_vocab_size
 
     rows = padded_vocab_size(model_cfg.vocab_size, model_cfg.make_vocab_size_divisible_by, train_tp)
     if rows % infer_tp:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron_rl.config.schema import ParallelConfig
-from megatron_rl.distributed.runtime import ParallelLayout
 from megatron_rl.distributed.startup import start_layout
+from megatron_rl.layout.sizes import ParallelLayout
 
 
 def use_layout(tp=1, pp=1, vpp=None, cp=1, sp=False, cp_comm_type="p2p", batch_p2p_comm=None,

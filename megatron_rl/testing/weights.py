@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import ACTIVATIONS, attention_dims
+from megatron_rl.layout.arch import ACTIVATIONS, attention_dims
 
 
 def canonical_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

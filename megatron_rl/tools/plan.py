@@ -21,7 +21,8 @@ import os
 import textwrap
 
 from megatron_rl.errors import ConfigError
-from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, format_value, total_params
+from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, total_params
+from megatron_rl.planner.option import format_value
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
 from megatron_rl.planner.search import HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config.schema import Config
-from megatron_rl.distributed.runtime import ParallelLayout
+from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner.memory import total_params
 from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, Resolution
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import (
+from megatron_rl.layout.arch import (
     ACTIVATIONS,
     NORMALIZATIONS,
     attention_dims,
@@ -124,7 +124,7 @@ class KVCache:
 
 
 class _Norm(nn.Module):
-    """RMSNorm / LayerNorm with the trainer's math (:func:`~megatron_rl.models.arch.fp32_norm`)."""
+    """RMSNorm / LayerNorm with the trainer's math (:func:`~megatron_rl.layout.arch.fp32_norm`)."""
 
     def __init__(self, size: int, kind: str, eps: float, dtype):
         super().__init__()

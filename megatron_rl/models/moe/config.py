@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from megatron_rl.models.arch import expert_ffn_size, moe_layer_pattern
+from megatron_rl.layout.arch import expert_ffn_size, moe_layer_pattern
 from megatron_rl.models.moe.router import LossSettings, RLTopKRouter
 
 ROUTER_DTYPES = {"float32": "fp32", "float64": "fp64", "model": None}

@@ -10,7 +10,7 @@ from typing import Optional
 from megatron_rl.compat.inference_graphs import DecodeGraphs
 from megatron_rl.compat.paged_attention import install_paged_attention, paged_attention_refusal, pick_paged_attention
 from megatron_rl.distributed.runtime import one_rank_group
-from megatron_rl.models.arch import max_positions
+from megatron_rl.layout.arch import max_positions
 from megatron_rl.rollout.engine import RolloutBatch
 from megatron_rl.rollout.megatron.controller import (
     IdsOnly,
@@ -170,7 +170,7 @@ class DynamicBatching:
 
     def _graphed(self, kernels: str) -> bool:
         """Whether decode steps replay CUDA graphs (``rollout.cuda_graphs``; None: wherever they can)."""
-        from megatron_rl.models.arch import is_moe
+        from megatron_rl.layout.arch import is_moe
         from megatron_rl.rollout.choice import DYNAMIC, cuda_graphs_refusal, pick_cuda_graphs
 
         s = self.settings

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.models.arch import max_positions
+from megatron_rl.layout.arch import max_positions
 from megatron_rl.rollout.choice import STATIC
 from megatron_rl.rollout.engine import GeneratorPlace, LiveWeights, RolloutBatch
 from megatron_rl.rollout.megatron.dynamic import DynamicBatching
@@ -124,7 +124,7 @@ class MegatronRolloutEngine:
         """``dynamic`` or ``static``: how the next generate batches (``rollout.batching`` with
         ``auto`` resolved for this model, device and rollout; :func:`~megatron_rl.rollout.choice.pick_batching`)."""
         from megatron_rl.capabilities import paged_kernels_installed
-        from megatron_rl.models.arch import is_moe
+        from megatron_rl.layout.arch import is_moe
         from megatron_rl.rollout.choice import batching_refusal, pick_batching
 
         facts = dict(moe=is_moe(self.model_cfg), partial=self.live_weights is not None,

@@ -25,15 +25,15 @@ class EngineWeights:
         self.last_refit = None  # RefitStats of the latest refit; None while generating in place
 
     def inference_layout(self):
-        """The :class:`~megatron_rl.layout.sizes.RolloutLayout` the engine generates on (the
+        """The :class:`~megatron_rl.layout.sizes.ParallelLayout` the engine generates on (the
         training layout's sizes where ``rollout.layout`` leaves them unset)."""
         from megatron_rl.distributed.runtime import active_layout
-        from megatron_rl.layout.sizes import RolloutLayout
+        from megatron_rl.layout.sizes import ParallelLayout
 
         train = active_layout()
         if train is None:
             raise RuntimeError("rollout.engine=megatron needs megatron's parallel groups (init_model_parallel)")
-        return RolloutLayout.filled(self.layout, train)
+        return ParallelLayout.for_rollout(self.layout, train)
 
     def place(self, chunks: list) -> bool:
         """Generate with the actor's chunk itself where the inference layout is the training layout;

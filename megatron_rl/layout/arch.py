@@ -2,7 +2,8 @@
 
 Pure Python and torch (no megatron-core), so validation and the planner read it, and the test
 oracle decoder (``tests/support/decoder.py``) reads the same facts the megatron model is built
-from.  The choice lists themselves live in ``config/choices.py``.
+from.  It sits in ``layout/`` (not ``models/``) so the layout rules read it without importing the
+model package, which imports ``distributed/``.  The choice lists live in ``config/choices.py``.
 """
 
 from __future__ import annotations
