@@ -96,7 +96,8 @@ def test_train_stops_when_no_agent_named_its_session_and_warns_when_half_did(tmp
 
 # ------------------------------------------------------------------ the SFT warm-up in agent mode
 
-JOURNEY_WARMUP = 100  # warm-up steps after which the tiny model writes calculator calls
+JOURNEY_WARMUP = 100  # warm-up steps (at JOURNEY_SFT_LR) after which the tiny model writes calculator calls
+JOURNEY_SFT_LR = 0.003
 TOOL_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*/=#.,:?()<>_{}\"\n"
 
 
@@ -196,11 +197,20 @@ def test_an_agent_warm_up_without_chat_demonstrations_is_refused_before_launch(t
     assert "or set trainer.sft_warmup_steps=0" in line
     assert not (tmp_path / "task").exists()  # refused before any process started
 
-    chats = [_demonstrated_chat(), _demonstrated_chat()[:1]]  # the second has no demonstration
-    proc, _ = cli(*run, f"data.train_path={_write_chats(tmp_path / 'chats.jsonl', chats)}",
-                  "data.max_prompt_tokens=64", "run.name=file")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    (line,) = proc.stderr.strip().splitlines()
+    # the same check before launch (the function the CLI calls), in process: a chats file whose second
+    # record has no demonstration
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.tools.preflight import check_training_inputs
+
+    chats = [_demonstrated_chat(), _demonstrated_chat()[:1]]
+    cfg = load_config(None, [*run[1:], f"data.train_path={_write_chats(tmp_path / 'chats.jsonl', chats)}",
+                             "data.max_prompt_tokens=64", "run.name=file"])
+    with pytest.raises(ConfigError) as info:
+        check_training_inputs(cfg)
+    line = info.value.one_line()
+    assert line.startswith("config error: trainer.sft_warmup_steps=2: with rollout.agent the warm-up trains on "
+                           "the chat the endpoint serves") and "\n" not in line, line
     assert f"and {tmp_path / 'chats.jsonl'}:2 is not a 'messages' chat ending in a demonstration" in line, line
 
 
@@ -220,7 +230,6 @@ def test_an_agent_job_warms_up_on_demonstrated_chats(tmp_path):
     assert read_metrics(tmp_path / "warm")[0]["env/agent_no_reply"] == 0
 
 
-JOURNEY_WARMUP = 100  # warm-up steps after which the tiny model writes calculator calls
 TOOL_TOKENIZER = "char:" + TOOL_ALPHABET
 
 
@@ -259,7 +268,7 @@ def sdk_tool_journey(tmp_path, warmup_steps: int, steps: int, name: str = "journ
         "reward.fn=tests.support.helpers:answer_digits_in_place", "algorithm.advantage=grpo", "algorithm.kl_coef=0.0",
         "algorithm.mini_batches=1",
         "actor.optim.lr=0.0003", "actor.optim.clip_grad=1.0", "trainer.prompts_per_step=8",
-        f"trainer.sft_warmup_steps={warmup_steps}", "trainer.sft_lr=0.003", f"trainer.steps={steps}",
+        f"trainer.sft_warmup_steps={warmup_steps}", f"trainer.sft_lr={JOURNEY_SFT_LR}", f"trainer.steps={steps}",
         "trainer.plot=false", f"run.dir={tmp_path}", f"run.name={name}", timeout=1800)
     return proc, seconds, (read_metrics(tmp_path / name) if proc.returncode == 0 else [])
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 
 
 def cli(*args, env=None, timeout=300):
@@ -39,25 +40,36 @@ def losses(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
 
 
-def test_bad_override_exits_2_with_one_line(tmp_path):
+def cli_in_process(capsys, *args) -> tuple[int, str]:
+    """``megatron_rl.tools.cli.main`` in this process, for commands that stop before any rank starts;
+    returns (exit code, stderr)."""
+    from megatron_rl.tools.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_bad_override_exits_2_with_one_line(tmp_path, capsys):
     proc, _ = cli("smoke", "--nproc", "4", "parallel.tp=3", f"run.dir={tmp_path}")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == ["config error: parallel.tp=3: world size 4 is not divisible by tp*pp*cp; fix: choose "
                      "tp*pp*cp that divides 4, or start a multiple of tp*pp*cp processes "
                      "[feature matrix: Parallel layouts (world size <= 8)]"]
-    proc, _ = cli("train", "--config", "configs/demo_cpu.yaml", "parallel.tpp=2")
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == ("config error: parallel.tpp=2: unknown key (from the command line); "
+    # The same refusal for a mistyped key, in-process (the function the CLI runs; a process start saved).
+    code, err = cli_in_process(capsys, "train", "--config", DEMO, "parallel.tpp=2")
+    assert code == 2
+    assert err.strip() == ("config error: parallel.tpp=2: unknown key (from the command line); "
                                    "fix: did you mean parallel.tp?")
     assert not list(tmp_path.iterdir())  # nothing was started or written
 
 
-def test_validate_command(tmp_path):
+def test_validate_command(tmp_path, capsys):
     proc, _ = cli("validate", "configs/demo_cpu.yaml")
     assert proc.returncode == 0 and "config OK for 4 rank(s)" in proc.stdout
-    proc, _ = cli("validate", "configs/demo_cpu.yaml", "--world-size", "6")
-    assert proc.returncode == 2 and "world size 6" in proc.stderr
+    code, err = cli_in_process(capsys, "validate", DEMO, "--world-size", "6")
+    assert code == 2 and "world size 6" in err
 
 
 @pytest.mark.slow
@@ -193,7 +205,8 @@ def c_exit(prompts, responses, answers, **kwargs):
 '''
 SHORT_JOB = ["--config", "configs/demo_cpu.yaml", "parallel.tp=1", "parallel.pp=1", "trainer.steps=2",
              "trainer.sft_warmup_steps=0", "trainer.prompts_per_step=2", "rollout.n=2",
-             "rollout.max_new_tokens=2", "trainer.plot=false"]
+             "rollout.max_new_tokens=2", "trainer.plot=false",
+             "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64"]  # no bigger model needed
 
 
 @pytest.mark.slow
@@ -254,34 +267,43 @@ def _take_the_rendezvous_port(launcher: subprocess.Popen, held: list) -> None:
         time.sleep(0.005)
 
 
-@pytest.mark.slow
-def test_a_job_starts_even_when_another_process_binds_the_port_its_ranks_were_told(tmp_path):
-    """A launcher that picks a free port and lets rank 0 bind it seconds later loses it to whoever binds
-    first (EADDRINUSE, the job dies).  The ranks now rendezvous on a port rank 0 itself got from the
-    kernel, so there is no told-but-unbound port to take."""
+@pytest.fixture(scope="module")
+def four_jobs_at_once(tmp_path_factory):
+    """Four 2-rank jobs started at the same moment, while another process binds the port the first
+    job's launcher told its ranks (``MASTER_PORT``) as soon as it can read it: one run shared by the
+    two port tests.  Returns ([(returncode, stderr)] per job, held)."""
     import threading
 
-    launcher = subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *SHORT_JOB,
-                                 "trainer.steps=1", f"run.dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    tmp_path = tmp_path_factory.mktemp("four_jobs")
+    cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *SHORT_JOB, "trainer.steps=1"]
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
+    jobs = [subprocess.Popen([*cmd, f"run.dir={tmp_path}/{i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(4)]
     held: list = []
-    thief = threading.Thread(target=_take_the_rendezvous_port, args=(launcher, held))
+    thief = threading.Thread(target=_take_the_rendezvous_port, args=(jobs[0], held))
     thief.start()
-    out, err = launcher.communicate(timeout=300)
+    results = [job.communicate(timeout=600) for job in jobs]
     thief.join()
     for item in held[1:]:
         item.close()
-    print(f"ranks were told MASTER_PORT={held[:1]}; taken by another process: {len(held) > 1}")
-    assert launcher.returncode == 0, err[-2000:]
+    print(f"job 0's ranks were told MASTER_PORT={held[:1]}; taken by another process: {len(held) > 1}")
+    return [(job.returncode, err) for job, (_, err) in zip(jobs, results)], held
+
+
+@pytest.mark.slow
+def test_a_job_starts_even_when_another_process_binds_the_port_its_ranks_were_told(four_jobs_at_once):
+    """A launcher that picks a free port and lets rank 0 bind it seconds later loses it to whoever binds
+    first (EADDRINUSE, the job dies).  The ranks now rendezvous on a port rank 0 itself got from the
+    kernel, so there is no told-but-unbound port to take."""
+    results, held = four_jobs_at_once
+    code, err = results[0]  # the job whose told port was taken
+    assert code == 0, err[-2000:]
     assert held, "the test never saw the launched ranks"
 
 
 @pytest.mark.slow
-def test_four_jobs_started_at_once_all_start(tmp_path):
+def test_four_jobs_started_at_once_all_start(four_jobs_at_once):
     """N jobs on one machine at the same moment must not pick the same rendezvous port."""
-    cmd = [sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *SHORT_JOB, "trainer.steps=1"]
-    jobs = [subprocess.Popen([*cmd, f"run.dir={tmp_path}/{i}"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for i in range(4)]
-    results = [job.communicate(timeout=600) for job in jobs]
-    for job, (_, err) in zip(jobs, results):
-        assert job.returncode == 0, err[-2000:]
+    results, _ = four_jobs_at_once
+    for code, err in results:
+        assert code == 0, err[-2000:]

@@ -31,7 +31,8 @@ def _can_mount_tmpfs(where) -> bool:
 @pytest.fixture
 def small_disk(tmp_path):
     """``run(size, script)``: ``script`` (sh) in a mount namespace with a tmpfs of ``size`` at
-    ``$DISK``; ``$TRAIN`` is the 2-rank CLI command (append overrides)."""
+    ``$DISK``; ``$TRAIN`` is the 2-rank CLI command, ``$TRAIN1`` the same run on one process (append
+    overrides)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     try:
@@ -42,12 +43,14 @@ def small_disk(tmp_path):
         pytest.skip("needs unshare -rm and tmpfs mounts (a private mount namespace) to fill a real disk")
     train = shlex.join([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *RUN,
                         f"run.dir={disk}", "run.name=r"])
+    train1 = shlex.join([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "1", *RUN,
+                         "parallel.tp=1", f"run.dir={disk}", "run.name=r"])
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
 
     def run(size: str, script: str) -> None:
         body = f"set -u; mount -t tmpfs -o size={size} tmpfs {disk} && cd {shlex.quote(ROOT)} && {script}"
-        subprocess.run(["unshare", "-rm", "sh", "-c", body], env={**env, "DISK": str(disk), "TRAIN": train},
-                       timeout=600, check=True)
+        subprocess.run(["unshare", "-rm", "sh", "-c", body],
+                       env={**env, "DISK": str(disk), "TRAIN": train, "TRAIN1": train1}, timeout=600, check=True)
 
     return tmp_path, run
 
@@ -59,9 +62,9 @@ def _job(tmp_path, name: str) -> tuple[int, str]:
         return code, fh.read()
 
 
-def _launch(tmp_path, name: str, extra: str = "", env: str = "") -> str:
+def _launch(tmp_path, name: str, extra: str = "", env: str = "", train: str = "$TRAIN") -> str:
     """sh: run the job, keep its exit code and stderr, and list the checkpoints it left."""
-    return (f"{env} $TRAIN {extra} > {tmp_path}/{name}.out 2> {tmp_path}/{name}.err; echo $? > {tmp_path}/{name}.rc; "
+    return (f"{env} {train} {extra} > {tmp_path}/{name}.out 2> {tmp_path}/{name}.err; echo $? > {tmp_path}/{name}.rc; "
             f"ls $DISK/r/checkpoints > {tmp_path}/{name}.ls 2>/dev/null; true")
 
 
@@ -79,7 +82,7 @@ def _storage_line(err: str) -> str:
 
 def test_a_checkpoint_that_does_not_fit_stops_before_writing_with_one_line(small_disk):
     tmp_path, run = small_disk
-    run("700k", _launch(tmp_path, "job", "trainer.steps=2"))
+    run("700k", _launch(tmp_path, "job", "trainer.steps=1"))  # the last step's save is the first
     code, err = _job(tmp_path, "job")
     line = _storage_line(err)
     assert code == 2
@@ -108,12 +111,13 @@ def test_a_disk_that_fills_during_the_save_keeps_the_last_checkpoint_and_resumes
 
 def test_temporaries_of_a_failed_save_never_block_the_next_run(small_disk):
     """A stale ``step_*.tmp`` that holds the whole disk and a 0-byte ``config.yaml.tmp``, as a
-    save killed by a full disk leaves them: the next run removes them and trains."""
+    save killed by a full disk leaves them: the next run removes them and trains.  The launcher
+    removes them before any rank starts, so one process is enough."""
     tmp_path, run = small_disk
     stale = "$DISK/r/checkpoints/step_00000003.tmp"
     run("3m", f"mkdir -p {stale}/actor && : > $DISK/r/config.yaml.tmp && "
         f"(dd if=/dev/zero of={stale}/actor/__0_0.distcp bs=64k 2>/dev/null; true) && "
-        + _launch(tmp_path, "job", "trainer.steps=2"))
+        + _launch(tmp_path, "job", "trainer.steps=2", train="$TRAIN1"))
     code, err = _job(tmp_path, "job")
     assert code == 0, err[-3000:]
     assert _listing(tmp_path, "job") == ["latest", "step_00000002"]
@@ -132,12 +136,18 @@ def test_a_disk_that_fills_outside_a_save_stops_each_writer_with_one_line(small_
     """Another writer takes the disk after step 2's checkpoint; the run's next write of its own
     (the metrics line, the sample log, TensorBoard's events, the plot) stops the job with one line
     naming the file and what it needed, exit 2: no traceback, no ``.tmp``, no half-written line,
-    step 2's checkpoint intact; with the space back, the same command goes on from there."""
+    step 2's checkpoint intact; with the space back, the same command goes on from there.
+
+    Only rank 0 writes these files, so one writer (the metrics line, written while the other rank is
+    mid-step) runs as a 2-rank job, through the launcher that stops the other rank; the others run on
+    one process (one process per job instead of a launcher and two ranks)."""
     tmp_path, run = small_disk
     extra = "trainer.steps=3 trainer.log_samples=true trainer.tensorboard=true trainer.plot=true"
-    run("8m", _launch(tmp_path, "full", extra, env=f"MEGATRON_RL_FAULT=fill_disk@rank=0:step=3:phase={writer}")
+    train = "$TRAIN" if writer == "metrics" else "$TRAIN1"
+    run("8m", _launch(tmp_path, "full", extra, env=f"MEGATRON_RL_FAULT=fill_disk@rank=0:step=3:phase={writer}",
+                      train=train)
         + f" ; find $DISK/r -name '*.tmp' > {tmp_path}/tmp.ls; cp $DISK/r/metrics.jsonl {tmp_path}/metrics.jsonl"
-        + " ; rm $DISK/r/disk_filler; " + _launch(tmp_path, "again", extra))
+        + " ; rm $DISK/r/disk_filler; " + _launch(tmp_path, "again", extra, train=train))
     code, err = _job(tmp_path, "full")
     line = _storage_line(err)
     assert code == 2, err[-3000:]

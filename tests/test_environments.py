@@ -232,13 +232,31 @@ def test_environment_factory_refuses_what_cannot_run():
 # ---------------------------------------------------------------------------- jobs through the CLI
 
 
+def cli_body(argv: list[str]) -> int:
+    """Harness body: ``megatron_rl.tools.cli.main`` on a one-rank test worker (torch and megatron-core
+    already imported, its process group kept): a CLI command without a process start of its own.  The
+    worker's ``MEGATRON_RL_LAUNCHER`` is set aside meanwhile: under a launcher a rank leaves by
+    ``os._exit`` (its exit code), which would end the worker instead of returning the code."""
+    from megatron_rl.tools.cli import main
+
+    launcher = os.environ.pop("MEGATRON_RL_LAUNCHER", None)
+    try:
+        return main(argv)
+    finally:
+        if launcher is not None:
+            os.environ["MEGATRON_RL_LAUNCHER"] = launcher
+
+
 @pytest.mark.slow
 def test_a_multi_turn_job_trains_and_logs_env_metrics(tmp_path):
+    from megatron_rl.testing.harness import run_distributed
     from tests.support.helpers import TINY, read_metrics
     from tests.test_cli import cli
 
+    # The job end to end through the CLI, on half of TINY's prompts (2 x rollout.n=2 trajectories a step).
     proc, seconds = cli("train", *TINY, "rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.turns=2",
                         "rollout.max_turns=3", "rollout.max_new_tokens=4", "trainer.steps=2",
+                        "trainer.prompts_per_step=2",
                         f"run.dir={tmp_path}", "run.name=multi_turn")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rollout.max_trajectory_tokens=28 (derived" in proc.stdout  # 16 + 3 x 4
@@ -251,14 +269,14 @@ def test_a_multi_turn_job_trains_and_logs_env_metrics(tmp_path):
         assert m["env/reward_mean"] == pytest.approx(0.25 * m["env/turns_mean"])
         assert m["env/max_turns_frac"] == 0.0
         assert all(torch.isfinite(torch.tensor(float(m[k]))) for k in ("actor/pg_loss", "actor/grad_norm"))
-    # The checkpoint evaluated on the environment: generate runs the same trajectories.
+    # The checkpoint evaluated on the environment: generate runs the same trajectories (the CLI's
+    # main on a one-rank test worker: the command's own code, without a second process start).
     rows, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     rows.write_text(json.dumps({"prompt": "3+4=", "answer": "7"}) + "\n")
-    proc, _ = cli("generate", "--checkpoint", str(tmp_path / "multi_turn"), "--input", str(rows), "--output", str(out),
-                  *TINY[:7], "data.max_prompt_tokens=16", "rollout.env=tests.support.envs:ScriptedEnv",
-                  "rollout.env_kwargs.turns=2",
-                  "rollout.max_turns=3", "rollout.max_new_tokens=4", "rollout.n=3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["generate", "--checkpoint", str(tmp_path / "multi_turn"), "--input", str(rows), "--output", str(out),
+            *TINY[:7], "data.max_prompt_tokens=16", "rollout.env=tests.support.envs:ScriptedEnv",
+            "rollout.env_kwargs.turns=2", "rollout.max_turns=3", "rollout.max_new_tokens=4", "rollout.n=3"]
+    assert run_distributed(1, cli_body, argv) == [0]
     generated = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(generated) == 3
     for row in generated:
@@ -268,9 +286,12 @@ def test_a_multi_turn_job_trains_and_logs_env_metrics(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_bad_environment_is_refused_before_launch(tmp_path):
+def test_a_bad_environment_is_refused_before_launch(tmp_path, capsys):
+    """One case end to end through a CLI process (exit 2, one stderr line); the rest through
+    ``megatron_rl.tools.cli.main`` in this process: the same launcher-side validation, which refuses
+    before any rank starts, so a process start per case would only add import time."""
     from tests.support.helpers import TINY
-    from tests.test_cli import cli
+    from tests.test_cli import cli, cli_in_process
 
     cases = [
         (["rollout.env=tests.support.nothing:Env"],
@@ -282,11 +303,17 @@ def test_a_bad_environment_is_refused_before_launch(tmp_path):
         (["rollout.env=tests.support.envs:ScriptedEnv", "rollout.max_trajectory_tokens=16"],
          "rollout.max_trajectory_tokens=16: leaves no room for a turn"),
     ]
-    for overrides, expected in cases:
-        proc, _ = cli("train", *TINY, *overrides, f"run.dir={tmp_path}")
-        assert proc.returncode == 2, (overrides, proc.stdout[-500:], proc.stderr[-2000:])
-        lines = proc.stderr.strip().splitlines()
+    (overrides, expected), *in_process = cases
+    proc, _ = cli("train", *TINY, *overrides, f"run.dir={tmp_path}")
+    assert proc.returncode == 2, (overrides, proc.stdout[-500:], proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], (overrides, lines)
+    for overrides, expected in in_process:
+        code, err = cli_in_process(capsys, "train", *TINY, *overrides, f"run.dir={tmp_path}")
+        assert code == 2, (overrides, err[-2000:])
+        lines = err.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0], (overrides, lines)
+    assert not list(tmp_path.iterdir())  # refused before launch: nothing was started or written
 
 
 # ---------------------------------------------------------------------------- training on multi-turn masks
