@@ -242,7 +242,7 @@ def measure(args, log=print) -> list[tuple[str, str]]:
         mean_context = args.prompt_len + args.new_tokens / 2
         step_bytes = setup.weight_bytes + concurrency * mean_context * setup.kv_bytes_per_token
         bound = concurrency * bandwidth / step_bytes
-        graphed = eng._graphs is not None
+        graphed = eng.dynamic.graphs is not None
         text = (f"ours {ours_tps:.0f} tokens/s ({tokens} in {seconds:.2f} s, CUDA graphs "
                 f"{'on' if graphed else 'off'}); bound {bound:.0f} tokens/s -> {100 * ours_tps / bound:.1f}% of it")
         if not args.skip_hf:
