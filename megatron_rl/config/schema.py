@@ -512,10 +512,23 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = _f(0, "LoRA rank r: train low-rank adapters (peft's r) on the frozen base instead of every weight; "
+                      "0 = full fine-tuning.", ge=0, le=C_INT_MAX)
+    alpha: float = _f(16.0, "LoRA alpha: adapter outputs are scaled by alpha / rank (peft's lora_alpha).", gt=0,
+                      le=MAX_FLOAT)
+    dropout: float = _f(0.0, "Dropout on each adapter's input (peft's lora_dropout).", ge=0, lt=1)
+    target_modules: list = _f(["all-linear"], "Projections that get adapters, by their Hugging Face names: q_proj, "
+                                              "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear "
+                                              "(every one of them; not the output layer, as peft).")
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     init_checkpoint: Optional[str] = _f(None, "megatron_rl checkpoint (step dir) to start from instead of "
                                               "model.hf_path.")
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -523,6 +536,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     hf_path: Optional[str] = _f(None, "Reward-model / value checkpoint for the critic; null = start from the "
                                       "actor's weights.")
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_rl.errors import CheckpointError
 from megatron_rl.layout.arch import DTYPES, attention_dims
+from megatron_rl.layout.lora import is_adapter_param
 from megatron_rl.models.canonical import (
     VOCAB_PARALLEL,
     fuse_gate_up,
@@ -222,6 +223,8 @@ def load_hf_weights(chunks: list, hf_dir: str) -> int:
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in global_named_parameters(model):
+            if is_adapter_param(name):
+                continue  # LoRA adapters start as peft's (or come from a checkpoint), not from the base
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 name = "embedding.word_embeddings.weight"
             if name.startswith("value_head.") and not reader.has("score.weight"):

@@ -106,14 +106,16 @@ def sequence_loss(outs: list[dict], seqs: list[dict], total: float):
 
 
 def actor_critic_step(layout_kw: dict, weights, lengths, plan_kw: dict, forward_only: bool = False,
-                      model_kw=None, optim_kw: dict | None = None, do_step: bool = False, steps: int = 1):
+                      model_kw=None, optim_kw: dict | None = None, do_step: bool = False, steps: int = 1,
+                      lora_kw: dict | None = None):
     """Harness body: forward+backward of the actor/critic loss through ``run_sequences`` (and, with
     ``do_step``, an optimizer step after each of ``steps`` such passes).
 
     Rank 0 returns the first pass's per-sequence outputs and canonical gradients, the canonical
     weights, the per-rank token counts, per pass its outputs, loss and gradient norm (``steps``),
     and (``do_step``) the canonical parameters after the last step; the other ranks return their
-    local token counts."""
+    local token counts.  ``lora_kw`` (``LoRAConfig`` fields): the base frozen, LoRA adapters with
+    seeded non-zero A and B (so every adapter path carries a gradient) and the value head train."""
     import torch
     import torch.distributed as dist
 
@@ -125,6 +127,14 @@ def actor_critic_step(layout_kw: dict, weights, lengths, plan_kw: dict, forward_
 
     layout = use_layout(**layout_kw)
     chunks, weights = build_with_value_head(layout, weights, model_kw=model_kw)
+    if lora_kw:
+        from megatron_rl.config.schema import LoRAConfig
+        from megatron_rl.models.lora.adapters import attach_lora
+        from megatron_rl.testing.weights import load_random_adapters
+
+        lora = LoRAConfig(**lora_kw)
+        attach_lora(chunks, model_config(model_kw), lora, seed=3, train_also=("value_head",))
+        load_random_adapters(chunks, model_config(model_kw), lora, seed=4)
     trainable = make_trainable(chunks, OptimConfig(**(optim_kw or {})), total_steps=max(steps, 1))
     vocab = model_kw.vocab_size if hasattr(model_kw, "vocab_size") else CP_MODEL["vocab_size"]
     seqs = make_sequences(lengths, vocab=vocab)

@@ -66,3 +66,26 @@ def random_canonical(model_cfg: ModelConfig, seed: int = 0, std: float = 0.02) -
         else:
             state[name] = std * noise
     return state
+
+
+def random_adapters(model_cfg: ModelConfig, lora, seed: int = 0, std: float = 0.1) -> dict[str, torch.Tensor]:
+    """Canonical LoRA adapters (A and B both non-zero) for every layer and targeted projection."""
+    from megatron_rl.layout.lora import projections
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(model_cfg.num_layers):
+        for proj in projections(model_cfg, lora.target_modules):
+            prefix = f"decoder.layers.{layer}.lora.{proj.name}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(lora.rank, proj.in_features, generator=g) * std
+            out[f"{prefix}.lora_B.weight"] = torch.randn(proj.out_features, lora.rank, generator=g) * std
+    return out
+
+
+def load_random_adapters(chunks, model_cfg: ModelConfig, lora, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`random_adapters` loaded into ``chunks`` (any layout); returns them."""
+    from megatron_rl.models.canonical import load_canonical
+
+    adapters = random_adapters(model_cfg, lora, seed)
+    load_canonical(chunks, adapters, strict=False)
+    return adapters

@@ -1,0 +1,142 @@
+"""LoRA: adapters on megatron's tensor-parallel layers equal one process on every layout, equal
+peft's LoRA on the HF model, start as the base (B = 0), export to what peft loads, and leave only
+adapter state to train."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.testing.harness import run_distributed
+from megatron_rl.testing.layout_parity import (
+    CP_LENGTHS,
+    CP_STEP_OPTIM,
+    CP_TOL,
+    actor_critic_step,
+    max_diff_outputs,
+    max_diff_tensors,
+)
+
+LORA = dict(rank=4, alpha=8.0, target_modules=["all-linear"])
+PLAN = dict(micro_batch_size=3)
+
+_REFERENCE: dict = {}
+
+
+def _reference(lora_kw: dict) -> dict:
+    key = repr(sorted(lora_kw.items()))
+    if key not in _REFERENCE:
+        _REFERENCE[key] = run_distributed(1, actor_critic_step, {}, None, CP_LENGTHS, PLAN, False, None,
+                                          CP_STEP_OPTIM, True, 1, lora_kw)[0]
+    return _REFERENCE[key]
+
+
+@pytest.mark.parametrize("world,layout_kw", [
+    (2, dict(tp=2)),
+    (2, dict(tp=2, sp=True)),
+    (2, dict(pp=2)),
+    (2, dict(cp=2)),
+    (2, {}),  # DP=2
+    (4, dict(tp=2, pp=2, sp=True)),
+    (4, dict(tp=2, cp=2)),
+])
+def test_lora_on_every_layout_equals_one_process(world, layout_kw):
+    ref = _reference(LORA)
+    got = run_distributed(world, actor_critic_step, layout_kw, ref["weights"], CP_LENGTHS, PLAN, False, None,
+                          CP_STEP_OPTIM, True, 1, LORA)[0]
+    outs = max_diff_outputs(got["outs"], ref["outs"])
+    grads = max_diff_tensors(got["grads"], ref["grads"])
+    params = max_diff_tensors(got["params"], ref["params"])
+    print(f"{layout_kw}: outputs {outs} grads {grads:.2e} params after a step {params:.2e}")
+    assert all(v <= CP_TOL for v in outs.values()), outs
+    assert grads <= CP_TOL and params <= CP_TOL, (grads, params)
+    # Only adapters (and the value head) have gradients; every adapter has one.
+    adapters = [k for k in ref["grads"] if ".lora." in k]
+    assert set(ref["grads"]) == set(adapters) | {"value_head.linear.weight", "value_head.linear.bias"}
+    assert len(adapters) == 2 * 7 * 2 and all(float(ref["grads"][k].abs().max()) > 0 for k in adapters)
+    moved = {k for k in ref["params"] if not torch.equal(ref["params"][k], ref["weights"].get(k, ref["params"][k]))}
+    assert not any(".lora." not in k and not k.startswith("value_head") for k in moved), moved
+
+
+def peft_parity_body(hf_dir: str, out_dir: str, layout_kw: dict, sequences: list, lora_kw: dict):
+    """Worker body: the HF model on ``layout_kw`` with seeded random adapters; rank 0 writes them as a
+    peft adapter to ``out_dir`` and returns our log-probs, with and without the adapters."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import LoRAConfig, ModelConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.layout.lora import target_names
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import gather_canonical
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.models.hf_bridge import load_hf_weights
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.models.lora.adapters import adapters_disabled, attach_lora
+    from megatron_rl.models.lora.export import split_adapters, write_peft_adapter
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.testing.weights import load_random_adapters
+
+    layout = use_layout(**layout_kw)
+    cfg = model_config_from_hf(read_hf_config(hf_dir), ModelConfig())
+    lora = LoRAConfig(**lora_kw)
+    chunks = build_gpt_chunks(cfg, layout, torch.device("cpu"))
+    attach_lora(chunks, cfg, lora, seed=0)
+    load_hf_weights(chunks, hf_dir)
+    load_random_adapters(chunks, cfg, lora, seed=9)
+    seqs = [{"tokens": torch.tensor(ids)} for ids in sequences]
+
+    def logprobs():
+        with torch.no_grad():
+            outs, _ = run_sequences(chunks, seqs, LogProbHead(with_entropy=False), BatchPlan(micro_batch_size=2),
+                                    torch.device("cpu"))
+        return [o["logprob"][:len(ids) - 1] for o, ids in zip(outs, sequences)]
+
+    with_adapters = logprobs()
+    with adapters_disabled(chunks):
+        base = logprobs()
+    _, adapters = split_adapters(gather_canonical(chunks))
+    if dist.get_rank() == 0:
+        write_peft_adapter(out_dir, adapters, lora, target_names(cfg, lora.target_modules), hf_dir)
+    dist.barrier()
+    return with_adapters, base
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tmp_path_factory):
+    from tests.support.helpers import COMMON, make_hf_model
+
+    path = str(tmp_path_factory.mktemp("hf") / "llama")
+    make_hf_model("llama", path)
+    g = torch.Generator().manual_seed(2)
+    return path, [torch.randint(0, COMMON["vocab_size"], (n,), generator=g).tolist() for n in (17, 5, 30)]
+
+
+@pytest.mark.parametrize("world,layout_kw,targets", [
+    (1, {}, ["all-linear"]),
+    (2, dict(tp=2, sp=True), ["q_proj", "v_proj", "down_proj"]),
+])
+def test_lora_equals_peft_on_the_hf_model_and_exports_what_peft_loads(hf_llama, tmp_path, world, layout_kw,
+                                                                       targets):
+    import peft
+    import transformers
+
+    from tests.support.helpers import hf_logprobs
+
+    hf_dir, sequences = hf_llama
+    lora_kw = dict(rank=4, alpha=12.0, target_modules=targets)
+    ours, base = run_distributed(world, peft_parity_body, hf_dir, str(tmp_path / "adapter"), layout_kw, sequences,
+                                 lora_kw)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    plain = [hf_logprobs(model, ids) for ids in sequences]
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    theirs = [hf_logprobs(peft_model, ids) for ids in sequences]
+    gap = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+    base_gap = max(float((a - b).abs().max()) for a, b in zip(base, plain))
+    moved = max(float((a - b).abs().max()) for a, b in zip(theirs, plain))
+    print(f"{layout_kw} {targets}: |ours - peft| {gap:.2e}, adapters off vs HF base {base_gap:.2e}, "
+          f"adapters move log-probs by {moved:.2e}")
+    assert gap <= 1e-4 and base_gap <= 1e-4
+    assert moved > 1e-2  # the adapters matter, so the comparison means something
+    assert sorted(peft_model.peft_config["default"].target_modules) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        if targets == ["all-linear"] else targets)
