@@ -140,3 +140,56 @@ def test_lora_equals_peft_on_the_hf_model_and_exports_what_peft_loads(hf_llama, 
     assert sorted(peft_model.peft_config["default"].target_modules) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         if targets == ["all-linear"] else targets)
+
+
+def _metrics(run_dir) -> list[dict]:
+    from tests.support.helpers import read_metrics
+
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/", "memory/"))}
+            for r in read_metrics(run_dir)]
+
+
+LORA_RUN = ["actor.lora.rank=4", "actor.lora.alpha=8", "critic.lora.rank=4", "trainer.save_every=1",
+            "actor.optim.lr=0.02", "critic.optim.lr=0.02"]
+
+
+def test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layout(tmp_path):
+    import json
+
+    from tests.support.helpers import ppo_body
+
+    common = LORA_RUN + [f"run.dir={tmp_path}"]
+    run_distributed(2, ppo_body, common + ["parallel.tp=2", "trainer.steps=3", "run.name=straight"])
+    run_distributed(2, ppo_body, common + ["parallel.tp=2", "trainer.steps=1", "run.name=resumed"])
+    # The second half on PP2: adapters and their Adam state reshard on load.
+    run_distributed(2, ppo_body, common + ["parallel.pp=2", "trainer.steps=3", "run.name=resumed"])
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    for a, b in zip(straight, resumed):
+        for key, value in a.items():
+            if key != "rollout/weights_gb" and isinstance(value, float):
+                assert b[key] == pytest.approx(value, abs=1e-5), (a["step"], key)
+    assert len({r["reward/mean"] for r in straight}) > 1 and straight[-1]["actor/kl"] != 0
+    step = tmp_path / "straight" / "checkpoints" / "step_00000003"
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["lora"]["base"] == {"seed": 1234} and meta["lora"]["models"]["actor"]["rank"] == 4
+    # The tensors stored: adapters (the critic's with its value head) and Adam's state for them.
+    from megatron.core import dist_checkpointing
+
+    for part, extra in (("actor", ()), ("critic", ("value_head.",))):
+        keys = [k.removeprefix("optimizer.state.exp_avg_sq.").removeprefix("optimizer.state.exp_avg.")
+                .removeprefix("optimizer.state.fp32_param.")
+                for k in dist_checkpointing.load_tensors_metadata(str(step / part))]
+        assert keys and all(".lora." in k or k.startswith(extra) for k in keys), keys
+        assert sum(".lora." in k for k in keys) == 3 * 7 * 2  # weight, exp_avg, exp_avg_sq x 7 projections x A/B
+
+
+def test_lora_adapters_on_another_base_are_refused(tmp_path):
+    from megatron_rl.errors import CheckpointError
+    from tests.support.helpers import ppo_body
+
+    common = LORA_RUN + [f"run.dir={tmp_path}", "run.name=r"]
+    run_distributed(1, ppo_body, common + ["trainer.steps=1"])
+    with pytest.raises(Exception, match="another base") as err:
+        run_distributed(1, ppo_body, common + ["trainer.steps=2", "run.seed=99"])
+    assert "run.seed" in str(err.value) or CheckpointError

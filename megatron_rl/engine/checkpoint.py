@@ -48,7 +48,9 @@ from megatron_rl.compat.megatron_fixes import (
 from megatron_rl.compat.safe_unpickling import UnsafeCheckpointFile
 from megatron_rl.distributed import collectives, faults
 from megatron_rl.engine import checkpoint_space
+from megatron_rl.engine.checkpoint_space import ONLY_BASE, ONLY_TRAINED
 from megatron_rl.errors import CheckpointError
+from megatron_rl.models.lora.base import check_lora_base
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -67,11 +69,13 @@ log = logging.getLogger("megatron_rl.checkpoint")
 
 @dataclasses.dataclass
 class ModelPart:
-    """One model to checkpoint: its chunks (DDP-wrapped or not) and optional optimizer/scheduler."""
+    """One model to checkpoint: its chunks (DDP-wrapped or not) and optional optimizer/scheduler.
+    ``only``: None for every tensor, else :data:`ONLY_TRAINED` or :data:`ONLY_BASE`."""
 
     chunks: list
     optimizer: Any = None
     scheduler: Any = None
+    only: Optional[str] = None
 
 
 def _rank() -> int:
@@ -88,14 +92,25 @@ def _inner(chunk):
     return unwrap(chunk)
 
 
-def _model_sharded(chunks: list) -> dict:
+def _selected(state: dict, only: Optional[str]) -> dict:
+    """``state`` (a chunk's sharded state dict) cut to what ``only`` asks for."""
+    from megatron_rl.layout.lora import is_adapter_param
+
+    if only == ONLY_TRAINED:
+        return {k: v for k, v in state.items() if getattr(getattr(v, "data", None), "requires_grad", False)}
+    if only == ONLY_BASE:
+        return {k: v for k, v in state.items() if not is_adapter_param(k)}
+    return state
+
+
+def _model_sharded(chunks: list, only: Optional[str] = None) -> dict:
     if len(chunks) == 1:
-        return {"model": _inner(chunks[0]).sharded_state_dict()}
-    return {f"model{i}": _inner(c).sharded_state_dict() for i, c in enumerate(chunks)}
+        return {"model": _selected(_inner(chunks[0]).sharded_state_dict(), only)}
+    return {f"model{i}": _selected(_inner(c).sharded_state_dict(), only) for i, c in enumerate(chunks)}
 
 
 def _part_sharded(part: ModelPart, with_optimizer: bool, loading: bool = False) -> dict:
-    state = _model_sharded(part.chunks)
+    state = _model_sharded(part.chunks, part.only)
     if with_optimizer and part.optimizer is not None:
         if loading:
             init_distributed_optimizer_state(part.optimizer)
@@ -551,18 +566,20 @@ def resolve_checkpoint(path: str, key: str = "--checkpoint") -> str:
 
 
 def load_newest(candidates: list[str], parts: dict[str, ModelPart], model_config: Optional[dict], *,
-                fall_back: bool, log) -> Optional[tuple[str, dict, dict]]:
+                fall_back: bool, log, base: Optional[dict] = None) -> Optional[tuple[str, dict, dict]]:
     """Load the first of ``candidates`` (newest first) that loads on every rank: ``(path, meta,
     trainer state)``, or None when there are none.  A collective.
 
     With ``fall_back`` (``trainer.resume=auto``) a checkpoint that does not load is skipped with a
     line through ``log``; a path the user gave, or a model setting no checkpoint of the run can
-    match, stops with its :class:`CheckpointError`, as does a run whose every checkpoint fails."""
+    match, stops with its :class:`CheckpointError`, as does a run whose every checkpoint fails.
+    ``base``: the frozen base of a LoRA run (:mod:`megatron_rl.models.lora.base`), which each
+    candidate's adapters must have been trained on."""
     first_error = None
     for candidate in candidates:
         err = None
         try:
-            meta = load_checkpoint(candidate, parts, model_config=model_config)
+            meta = load_checkpoint(candidate, parts, model_config=model_config, base=base)
             state = load_trainer_state(candidate) or {}
         except CheckpointError as raised:
             err = raised
@@ -588,6 +605,7 @@ def load_checkpoint(
     with_optimizer: bool = True,
     load_rng: bool = True,
     model_config: Optional[dict] = None,
+    base: Optional[dict] = None,
 ) -> dict:
     """Load ``parts`` from ``path`` into whatever layout they are built on; returns the meta.
 
@@ -603,6 +621,7 @@ def load_checkpoint(
     if model_config is not None:
         for name in parts:
             check_same_architecture(path, meta.get("models", {}).get(name), model_config, name)
+    check_lora_base(path, meta, base)
     for name, part in parts.items():
         if name not in meta["parts"]:
             raise CheckpointError("checkpoint", path, f"has no part {name!r} (it has {meta['parts']})",
@@ -628,7 +647,9 @@ def load_checkpoint(
                                   f"{(str(err).splitlines() or [''])[0][:200]})", "use an earlier checkpoint") from None
         keys = ["model"] if len(part.chunks) == 1 else [f"model{i}" for i in range(len(part.chunks))]
         for key, chunk in zip(keys, part.chunks):
-            _inner(chunk).load_state_dict(loaded[key], strict=True)
+            # A part of some tensors only (LoRA) names all it asked for; dist_checkpointing refuses a
+            # checkpoint missing any of them.
+            _inner(chunk).load_state_dict(loaded[key], strict=part.only is None)
         if want_opt and part.optimizer is not None:
             part.optimizer.load_state_dict(loaded["optimizer"])
         if want_opt and part.scheduler is not None:

@@ -130,6 +130,11 @@ def _newest_size(root: str) -> int:
     return 0
 
 
+# ModelPart.only (engine/checkpoint.py): which of a model's tensors a checkpoint part holds.
+ONLY_TRAINED = "trained"  # what trains (LoRA adapters, a critic's value head): the frozen base is not saved
+ONLY_BASE = "base"  # everything but LoRA adapters (a LoRA run starting from a full checkpoint's weights)
+
+
 def _local_estimate(parts: dict, with_optimizer: bool) -> int:
     """Bytes this rank's parameters (and Adam's state for them) take in a checkpoint."""
     total = 0
@@ -137,6 +142,8 @@ def _local_estimate(parts: dict, with_optimizer: bool) -> int:
         with_state = with_optimizer and part.optimizer is not None
         for chunk in part.chunks:
             for param in chunk.parameters():
+                if part.only == ONLY_TRAINED and not param.requires_grad:
+                    continue  # a LoRA part: the frozen base is not written
                 total += param.numel() * param.element_size()
                 if with_state:
                     total += param.numel() * _ADAM_STATE_BYTES[param.dtype == torch.float32]

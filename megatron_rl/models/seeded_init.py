@@ -26,6 +26,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megatron_rl.layout.lora import is_adapter_param
 from megatron_rl.models.canonical import (
     VOCAB_PARALLEL,
     global_named_parameters,
@@ -92,8 +93,8 @@ def seeded_init(chunks: Iterable[torch.nn.Module], seed: int) -> None:
         model = unwrap(chunk)
         true_vocab = getattr(model, "true_vocab_size", None) or model.vocab_size
         for name, param in global_named_parameters(model):
-            if _constant(param):
-                continue
+            if _constant(param) or is_adapter_param(name):
+                continue  # LoRA adapters keep peft's start (models/lora/adapters.py)
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 name = EMBEDDING  # the last stage's copy of the tied embedding gets the embedding's draw
             shape = list(param.shape)

@@ -38,10 +38,9 @@ def _forward_passes(models: ModelSet, samples: Samples, mask: torch.Tensor, cfg:
                 with moe_pass(models.actor.chunks, seqs, replay_mode):
                     outs, _ = run_sequences(models.actor.chunks, seqs, head, models.plan, models.device)
             recomputed = PolicyPass.from_outputs(samples, mask, outs)
-        if models.reference is not None:
-            with timed("ref_logprob", timings):
-                models.phase("reference")
-                ref, _ = run_sequences(models.reference, seqs, dataclasses.replace(head, with_entropy=False),
+        if models.has_reference:
+            with timed("ref_logprob", timings), models.reference_pass() as reference:
+                ref, _ = run_sequences(reference, seqs, dataclasses.replace(head, with_entropy=False),
                                        models.plan, models.device)
         if models.critic is not None:
             with timed("values", timings):

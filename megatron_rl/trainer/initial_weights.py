@@ -17,13 +17,15 @@ from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.utils import phase
 
 
-def init_weights(models: ModelSet, cfg: Config, prompts: PromptSet, tokenizer, engine,
-                 log: Callable[[str], None]) -> None:
-    """Actor from HF / a checkpoint / a seeded draw that is the same on every layout
-    (:mod:`megatron_rl.models.seeded_init`), then the SFT warm-up; reference and critic start
-    from the (warmed-up) actor."""
+def load_base_weights(models: ModelSet, cfg: Config) -> None:
+    """The actor's weights before any training: HF, a checkpoint, or a seeded draw that is the same
+    on every layout (:mod:`megatron_rl.models.seeded_init`).  With LoRA this is the frozen base
+    (a checkpoint of a LoRA run holds only adapters, so a resume loads the base here first); a
+    LoRA critic's base is the actor's (or ``critic.hf_path``)."""
     if cfg.actor.init_checkpoint:
-        checkpoint.load_checkpoint(cfg.actor.init_checkpoint, {"actor": checkpoint.ModelPart(models.actor.chunks)},
+        only = checkpoint.ONLY_BASE if models.actor_lora else None
+        checkpoint.load_checkpoint(cfg.actor.init_checkpoint,
+                                   {"actor": checkpoint.ModelPart(models.actor.chunks, only=only)},
                                    with_optimizer=False, load_rng=False,
                                    model_config=model_config_to_dict(cfg.model))
     elif cfg.model.hf_path:
@@ -31,6 +33,24 @@ def init_weights(models: ModelSet, cfg: Config, prompts: PromptSet, tokenizer, e
     else:
         seeded_init(models.actor.chunks, cfg.run.seed)
     models.actor.weights_replaced()
+    if models.critic is not None and models.critic_lora:
+        _critic_from(models, cfg, gather_canonical(models.actor.chunks))
+
+
+def _critic_from(models: ModelSet, cfg: Config, initial: dict) -> None:
+    load_canonical(models.critic.chunks, initial, strict=False)
+    if cfg.critic.hf_path:
+        load_hf_weights(models.critic.chunks, cfg.critic.hf_path)
+    models.critic.weights_replaced()
+
+
+def init_weights(models: ModelSet, cfg: Config, prompts: PromptSet, tokenizer, engine,
+                 log: Callable[[str], None], base_loaded: bool = False) -> None:
+    """The base (:func:`load_base_weights`, unless ``base_loaded``), then the SFT warm-up; reference
+    and critic start from the (warmed-up) actor.  A LoRA actor's reference is its own base (the
+    weights before the warm-up, which trains only adapters)."""
+    if not base_loaded:
+        load_base_weights(models, cfg)
     if cfg.trainer.sft_warmup_steps:
         # rollout.env's environments replay the demonstrations (agent sessions and single turns have none)
         make_env = engine.make_env if isinstance(engine, EnvironmentRollout) else None
@@ -43,7 +63,4 @@ def init_weights(models: ModelSet, cfg: Config, prompts: PromptSet, tokenizer, e
     if models.reference is not None:
         load_canonical(models.reference, initial)
     if models.critic is not None:
-        load_canonical(models.critic.chunks, initial, strict=False)
-        if cfg.critic.hf_path:
-            load_hf_weights(models.critic.chunks, cfg.critic.hf_path)
-        models.critic.weights_replaced()
+        _critic_from(models, cfg, initial)

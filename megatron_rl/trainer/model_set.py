@@ -6,6 +6,7 @@ here.  With ``trainer.offload`` only the running phase's model stays on the devi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -14,15 +15,19 @@ from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import BatchPlan
 from megatron_rl.engine.offload import Offloader
 from megatron_rl.engine.trainable import Trainable, freeze, make_trainable
+from megatron_rl.layout.lora import lora_on
 from megatron_rl.models.builder import build_gpt_chunks
 from megatron_rl.models.heads import attach_value_head
+from megatron_rl.models.lora.adapters import adapters_disabled, attach_lora, layer_adapters
 from megatron_rl.trainer.update import scheduled_updates
 
 
 @dataclasses.dataclass
 class ModelSet:
     """``reference`` without a KL term and ``critic`` without a value-based estimator are None;
-    ``plan`` and ``device``: how every forward over them is cut into micro-batches, and where."""
+    ``plan`` and ``device``: how every forward over them is cut into micro-batches, and where.
+    ``reference_is_base``: the actor trains LoRA adapters, so the reference is the actor itself with
+    its adapters off (no second copy; ``reference`` is None)."""
 
     actor: Trainable
     reference: Optional[list]
@@ -30,6 +35,31 @@ class ModelSet:
     plan: BatchPlan
     device: object
     offloaders: dict = dataclasses.field(default_factory=dict)
+    reference_is_base: bool = False
+
+    @property
+    def actor_lora(self) -> bool:
+        return bool(layer_adapters(self.actor.chunks))
+
+    @property
+    def critic_lora(self) -> bool:
+        return self.critic is not None and bool(layer_adapters(self.critic.chunks))
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self.reference_is_base
+
+    @contextlib.contextmanager
+    def reference_pass(self):
+        """The reference's chunks, on the device, for the block: the frozen copy, or the actor's
+        chunks with every adapter off."""
+        if self.reference_is_base:
+            self.phase("actor")
+            with adapters_disabled(self.actor.chunks) as chunks:
+                yield chunks
+        else:
+            self.phase("reference")
+            yield self.reference
 
     def start_offloading(self) -> None:
         """From now on models wait in host memory outside their phase (built from the actor as it is
@@ -50,26 +80,38 @@ class ModelSet:
 
     def checkpoint_parts(self) -> dict:
         """What a checkpoint holds of each model, by name."""
-        parts = {"actor": checkpoint.ModelPart(self.actor.chunks, self.actor.optimizer, self.actor.scheduler)}
+        only = {True: checkpoint.ONLY_TRAINED, False: None}
+        parts = {"actor": checkpoint.ModelPart(self.actor.chunks, self.actor.optimizer, self.actor.scheduler,
+                                               only=only[self.actor_lora])}
         if self.critic is not None:
-            parts["critic"] = checkpoint.ModelPart(self.critic.chunks, self.critic.optimizer, self.critic.scheduler)
+            parts["critic"] = checkpoint.ModelPart(self.critic.chunks, self.critic.optimizer, self.critic.scheduler,
+                                                   only=only[self.critic_lora])
         if self.reference is not None:
             parts["reference"] = checkpoint.ModelPart(self.reference)
         return parts
 
     def built_line(self) -> str:
-        return ", ".join(name for name, on in (("actor", True), ("reference", self.reference is not None),
+        reference = "reference (the actor's base, adapters off)" if self.reference_is_base else "reference"
+        return ", ".join(name for name, on in (("actor", True), (reference, self.has_reference),
                                                ("critic", self.critic is not None)) if on)
 
 
 def build_models(cfg: Config, layout, device, plan: BatchPlan, use_ref: bool, use_critic: bool) -> ModelSet:
-    """Actor, then reference, then critic, each on ``layout`` (weights are loaded afterwards)."""
+    """Actor, then reference, then critic, each on ``layout`` (weights are loaded afterwards).  With
+    ``actor.lora`` / ``critic.lora`` that model's base is frozen and only its adapters (and the
+    critic's value head) train; a LoRA actor is its own reference."""
     updates = scheduled_updates(cfg)
 
-    def build() -> list:
-        return build_gpt_chunks(cfg.model, layout, device)
+    def build(lora=None, head: bool = False) -> list:
+        chunks = build_gpt_chunks(cfg.model, layout, device)
+        if head:
+            chunks = attach_value_head(chunks)
+        if lora_on(lora):
+            attach_lora(chunks, cfg.model, lora, cfg.run.seed, train_also=("value_head",))
+        return chunks
 
-    actor = make_trainable(build(), cfg.actor.optim, updates)
-    reference = freeze(build()) if use_ref else None
-    critic = make_trainable(attach_value_head(build()), cfg.critic.optim, updates) if use_critic else None
-    return ModelSet(actor, reference, critic, plan, device)
+    actor = make_trainable(build(cfg.actor.lora), cfg.actor.optim, updates)
+    base_reference = use_ref and lora_on(cfg.actor.lora)
+    reference = freeze(build()) if use_ref and not base_reference else None
+    critic = make_trainable(build(cfg.critic.lora, head=True), cfg.critic.optim, updates) if use_critic else None
+    return ModelSet(actor, reference, critic, plan, device, reference_is_base=base_reference)

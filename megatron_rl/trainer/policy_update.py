@@ -45,7 +45,7 @@ def _training_fields(models: ModelSet, exp: Experience, cfg: Config, old_logprob
     fields = {"advantages": exp.advantages}
     if old_logprobs.loss_reads_old:  # without the field the loss takes its own forward's
         fields["old_logprob"] = exp.old_logprob
-    if models.reference is not None and not cfg.algorithm.kl_in_reward:
+    if models.has_reference and not cfg.algorithm.kl_in_reward:
         fields["ref_logprob"] = exp.ref_logprob
     if exp.rollout_weights is not None:
         fields["rollout_weight"] = exp.rollout_weights
@@ -92,7 +92,7 @@ def update_actor(models: ModelSet, batches: list, cfg: Config, old_logprobs: Old
     """One optimizer step per mini-batch; returns the step results, the loss logs and, where the
     old log-probs are not recomputed, the first forward's outputs (the weights before any update)."""
     alg, actor = cfg.algorithm, models.actor
-    kl_loss_coef = kl_coef if models.reference is not None and not alg.kl_in_reward else 0.0
+    kl_loss_coef = kl_coef if models.has_reference and not alg.kl_in_reward else 0.0
     measure = old_logprobs.measured_in_update
     head = logprob_head(cfg, with_entropy=alg.entropy_coef > 0 or measure)
     horizon = cfg.rollout.max_new_tokens  # the constant of seq-mean-token-sum-norm

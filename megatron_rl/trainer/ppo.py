@@ -50,6 +50,7 @@ from megatron_rl.engine.trainable import Trainable
 from megatron_rl.envs.build import with_environment
 from megatron_rl.envs.trajectories import env_metrics, trajectory_scores
 from megatron_rl.models.hf_bridge import model_source_meta
+from megatron_rl.models.lora.base import lora_base_identity, lora_meta
 from megatron_rl.resolve import resolve
 from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.distributed import rewards_on_every_rank
@@ -68,7 +69,7 @@ from megatron_rl.trainer.finished import (
     set_aside_message,
     set_aside_previous_run,
 )
-from megatron_rl.trainer.initial_weights import init_weights
+from megatron_rl.trainer.initial_weights import init_weights, load_base_weights
 from megatron_rl.trainer.metrics import (
     MetricsWriter,
     experience_metrics,
@@ -216,10 +217,16 @@ class PPOTrainer:
             candidates = list(reversed(checkpoint.list_checkpoints(self.ckpt_root)))
         else:
             candidates = [mode]
+        # LoRA checkpoints hold adapters only: the frozen base comes first, from where the run started.
+        base_first = bool(candidates) and (self.models.actor_lora or self.models.critic_lora)
+        if base_first:
+            load_base_weights(self.models, self.cfg)
         loaded = checkpoint.load_newest(candidates, self.models.checkpoint_parts(),
-                                        model_config_to_dict(self.cfg.model), fall_back=mode == "auto", log=self.log)
+                                        model_config_to_dict(self.cfg.model), fall_back=mode == "auto", log=self.log,
+                                        base=lora_base_identity(self.cfg) if base_first and _rank0() else None)
         if loaded is None:
-            init_weights(self.models, self.cfg, self.prompts, self.tokenizer, self.engine, self.log)
+            init_weights(self.models, self.cfg, self.prompts, self.tokenizer, self.engine, self.log,
+                         base_loaded=base_first)
             self.metrics.truncate_after(-1)  # a fresh start: no line survives, not even a step-0 evaluation
             self.sample_log.truncate_after(-1)
             return 0
@@ -238,6 +245,8 @@ class PPOTrainer:
     def save(self, step: int) -> str:
         meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self.models.checkpoint_parts()},
                 **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer)}
+        if (self.models.actor_lora or self.models.critic_lora) and _rank0():  # rank 0 writes the manifest
+            meta["lora"] = lora_meta(self.cfg)
         if self.remote is not None:  # nothing in flight: every requested batch is in the checkpoint
             self.buffer.update(self.remote.drain())
         state = {"step": step, "sampler": self.sampler.state_dict(), "kl": self.kl_ctl.state_dict()}
