@@ -193,3 +193,92 @@ def test_lora_adapters_on_another_base_are_refused(tmp_path):
     with pytest.raises(Exception, match="another base") as err:
         run_distributed(1, ppo_body, common + ["trainer.steps=2", "run.seed=99"])
     assert "run.seed" in str(err.value) or CheckpointError
+
+
+def lora_hf_run_body(hf_dir: str, run_dir: str, sequences: list):
+    """Worker body: 2 LoRA GRPO steps on the HF model (a checkpoint per step), then the trained actor's
+    log-probs of ``sequences``, rebuilt from the checkpoint (base from HF + adapters)."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.engine.checkpoint import ONLY_TRAINED, ModelPart, find_latest, load_checkpoint
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.models.hf_bridge import load_hf_weights
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+    from megatron_rl.models.lora.adapters import attach_lora
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.trainer.ppo import run_ppo
+    from megatron_rl.validation import validate
+
+    cfg = load_config(None, [
+        f"model.hf_path={hf_dir}", "data.train_path=task:add_small", "data.tokenizer=char", "rollout.n=2",
+        "rollout.max_new_tokens=3", "trainer.prompts_per_step=4", "trainer.plot=false", "trainer.steps=2",
+        "trainer.save_every=1", "algorithm.advantage=grpo", "reward.fn=tests.support.helpers:digit_share",
+        "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.target_modules=[q_proj,v_proj,up_proj,down_proj]",
+        "actor.optim.lr=0.05", f"run.dir={run_dir}", "run.name=lora"])
+    cfg.model = model_config_from_hf(read_hf_config(hf_dir), cfg.model)
+    validate(cfg, dist.get_world_size())
+    run_ppo(cfg, log=lambda line: None)
+    layout = use_layout()
+    chunks = build_gpt_chunks(cfg.model, layout, torch.device("cpu"), initialize=False)
+    attach_lora(chunks, cfg.model, cfg.actor.lora, seed=0)
+    load_hf_weights(chunks, hf_dir)
+    load_checkpoint(find_latest(f"{run_dir}/lora/checkpoints"), {"actor": ModelPart(chunks, only=ONLY_TRAINED)},
+                    with_optimizer=False, load_rng=False)
+    with torch.no_grad():
+        outs, _ = run_sequences(chunks, [{"tokens": torch.tensor(ids)} for ids in sequences],
+                                LogProbHead(with_entropy=False), BatchPlan(micro_batch_size=2), torch.device("cpu"))
+    return [o["logprob"][:len(ids) - 1] for o, ids in zip(outs, sequences)]
+
+
+@pytest.mark.slow
+def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_that_hf_loads(hf_llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import peft
+    import transformers
+
+    from tests.support.helpers import hf_logprobs, make_hf_model
+
+    hf_dir, sequences = hf_llama
+    ours = run_distributed(1, lora_hf_run_body, hf_dir, str(tmp_path), sequences)[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = str(tmp_path / "lora")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=root,
+                              capture_output=True, text=True, timeout=300)
+
+    # TP2 on export: the adapters are gathered from their shards.
+    done = cli("convert", "--checkpoint", run, "--hf-out", str(tmp_path / "adapter"), "--nproc", "2", "parallel.tp=2")
+    assert done.returncode == 0, done.stderr
+    done = cli("convert", "--checkpoint", run, "--hf-out", str(tmp_path / "merged"), "--merge", "--hf-model", hf_dir)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path / "adapter"))[:2] == ["adapter_config.json", "adapter_model.safetensors"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    plain = [hf_logprobs(base, ids) for ids in sequences]
+    with_peft = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    peft_lp = [hf_logprobs(with_peft, ids) for ids in sequences]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    merged_lp = [hf_logprobs(merged, ids) for ids in sequences]
+
+    def gap(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+    print(f"ours vs peft {gap(ours, peft_lp):.2e}, ours vs merged {gap(ours, merged_lp):.2e}, "
+          f"training moved log-probs by {gap(ours, plain):.2e}")
+    assert gap(ours, peft_lp) <= 1e-4 and gap(ours, merged_lp) <= 1e-4
+    assert gap(ours, plain) > 1e-3  # the adapters trained
+    # What cannot be done is refused before any rank starts, naming the flag.
+    other = str(tmp_path / "other")
+    make_hf_model("llama", other, seed=7)
+    refused = cli("convert", "--checkpoint", run, "--hf-out", str(tmp_path / "m2"), "--merge", "--hf-model", other)
+    assert refused.returncode == 2 and "--hf-model" in refused.stderr and "not the base" in refused.stderr
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2, 3]}\n')
+    refused = cli("generate", "--checkpoint", run, "--input", str(tmp_path / "in.jsonl"),
+                  "--output", str(tmp_path / "o.jsonl"))
+    assert refused.returncode == 2 and "LoRA adapters" in refused.stderr, refused.stderr

@@ -19,6 +19,7 @@ from megatron_rl.features import (
     environments,
     layouts,
     long_context,
+    lora,
     memory,
     models,
     rewards,
@@ -38,7 +39,7 @@ from megatron_rl.features.base import (  # noqa: F401 - the registry's vocabular
 )
 
 # The matrix's sections, in reading order: how to run, how to lay out, then what runs.
-AREA_MODULES = (runtime, layouts, long_context, models, rollout, environments, algorithms, rewards, data, memory,
+AREA_MODULES = (runtime, layouts, long_context, models, lora, rollout, environments, algorithms, rewards, data, memory,
                 checkpointing, cluster)
 FEATURES: list[Feature] = [feature for module in AREA_MODULES for feature in module.FEATURES]
 

@@ -26,7 +26,7 @@ HF bridge's slice-wise import and export, the TP-sharded rollout engine):
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -165,14 +165,18 @@ def _value(param: torch.nn.Parameter, attr: str) -> torch.Tensor | None:
     raise ValueError(attr)
 
 
-def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param") -> dict[str, torch.Tensor]:
-    """Full canonical tensors (params or grads) on every rank.  For tests and small models."""
+def gather_canonical(chunks: Iterable[torch.nn.Module], attr: str = "param",
+                     select: Optional[Callable[[str], bool]] = None) -> dict[str, torch.Tensor]:
+    """Full canonical tensors (params or grads) on every rank.  For tests, small models and the
+    ``select`` ed few of a large one (LoRA adapters)."""
     local: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         model = unwrap(chunk)
         true_vocab = getattr(model, "true_vocab_size", None) or model.vocab_size
         for name, param in global_named_parameters(model):
             if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+                continue
+            if select is not None and not select(name):
                 continue
             value = _value(param, attr)
             if value is None:

@@ -270,16 +270,23 @@ def export_hf(chunks: list, out_dir: str, hf_config: dict, model_cfg, source_dir
               tokenizer_dir: Optional[str] = None) -> Optional[str]:
     """Write ``out_dir`` as an HF model directory (rank 0 writes; every rank must call), with the
     tokenizer of ``tokenizer_dir`` (default ``source_dir``) and the generation config of ``source_dir``."""
-    from safetensors.torch import save_file
-
     canonical = gather_canonical(chunks)
     if drop_lm_head:
         canonical.pop("output_layer.weight", None)
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
+    return write_hf(canonical_to_hf(canonical, model_cfg), out_dir, hf_config, model_cfg, source_dir,
+                    max_shard_bytes, tokenizer_dir)
+
+
+def write_hf(hf_tensors: dict, out_dir: str, hf_config: dict, model_cfg, source_dir: Optional[str] = None,
+             max_shard_bytes: int = 5 * 2**30, tokenizer_dir: Optional[str] = None) -> str:
+    """Write HF-named tensors, in the config's dtype, as an HF model directory (one process)."""
+    from safetensors.torch import save_file
+
     dtype = DTYPES.get(
         str(hf_config.get("torch_dtype", hf_config.get("dtype", "float32"))).replace("torch.", ""), torch.float32)
-    tensors = {k: v.to(dtype).contiguous() for k, v in canonical_to_hf(canonical, model_cfg).items()}
+    tensors = {k: v.to(dtype).contiguous() for k, v in hf_tensors.items()}
     os.makedirs(out_dir, exist_ok=True)
     shards: list[dict] = [{}]
     size = 0

@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
                                         "checkpoints/ directory for the newest complete one")
     p.add_argument("--hf-out", help="HF directory to write (with --checkpoint)")
     p.add_argument("--part", default="actor", help="which model of the checkpoint: actor (default) or critic")
+    p.add_argument("--merge", action="store_true",
+                   help="a LoRA checkpoint: write the base (--hf-model, checked against the checkpoint) with the "
+                        "adapters merged in, instead of a peft adapter directory")
     p.add_argument("--config", help="YAML config file (parallel layout)")
     p.add_argument("--nproc", type=int, help="local ranks to start (ignored under torchrun/srun)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -290,7 +293,8 @@ def _convert(cfg, args) -> int:
     if args.hf_model and args.out:
         convert.hf_to_megatron(cfg, args.hf_model, args.out)
     else:
-        convert.megatron_to_hf(cfg, args.checkpoint, args.hf_out, args.part)
+        convert.megatron_to_hf(cfg, args.checkpoint, args.hf_out, args.part, merge=args.merge,
+                               base_dir=args.hf_model)
     return 0
 
 

@@ -2,6 +2,7 @@
 
     megatron-rl convert --hf-model DIR --out CKPT_ROOT [--nproc N] [parallel.tp=...]
     megatron-rl convert --checkpoint CKPT_DIR --hf-out DIR [--part actor|critic] [--nproc N]
+    megatron-rl convert --checkpoint LORA_CKPT --hf-out DIR [--merge --hf-model BASE]
 
 HF -> Megatron writes ``CKPT_ROOT/step_00000000`` (a model-only checkpoint that loads into any
 layout).  Megatron -> HF reads a model out of any checkpoint (a converted one or a PPO training
@@ -12,6 +13,10 @@ file, ``chat_template.jinja`` included, so chats render as in training) and the 
 ``generation_config.json``, from the copies the checkpoint carries (its ``tokenizer/``); the
 directories its ``meta.json`` names are never opened.
 ``--checkpoint`` may be a run directory or its ``checkpoints/``: the newest complete step is read.
+A LoRA checkpoint (adapters only) becomes a peft adapter directory (``adapter_config.json`` +
+``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained`` on the base), or with
+``--merge --hf-model BASE`` the base with the adapters merged in; BASE is the directory the user
+names, checked against the sha256 the checkpoint records.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import os
 import torch.distributed as dist
 
 from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
-from megatron_rl.config.schema import Config
+from megatron_rl.config.schema import Config, LoRAConfig
 from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine.checkpoint import (
+    ONLY_TRAINED,
     ModelPart,
     check_checkpoint,
     companions_dir,
@@ -34,9 +40,13 @@ from megatron_rl.engine.checkpoint import (
     save_checkpoint,
 )
 from megatron_rl.errors import CheckpointError
+from megatron_rl.layout.lora import is_adapter_param, target_names
 from megatron_rl.models.builder import build_gpt_chunks
+from megatron_rl.models.canonical import gather_canonical
 from megatron_rl.models.heads import attach_value_head
 from megatron_rl.models.hf_bridge import copy_companion_files, export_hf, load_hf_weights, model_source_meta
+from megatron_rl.models.lora.adapters import attach_lora
+from megatron_rl.models.lora.export import export_merged_hf, split_adapters, write_peft_adapter
 
 
 def _setup(cfg: Config):
@@ -64,8 +74,11 @@ def critic_hf_config(hf_config: dict) -> dict:
     return out
 
 
-def megatron_to_hf(cfg: Config, checkpoint: str, hf_out: str, part: str = "actor") -> str:
+def megatron_to_hf(cfg: Config, checkpoint: str, hf_out: str, part: str = "actor", merge: bool = False,
+                   base_dir: str | None = None) -> str:
     meta = check_checkpoint(checkpoint)
+    if lora_settings(meta, part) is not None:
+        return _lora_to_hf(cfg, checkpoint, meta, hf_out, part, merge, base_dir)
     if part not in meta.get("models", {}):
         raise CheckpointError("--part", part, f"the checkpoint holds {sorted(meta.get('models', {}))}",
                               "choose one of those parts")
@@ -86,6 +99,44 @@ def megatron_to_hf(cfg: Config, checkpoint: str, hf_out: str, part: str = "actor
         carried = companions_dir(checkpoint)
         recorded = meta.get("tokenizer") or meta.get("source")
         print(_companions_line(hf_out, carried, carried, recorded), flush=True)
+    return hf_out
+
+
+def lora_settings(meta: dict, part: str) -> LoRAConfig | None:
+    """The LoRA settings ``part`` of a checkpoint was trained with, or None (full weights)."""
+    saved = ((meta.get("lora") or {}).get("models") or {}).get(part)
+    return LoRAConfig(**saved) if saved else None
+
+
+def _lora_to_hf(cfg: Config, checkpoint: str, meta: dict, hf_out: str, part: str, merge: bool,
+                base_dir: str | None) -> str:
+    """A LoRA checkpoint out to HF: a peft adapter directory, or (``merge``) the base ``base_dir``
+    (checked against the sha256 the checkpoint records) with the adapters merged in."""
+    lora = lora_settings(meta, part)
+    model_cfg = model_config_from_dict(meta["models"][part])
+    layout, device = _setup(dataclasses.replace(cfg, model=model_cfg))
+    chunks = build_gpt_chunks(model_cfg, layout, device, initialize=False)
+    hf_config = meta["hf_config"]
+    if part == "critic":
+        chunks = attach_value_head(chunks)
+        hf_config = critic_hf_config(hf_config)
+    attach_lora(chunks, model_cfg, lora, seed=0, train_also=("value_head",))
+    if merge:
+        load_hf_weights(chunks, base_dir)
+    load_checkpoint(checkpoint, {part: ModelPart(chunks, only=ONLY_TRAINED)}, with_optimizer=False, load_rng=False)
+    base, adapters = split_adapters(gather_canonical(chunks, select=None if merge else is_adapter_param))
+    if merge:
+        if part == "critic":
+            base.pop("output_layer.weight", None)
+        export_merged_hf(base, adapters, lora, hf_out, hf_config, model_cfg)
+    elif dist.get_rank() == 0:
+        write_peft_adapter(hf_out, adapters, lora, target_names(model_cfg, lora.target_modules),
+                           (meta["lora"]["base"] or {}).get("hf_path"))
+    if dist.get_rank() == 0:
+        what = "merged model" if merge else f"peft adapter (rank {lora.rank}, {len(adapters) // 2} projections)"
+        print(f"exported {part} of {checkpoint} as a {what} -> {hf_out}")
+        carried = companions_dir(checkpoint)
+        print(_companions_line(hf_out, carried, carried, meta.get("tokenizer") or meta.get("source")), flush=True)
     return hf_out
 
 

@@ -73,6 +73,38 @@ def check_checkpoint_arg(path: str, part: str, need_hf_config: bool = False) -> 
     return step
 
 
+def check_lora_checkpoint(step: str, args) -> None:
+    """What a checkpoint of LoRA adapters can be turned into: a peft adapter, or with ``--merge`` the
+    base the user names (the one the adapters were trained on) with them merged in."""
+    from megatron_rl.models.lora.base import weights_sha256
+
+    meta = check_checkpoint(step)
+    saved = ((meta.get("lora") or {}).get("models") or {}).get(args.part)
+    merge = getattr(args, "merge", False)
+    if saved is None:
+        if merge:
+            raise CheckpointError("--merge", step, f"its {args.part} holds full weights: there are no adapters to "
+                                  "merge", "drop --merge")
+        return
+    if args.command == "generate":
+        raise CheckpointError("--checkpoint", step, f"its {args.part} holds LoRA adapters, not a whole model",
+                              f"write the model first: megatron-rl convert --checkpoint {step} --hf-out DIR --merge "
+                              "--hf-model BASE, then generate --hf-model DIR")
+    if not merge and args.part == "critic":
+        raise CheckpointError("--part", "critic", "a LoRA critic's adapters need its value head, which a peft "
+                              "adapter of a causal LM does not carry", "add --merge --hf-model BASE")
+    if not merge:
+        return
+    base = (meta["lora"].get("base") or {})
+    if not args.hf_model:
+        raise CheckpointError("--hf-model", None, "--merge needs the base the adapters were trained on",
+                              f"add --hf-model {base.get('hf_path', 'BASE')}")
+    if base.get("sha256") and weights_sha256(args.hf_model) != base["sha256"]:
+        raise CheckpointError("--hf-model", args.hf_model, "its weights are not the base the adapters were trained "
+                              f"on (sha256 {base['sha256'][:12]}... recorded, from {base.get('hf_path')})",
+                              "give the base model the LoRA run started from")
+
+
 def check_tool_paths(args) -> str | None:
     """Check what ``args`` of ``score``/``generate``/``convert`` name; returns the checkpoint step
     directory to read when ``--checkpoint`` is given (else None)."""
@@ -88,7 +120,9 @@ def check_tool_paths(args) -> str | None:
         check_input(args.input, "prompt_ids, prompt or messages")
     if command in ("score", "generate"):
         check_output_file("--output", args.output)
-    if command == "convert" and args.hf_model:
+    if step is not None and command in ("convert", "generate"):
+        check_lora_checkpoint(step, args)
+    if command == "convert" and args.hf_model and args.out:
         if list_checkpoints(args.out):
             raise CheckpointError("--out", args.out, "already holds checkpoints (step_00000000 would be replaced)",
                                   "choose a new directory")

@@ -87,7 +87,7 @@ from megatron_rl.trainer.rollout_buffer import GeneratedBatch, buffer_state, buf
 from megatron_rl.trainer.sample_log import SampleLog
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.staleness import StalenessPlan, staleness_metrics
-from megatron_rl.trainer.startup_lines import layout_line, model_line, old_logprobs_line, rollout_line
+from megatron_rl.trainer.startup_lines import layout_line, lora_lines, model_line, old_logprobs_line, rollout_line
 from megatron_rl.utils import phase
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
@@ -125,6 +125,8 @@ class PPOTrainer:
         self._make_step_inputs()
         self.models: ModelSet = build_models(cfg, self.layout, self.device, self.plan, self.use_ref, self.use_critic)
         self.log(model_line(cfg, self.models.built_line()))
+        for line in lora_lines(cfg):
+            self.log(line)
         self._make_engine_and_outputs()
         self.start_step = self._resume_or_init()
         if cfg.rollout.ranks:
@@ -181,7 +183,8 @@ class PPOTrainer:
         # generates on the training layout.
         own = on_active_layout(cfg.rollout) if cfg.rollout.ranks else cfg.rollout
         self.engine = with_environment(
-            cfg, make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay),
+            cfg, make_rollout_engine(own, cfg.model, self.device, record_routing=cfg.algorithm.routing_replay,
+                                lora=cfg.actor.lora),
             self.tokenizer)
         self.evaluator = Evaluator(cfg, self.tokenizer, self.engine, self.reward_fn, self.sampling,
                                    self._weights_to_engine, self.log)

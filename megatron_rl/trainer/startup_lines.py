@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config.schema import Config
+from megatron_rl.layout.lora import adapter_params, lora_on, target_names
 from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner.memory import total_params
 from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, Resolution
@@ -31,6 +32,20 @@ def model_source(cfg: Config) -> str:
 def model_line(cfg: Config, built: str) -> str:
     return (f"model: {model_source(cfg)}: {total_params(cfg.model):,} parameters ({cfg.model.num_layers} layers, "
             f"hidden {cfg.model.hidden_size}); built {built}")
+
+
+def lora_lines(cfg: Config) -> list[str]:
+    """One line per model that trains LoRA adapters: their size against the base's."""
+    lines = []
+    for name, part in (("actor", cfg.actor), ("critic", cfg.critic)):
+        lora = part.lora
+        if not lora_on(lora):
+            continue
+        adapters, total = adapter_params(cfg.model, lora), total_params(cfg.model)
+        lines.append(f"lora: {name} trains rank-{lora.rank} adapters (alpha {lora.alpha:g}) on "
+                     f"{', '.join(target_names(cfg.model, lora.target_modules))}: {adapters:,} parameters "
+                     f"({100 * adapters / total:.2f}% of the base's {total:,}, which stays frozen)")
+    return lines
 
 
 def rollout_line(resolution: Resolution) -> str:

@@ -73,3 +73,15 @@ def merge_into_hf(hf_tensors: dict, adapters: dict, scaling: float) -> dict:
         base = merged[key]
         merged[key] = (base.float() + scaling * (ab["lora_B"].float() @ ab["lora_A"].float())).to(base.dtype)
     return merged
+
+
+def export_merged_hf(base: dict, adapters: dict, lora, out_dir: str, hf_config: dict, model_cfg) -> None:
+    """Write the base (canonical) with the adapters merged in as an HF model directory (rank 0)."""
+    import torch.distributed as dist
+
+    from megatron_rl.models.hf_bridge import canonical_to_hf, write_hf
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    merged = merge_into_hf(canonical_to_hf(base, model_cfg), adapters, lora.alpha / lora.rank)
+    write_hf(merged, out_dir, hf_config, model_cfg)

@@ -1,0 +1,101 @@
+"""LoRA: low-rank adapters on the frozen base, for the actor and the critic."""
+
+from __future__ import annotations
+
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, _uses_te, need
+from megatron_rl.layout.lora import ALL_LINEAR, ATTENTION, PROJECTIONS, lora_on, moe_mlp_targets, unknown_targets
+
+AREA = "LoRA"
+
+_NAMES = ", ".join(PROJECTIONS) + f" or {ALL_LINEAR}"
+
+
+def _targets_rules(part: str) -> tuple:
+    def lora(c):
+        return getattr(c, part).lora
+
+    key = f"{part}.lora.target_modules"
+    return (
+        need(key, lambda c, w: not unknown_targets(lora(c).target_modules) and bool(lora(c).target_modules),
+             f"{part}.lora.target_modules names no projection LoRA knows: {{c.{part}.lora.target_modules}}",
+             f"name projections as Hugging Face does: {_NAMES}",
+             f"{part}.lora.target_modules are HF projection names", when=lambda c: lora_on(lora(c))),
+        need(key, lambda c, w: not moe_mlp_targets(c.model, lora(c).target_modules),
+             "adapters on the MLP of a mixture-of-experts model (one per expert) are not built yet",
+             f"set {key}=[{','.join(ATTENTION)}] (attention projections) on this model",
+             "LoRA on a mixture-of-experts model: attention projections only",
+             when=lambda c: lora_on(lora(c))),
+        need("model.transformer_impl", lambda c, w: not _uses_te(c),
+             "LoRA adapters read each projection's input, which TransformerEngine's fused layer-norm + linear "
+             "layer does not expose", "set model.transformer_impl=local for LoRA runs",
+             "LoRA runs on the local layer spec (not TransformerEngine's)", when=lambda c: lora_on(lora(c))),
+    )
+
+
+def _critic_base_restorable(c) -> bool:
+    """A LoRA critic's checkpoint holds adapters only: its base must be rebuilt on resume, which a
+    fully trained actor's SFT warm-up would have changed."""
+    return lora_on(c.actor.lora) or bool(c.critic.hf_path) or not c.trainer.sft_warmup_steps
+
+
+FEATURES = [
+    Feature(
+        "LoRA adapters on tensor-parallel layers", AREA, TESTED_CPU,
+        "Low-rank adapters (peft's: A Kaiming-uniform, B zero, scaled by alpha/rank) on megatron's column- and "
+        "row-parallel layers, one per HF projection on the fused QKV and gate/up layers; the base frozen in the "
+        "model's dtype, adapters and their Adam state in fp32, only adapters (and a critic's value head) train; "
+        "TP (A or B split like the base), sequence parallelism, PP/VPP, CP and DP equal one process.",
+        ("tests/test_lora.py::test_lora_on_every_layout_equals_one_process",),
+        constraints=_targets_rules("actor") + _targets_rules("critic") + (
+            need("critic.lora.rank", lambda c, w: _critic_base_restorable(c),
+                 "a LoRA critic starts from the actor after its SFT warm-up, which a checkpoint of adapters cannot "
+                 "restore", "use actor.lora too, set critic.hf_path, or train the critic fully (critic.lora.rank=0)",
+                 "critic.lora with trainer.sft_warmup_steps needs actor.lora or critic.hf_path",
+                 when=lambda c: lora_on(c.critic.lora)),
+        ),
+        config="actor.lora.rank, alpha, dropout, target_modules; critic.lora.*",
+    ),
+    Feature(
+        "LoRA equals peft", AREA, TESTED_CPU,
+        "Our LoRA forward on an HF model's weights equals peft's LoRA on the HF model with the same adapters "
+        "(1e-4 bound; 1e-6 measured), on one process and TP2 with sequence parallelism.",
+        ("tests/test_lora.py::test_lora_equals_peft_on_the_hf_model_and_exports_what_peft_loads",),
+        config="actor.lora",
+    ),
+    Feature(
+        "LoRA reference = the base with adapters off", AREA, TESTED_CPU,
+        "A LoRA actor with a KL term keeps no reference copy: the reference pass runs the actor with its adapters "
+        "switched off (the base before any training, SFT warm-up included).",
+        ("tests/test_lora.py::test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layout",),
+        config="actor.lora.rank > 0 with algorithm.kl_coef > 0",
+    ),
+    Feature(
+        "LoRA checkpoints: adapters only, bound to their base", AREA, TESTED_CPU,
+        "Checkpoints hold adapters, a critic's value head and their optimizer state, plus the base's path and "
+        "sha256 (or seed); a resume loads the base first, then the adapters, exactly and onto another layout; "
+        "adapters of another base are refused.",
+        ("tests/test_lora.py::test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layout",
+         "tests/test_lora.py::test_lora_adapters_on_another_base_are_refused"),
+        config="trainer.save_every with actor.lora / critic.lora",
+    ),
+    Feature(
+        "LoRA export: peft adapter or merged model", AREA, TESTED_CPU,
+        "`convert --checkpoint RUN --hf-out DIR` writes a peft adapter (adapter_config.json + "
+        "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads onto the HF base; `--merge "
+        "--hf-model BASE` writes the base with the adapters merged in (BASE checked against the recorded sha256). "
+        "Both equal the trained model's log-probs (1e-4 bound; 1e-6 measured).",
+        ("tests/test_lora.py::test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_that_hf_loads",),
+        config="megatron-rl convert --checkpoint RUN --hf-out DIR [--merge --hf-model BASE]",
+    ),
+    Feature(
+        "LoRA on mixture-of-experts MLPs (per-expert adapters)", AREA, PLANNED,
+        "Adapters on routed and shared experts; today a MoE model takes adapters on its attention projections.",
+        config="actor.lora.target_modules on a MoE model",
+    ),
+    Feature(
+        "LoRA with TransformerEngine layers", AREA, PLANNED,
+        "Adapters beside TE's fused layer-norm + linear layers (the normalised input is needed); today LoRA runs "
+        "on the local layer spec, on CPU and GPU.",
+        config="actor.lora with model.transformer_impl=transformer_engine",
+    ),
+]
