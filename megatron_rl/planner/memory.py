@@ -31,6 +31,7 @@ from typing import Optional
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.layout.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.layout.kv import kv_bytes
+from megatron_rl.layout.lora import adapter_params, lora_on
 from megatron_rl.layout.rules import rollout_problems
 from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
@@ -43,6 +44,9 @@ GiB = 2**30
 # weight, first and second moment).
 GRAD_BYTES_PER_PARAM = 4
 ADAM_BYTES_PER_PARAM = 3 * 4
+# Per LoRA adapter parameter: the adapters are fp32 (their own master weights), Adam's two moments.
+LORA_BYTES_PER_PARAM = 4
+LORA_ADAM_BYTES_PER_PARAM = 2 * 4
 # Per token, outside the layers: the two fp32 statistics the log-prob op saves for backward (log
 # normaliser, mean logit) and two int64 label vectors (the batch's labels on the device and the
 # clamped copy the op saves).
@@ -269,9 +273,11 @@ def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, 
 
 
 def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, with_reference: bool = True,
-                param_bytes: int = 2) -> dict:
+                param_bytes: int = 2, actor_lora=None, critic_lora=None) -> dict:
     """Per-rank bytes of each model's weights, gradients and optimizer state (bf16 weights, fp32
-    grads and Adam)."""
+    grads and Adam).  A model with LoRA (``actor_lora`` / ``critic_lora``, a ``LoRAConfig``):
+    its frozen base in the model dtype (no grads, no optimizer state) and :func:`lora_state` for
+    its adapters; a LoRA actor is its own reference (its base, adapters off): no reference copy."""
     p_gpu = params_per_gpu(cfg, layout)
     shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
     weights = p_gpu * param_bytes
@@ -279,19 +285,44 @@ def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, 
     optim = p_gpu * ADAM_BYTES_PER_PARAM / shard
     if is_moe(cfg):  # the experts' state sharded over the expert data-parallel ranks
         optim = moe.optimizer_params(cfg, layout, p_gpu, layer_params(cfg)) * ADAM_BYTES_PER_PARAM
-    models = {"actor weights": weights, "actor grads": grads, "actor optimizer": optim}
+
+    def trained(name: str, lora) -> dict:
+        if not lora_on(lora):
+            return {f"{name} weights": weights, f"{name} grads": grads, f"{name} optimizer": optim}
+        return {f"{name} weights": weights, **lora_state(cfg, layout, lora, name)}
+
+    models = trained("actor", actor_lora)
     if with_critic:
-        models.update({"critic weights": weights, "critic grads": grads, "critic optimizer": optim})
-    if with_reference:
+        models.update(trained("critic", critic_lora))
+    if with_reference and not lora_on(actor_lora):
         models["reference weights"] = weights
     return models
+
+
+def lora_state(cfg: ModelConfig, layout: PlanOption, lora, name: str = "actor") -> dict:
+    """Per-rank bytes of one model's LoRA adapters: fp32 weights (no master copy: they are fp32),
+    their fp32 gradients and Adam's two moments (sharded over DP x CP with the distributed
+    optimizer); each TP rank's share of every layer (:func:`megatron_rl.layout.lora.adapter_params`),
+    divided over the pipeline stages."""
+    adapters = adapter_params(cfg, lora, layout.tp) / layout.pp
+    shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    return {f"{name} LoRA weights": adapters * LORA_BYTES_PER_PARAM,
+            f"{name} LoRA grads": adapters * GRAD_BYTES_PER_PARAM,
+            f"{name} LoRA optimizer": adapters * LORA_ADAM_BYTES_PER_PARAM / shard}
+
+
+def model_bytes(models: dict, name: str) -> float:
+    """Everything :func:`model_state` counts for model ``name`` (``actor``: its LoRA lines too)."""
+    return sum(v for k, v in models.items() if k.startswith(f"{name} "))
 
 
 def rollout_resident_bytes(models: dict, offload: bool) -> float:
     """What the training state leaves on the GPU while generating: with ``trainer.offload`` the
     actor's weights alone (grads, optimizer states and the other models wait in host memory), else
     everything of :func:`model_state`."""
-    return models["actor weights"] if offload else sum(models.values())
+    if offload:
+        return models["actor weights"] + models.get("actor LoRA weights", 0.0)
+    return sum(models.values())
 
 
 @dataclasses.dataclass
@@ -323,17 +354,19 @@ def estimate(
     with_reference: bool = True,
     param_bytes: int = 2,
     rollout_concurrency: Optional[int] = None,
+    actor_lora=None,
+    critic_lora=None,
 ) -> Breakdown:
     """Peak per-GPU bytes over the phases of a PPO step (bf16 weights, fp32 grads and Adam).
 
     The rollout generates as many sequences at once as the memory left beside the resident
     models allows (up to ``max_rollout_batch``); ``rollout_batch`` says how many.  On megatron's
     engine it runs on ``layout.rollout_layout``, or on the layout :func:`choose_rollout_layout`
-    picks for ``rollout_concurrency`` sequences per replica when that is None."""
+    picks for ``rollout_concurrency`` sequences per replica when that is None.  ``actor_lora`` /
+    ``critic_lora``: LoRA's model state (:func:`model_state`)."""
     rollout_concurrency = rollout_concurrency or ROLLOUT_CONCURRENCY
-    models = model_state(cfg, layout, with_critic, with_reference, param_bytes)
-    weights = models["actor weights"]
-    trainable = weights + models["actor grads"] + models["actor optimizer"]
+    models = model_state(cfg, layout, with_critic, with_reference, param_bytes, actor_lora, critic_lora)
+    trainable = model_bytes(models, "actor")
     seq_len = prompt_len + response_len
     kept = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
     head = head_bytes(cfg, layout, tokens_per_microbatch, param_bytes)

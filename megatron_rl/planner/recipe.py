@@ -8,7 +8,8 @@ from typing import Optional
 
 from megatron_rl.algorithms.advantages import needs_critic
 from megatron_rl.config.rules import config_value
-from megatron_rl.config.schema import Config
+from megatron_rl.config.schema import Config, LoRAConfig
+from megatron_rl.layout.lora import lora_on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,17 +21,22 @@ class PlanInputs:
     rollout_concurrency: Optional[int] = None  # sequences per replica megatron's engine must hold (max_batch_size)
     rollout_layout: Optional[dict] = None  # the rollout.layout sizes the config sets (None: the plan chooses)
     generators: int = 0  # rollout.ranks: GPUs that only generate
+    actor_lora: Optional[LoRAConfig] = None  # actor.lora when its rank is > 0: adapters on a frozen base
+    critic_lora: Optional[LoRAConfig] = None  # critic.lora likewise
 
 
 def plan_inputs(cfg: Config) -> PlanInputs:
     """The longest prompt and response, and which models the trainer builds: a critic for
-    estimators that need one, a reference whenever there is a KL term (as the trainer does)."""
+    estimators that need one, a reference whenever there is a KL term (as the trainer does), and
+    each model's LoRA (a LoRA actor is its own reference: the planner counts no copy)."""
     asked = dataclasses.asdict(cfg.rollout.layout)
     return PlanInputs(prompt_len=cfg.data.max_prompt_tokens, response_len=cfg.rollout.max_new_tokens,
                       with_critic=needs_critic(cfg.algorithm.advantage), with_reference=cfg.algorithm.kl_coef > 0,
                       rollout_concurrency=cfg.rollout.max_batch_size,
                       rollout_layout=asked if any(v is not None for v in asked.values()) else None,
-                      generators=cfg.rollout.ranks)
+                      generators=cfg.rollout.ranks,
+                      actor_lora=cfg.actor.lora if lora_on(cfg.actor.lora) else None,
+                      critic_lora=cfg.critic.lora if lora_on(cfg.critic.lora) else None)
 
 
 def _rollout_size(cfg: Config, key: str, value):
@@ -84,7 +90,8 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
     train = PlanOption.of(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(world // (p.tp * p.pp * p.cp), 1),
                           sequence_parallel=p.sequence_parallel, offload=cfg.trainer.offload,
                           distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, ep=p.ep, etp=p.etp)
-    models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes)
+    models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes,
+                         inputs.actor_lora, inputs.critic_lora)
     generators = cfg.rollout.ranks or None
     return choose_rollout_layout(cfg.model, train, seq_len=inputs.prompt_len + inputs.response_len,
                                  resident=0.0 if generators else rollout_resident_bytes(models, train.offload),

@@ -11,7 +11,9 @@ and when nothing fits
 names the smallest node count that does.  Each row shows its CP communication, the training peak,
 the total and what is left of the budget; the ranking rule that orders the rows is printed with
 them.  ``--config`` takes the lengths and models from a recipe and lists the keys where it differs
-from the recommendation.
+from the recommendation.  ``--lora-rank`` (or a recipe's ``actor.lora`` / ``critic.lora``) plans
+LoRA: a frozen base without grads or optimizer state, fp32 adapters with their grads and Adam
+(printed on lines of their own), and no reference copy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import argparse
 import os
 import textwrap
 
+from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.errors import ConfigError
+from megatron_rl.layout.lora import ALL_LINEAR, adapter_params, unknown_targets
 from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, total_params
 from megatron_rl.planner.option import format_value
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
@@ -46,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is planned over the others and rollout.layout over these")
     p.add_argument("--no-critic", action="store_true", help="GRPO/RLOO: no critic")
     p.add_argument("--no-reference", action="store_true", help="no KL: no reference model")
+    p.add_argument("--lora-rank", type=int,
+                   help="actor LoRA rank (actor.lora.rank; default 0 = full fine-tuning, or the recipe's): a frozen "
+                        "base without grads or optimizer state, fp32 adapters with their grads and Adam, and no "
+                        "reference copy (the reference is the base, adapters off)")
+    p.add_argument("--lora-targets", default=ALL_LINEAR,
+                   help="with --lora-rank: the projections with adapters, comma-separated HF names "
+                        f"(actor.lora.target_modules; default {ALL_LINEAR})")
     p.add_argument("--show", type=int, default=12, help="candidate layouts to print")
     p.add_argument("--list-models", action="store_true")
 
@@ -139,12 +150,62 @@ def _inputs(args) -> PlanInputs:
     generators = base.generators if args.generator_gpus is None else args.generator_gpus
     return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
                       base.with_critic and not args.no_critic, base.with_reference and not args.no_reference,
-                      args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout, generators)
+                      args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout, generators,
+                      _actor_lora(args, base.actor_lora), base.critic_lora)
+
+
+def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
+    """``--lora-rank`` / ``--lora-targets`` (alpha does not change memory), else the recipe's actor.lora."""
+    if args.lora_rank is None:
+        return recipe
+    if args.lora_rank < 0:
+        raise ConfigError("--lora-rank", args.lora_rank, "negative", "give 0 (full fine-tuning) or a positive rank")
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    bad = unknown_targets(targets)
+    if bad or not targets:
+        raise ConfigError("--lora-targets", args.lora_targets, f"unknown projection(s) {', '.join(bad) or '(none)'}",
+                          f"comma-separated q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj or "
+                          f"{ALL_LINEAR}")
+    return LoRAConfig(rank=args.lora_rank, target_modules=targets) if args.lora_rank else None
+
+
+def _models_line(inputs: PlanInputs) -> str:
+    """The models the plan holds; with LoRA, what each LoRA model keeps."""
+    def lora(name: str, cfg: LoRAConfig | None) -> str:
+        if cfg is None:
+            return name
+        return (f"{name} with LoRA rank {cfg.rank} on {','.join(cfg.target_modules)} (frozen bf16 base, fp32 "
+                "adapters + grads + Adam)")
+
+    reference = ", reference" if inputs.with_reference and inputs.actor_lora is None else ""
+    if inputs.with_reference and inputs.actor_lora is not None:
+        reference = ", reference = the actor's base with adapters off (no copy)"
+    return lora("actor", inputs.actor_lora) + (", " + lora("critic", inputs.critic_lora) if inputs.with_critic
+                                               else "") + reference
+
+
+def lora_lines(cfg, best: Candidate, inputs: PlanInputs) -> list[str]:
+    """With LoRA, the model-state lines of ``best`` per GPU: each model's frozen base and its
+    adapters' weights, grads and optimizer state."""
+    lines = []
+    for name, lora in (("actor", inputs.actor_lora), ("critic", inputs.critic_lora if inputs.with_critic else None)):
+        if lora is None:
+            continue
+        lay, parts = best.layout, best.breakdown.components
+        count = adapter_params(cfg, lora, lay.tp) / lay.pp
+        lines.append(f"{name} LoRA: {count / 1e6:.2f}M adapter parameters per GPU; base weights "
+                     f"{_amount(parts[name + ' weights'])} (frozen: no grads, no optimizer state), LoRA weights "
+                     f"{_amount(parts[name + ' LoRA weights'])}, LoRA grads {_amount(parts[name + ' LoRA grads'])}, "
+                     f"LoRA optimizer {_amount(parts[name + ' LoRA optimizer'])}")
+    return lines
+
+
+def _amount(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _print_table(args, result: Plan, inputs: PlanInputs) -> None:
-    models = "actor" + (", critic" if inputs.with_critic else "") + (", reference" if inputs.with_reference else "")
-    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, fp32 Adam + master weights; {models})")
+    print(f"per-GPU memory in GiB (bf16 weights, fp32 grads, fp32 Adam + master weights; {_models_line(inputs)})")
     budget = (f"budget: {result.budget_gib:.1f} GiB per GPU, {HEADROOM:.0%} of {args.gpu_memory:g} ({HEADROOM_NOTE}). "
               "Generation's KV cache takes what the models leave, up to --rollout-batch sequences (gen), so totals "
               "sit near the budget; train is the training peak, free = budget - total. megatron's engine generates "
@@ -204,7 +265,7 @@ def run_plan(args) -> int:
                   max_tokens_per_rank=args.max_tokens_per_rank, rollout_batch=args.rollout_batch,
                   with_critic=inputs.with_critic, with_reference=inputs.with_reference,
                   rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout,
-                  generators=inputs.generators)
+                  generators=inputs.generators, actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora)
     print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
           f"{inputs.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
     _print_table(args, result, inputs)
@@ -214,6 +275,6 @@ def run_plan(args) -> int:
         print(f"\nnot possible on {args.nodes} node(s): {where}")
         return 1
     print()
-    for line in _recommendation(result, inputs):
+    for line in _recommendation(result, inputs) + lora_lines(cfg, result.recommended, inputs):
         print(line)
     return _compare(args.config, result.recommended, inputs) if args.config else 0
