@@ -22,8 +22,9 @@ from megatron_rl.trainer.experience import Samples
 from tests.support.helpers import TINY, read_metrics, train_body
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CPU_RECIPES = ["grpo_cpu", "dapo_cpu", "gspo_cpu", "reinforce_pp_cpu"]
-GPU_RECIPES = ["qwen2.5_7b_32k", "dapo_qwen2.5_7b_32k", "gspo_qwen2.5_7b_32k", "reinforce_pp_qwen2.5_7b_32k"]
+CPU_RECIPES = ["grpo_cpu", "dapo_cpu", "gspo_cpu", "reinforce_pp_cpu", "grpo_lora_cpu"]
+GPU_RECIPES = ["qwen2.5_7b_32k", "dapo_qwen2.5_7b_32k", "gspo_qwen2.5_7b_32k", "reinforce_pp_qwen2.5_7b_32k",
+               "grpo_lora_qwen2.5_7b_32k"]
 # Every GPU recipe in configs/ and the planner preset of its model; each is for one node of 8 x 80 GB.
 PLANNED_RECIPES = {name: "qwen2.5-7b" for name in GPU_RECIPES}
 PLANNED_RECIPES.update({"qwen2.5_1.5b_8k": "qwen2.5-1.5b", "qwen3_30b_a3b_32k": "qwen3-30b-a3b"})
@@ -136,7 +137,8 @@ def test_gpu_recipe_equals_the_plan(recipe):
         assert {k: getattr(cfg.model, k) for k in explicit} == explicit
     inputs = plan_inputs(cfg)
     result = plan(model, prompt_len=inputs.prompt_len, response_len=inputs.response_len, nodes=1, gpus_per_node=8,
-                  gpu_memory_gib=80, with_critic=inputs.with_critic, with_reference=inputs.with_reference)
+                  gpu_memory_gib=80, with_critic=inputs.with_critic, with_reference=inputs.with_reference,
+                  actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora)
     assert result.recommended is not None
     assert differences(cfg, result.recommended.settings(inputs.with_critic)) == []
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, _uses_te, need
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _uses_te, need
 from megatron_rl.layout.lora import ALL_LINEAR, ATTENTION, PROJECTIONS, lora_on, moe_mlp_targets, unknown_targets
 
 AREA = "LoRA"
@@ -77,6 +77,17 @@ FEATURES = [
         ("tests/test_lora.py::test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layout",
          "tests/test_lora.py::test_lora_adapters_on_another_base_are_refused"),
         config="trainer.save_every with actor.lora / critic.lora",
+    ),
+    Feature(
+        "LoRA memory, measured and planned", AREA, TESTED_CPU,
+        "Per rank: the frozen base in the model's dtype without gradients or optimizer state, fp32 adapters with "
+        "their gradients and Adam state, no reference copy; `megatron-rl plan --lora-rank R` counts it so.",
+        ("tests/test_lora_memory.py::test_lora_memory_measured_and_planned",
+         "tests/test_lora_memory.py::test_plan_names_lora_lines_and_counts_no_reference_copy"),
+        config="actor.lora.rank; megatron-rl plan --lora-rank R [--lora-targets ...]",
+        measured=(Measured("rank 8: 0.117x of full fine-tuning's weights + grads + optimizer state (with its "
+                           "reference copy), bf16, hidden 512; the plan within 0.01% of measured",
+                           "python benchmarks/lora_memory.py"),),
     ),
     Feature(
         "LoRA export: peft adapter or merged model", AREA, TESTED_CPU,
