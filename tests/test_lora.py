@@ -21,31 +21,43 @@ LORA = dict(rank=4, alpha=8.0, target_modules=["all-linear"])
 PLAN = dict(micro_batch_size=3)
 
 _REFERENCE: dict = {}
+# A model with routed experts (adapters on its attention projections; its experts stay frozen).
+MOE_KW = dict(moe=dict(num_experts=4, router_topk=2, ffn_hidden_size=32))
+ATTENTION_ONLY = dict(LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
-def _reference(lora_kw: dict) -> dict:
-    key = repr(sorted(lora_kw.items()))
+def _reference(lora_kw: dict, model_kw=None, optim_kw=None) -> dict:
+    key = repr((sorted(lora_kw.items()), model_kw, optim_kw))
     if key not in _REFERENCE:
-        _REFERENCE[key] = run_distributed(1, actor_critic_step, {}, None, CP_LENGTHS, PLAN, False, None,
-                                          CP_STEP_OPTIM, True, 1, lora_kw)[0]
+        _REFERENCE[key] = run_distributed(1, actor_critic_step, {}, None, CP_LENGTHS, PLAN, False, model_kw,
+                                          dict(CP_STEP_OPTIM, **(optim_kw or {})), True, 1, lora_kw)[0]
     return _REFERENCE[key]
 
 
-@pytest.mark.parametrize("world,layout_kw", [
-    (2, dict(tp=2)),
-    (2, dict(tp=2, sp=True)),
-    (2, dict(pp=2)),
-    (2, dict(cp=2)),
-    (2, {}),  # DP=2
-    (4, dict(tp=2, pp=2, sp=True)),
-    (4, dict(tp=2, cp=2)),
-])
-def test_lora_on_every_layout_equals_one_process(world, layout_kw):
-    ref = _reference(LORA)
-    got = run_distributed(world, actor_critic_step, layout_kw, ref["weights"], CP_LENGTHS, PLAN, False, None,
-                          CP_STEP_OPTIM, True, 1, LORA)[0]
+@pytest.mark.parametrize("world,layout_kw,model_kw,lora_kw,optim_kw", [
+    (2, dict(tp=2), None, LORA, None),
+    (2, dict(tp=2, sp=True), None, LORA, None),
+    (2, dict(pp=2), None, LORA, None),
+    (2, dict(pp=2, vpp=2), dict(num_layers=4), LORA, None),
+    (2, dict(cp=2), None, LORA, None),
+    (2, {}, None, LORA, dict(use_distributed_optimizer=True)),  # DP2, adapter state sharded
+    (2, dict(ep=2), MOE_KW, ATTENTION_ONLY, None),
+    (4, dict(tp=2, pp=2, sp=True), None, LORA, None),
+    (4, dict(tp=2, cp=2), None, LORA, None),
+], ids=["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "dp2_distopt", "ep2_moe", "tp2_pp2_sp", "tp2_cp2"])
+def test_lora_on_every_layout_equals_one_process(world, layout_kw, model_kw, lora_kw, optim_kw):
+    from megatron_rl.config.schema import LoRAConfig
+    from megatron_rl.layout.lora import projections
+    from megatron_rl.testing.layout_parity import model_config
+
+    ref = _reference(lora_kw, model_kw, optim_kw)
+    got = run_distributed(world, actor_critic_step, layout_kw, ref["weights"], CP_LENGTHS, PLAN, False, model_kw,
+                          dict(CP_STEP_OPTIM, **(optim_kw or {})), True, 1, lora_kw)[0]
     outs = max_diff_outputs(got["outs"], ref["outs"])
-    grads = max_diff_tensors(got["grads"], ref["grads"])
+    # The distributed optimizer leaves each rank the reduced gradients of its own shard only: the
+    # weights after the step are what compares.
+    sharded = (optim_kw or {}).get("use_distributed_optimizer", False)
+    grads = 0.0 if sharded else max_diff_tensors(got["grads"], ref["grads"])
     params = max_diff_tensors(got["params"], ref["params"])
     print(f"{layout_kw}: outputs {outs} grads {grads:.2e} params after a step {params:.2e}")
     assert all(v <= CP_TOL for v in outs.values()), outs
@@ -53,9 +65,55 @@ def test_lora_on_every_layout_equals_one_process(world, layout_kw):
     # Only adapters (and the value head) have gradients; every adapter has one.
     adapters = [k for k in ref["grads"] if ".lora." in k]
     assert set(ref["grads"]) == set(adapters) | {"value_head.linear.weight", "value_head.linear.bias"}
-    assert len(adapters) == 2 * 7 * 2 and all(float(ref["grads"][k].abs().max()) > 0 for k in adapters)
+    model = model_config(model_kw)
+    assert len(adapters) == 2 * model.num_layers * len(projections(model, LoRAConfig(**lora_kw).target_modules))
+    assert all(float(ref["grads"][k].abs().max()) > 0 for k in adapters)
     moved = {k for k in ref["params"] if not torch.equal(ref["params"][k], ref["weights"].get(k, ref["params"][k]))}
     assert not any(".lora." not in k and not k.startswith("value_head") for k in moved), moved
+
+
+def fresh_adapters_body(layout_kw: dict):
+    """Worker body: canonical adapters as attached (peft's start) and the log-probs with them on and off."""
+    from megatron_rl.config.schema import LoRAConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.builder import build_gpt_chunks
+    from megatron_rl.models.canonical import gather_canonical
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.models.lora.adapters import adapters_disabled, attach_lora
+    from megatron_rl.models.seeded_init import seeded_init
+    from megatron_rl.testing.layout_parity import make_sequences, model_config
+    from megatron_rl.testing.layouts import use_layout
+
+    layout = use_layout(**layout_kw)
+    model = model_config()
+    chunks = build_gpt_chunks(model, layout, torch.device("cpu"))
+    attach_lora(chunks, model, LoRAConfig(**LORA), seed=5)
+    seeded_init(chunks, 5)
+    seqs = make_sequences()
+
+    def logprobs():
+        with torch.no_grad():
+            return run_sequences(chunks, seqs, LogProbHead(with_entropy=False), BatchPlan(micro_batch_size=3),
+                                 torch.device("cpu"))[0]
+
+    on = logprobs()
+    with adapters_disabled(chunks):
+        off = logprobs()
+    return gather_canonical(chunks, select=lambda n: ".lora." in n), on, off
+
+
+def test_fresh_adapters_start_as_peft_does_the_same_on_every_layout_and_leave_the_model_unchanged():
+    one = run_distributed(1, fresh_adapters_body, {})[0]
+    tp2 = run_distributed(2, fresh_adapters_body, dict(tp=2, sp=True))[0]
+    adapters, on, off = one
+    assert adapters.keys() == tp2[0].keys() and all(torch.equal(adapters[k], tp2[0][k]) for k in adapters)
+    for name, tensor in adapters.items():
+        if name.endswith("lora_B.weight"):
+            assert not tensor.any(), name  # B = 0: step 0 is the base model
+        else:  # peft's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(in), 1/sqrt(in))
+            bound = tensor.shape[1] ** -0.5
+            assert float(tensor.abs().max()) <= bound and float(tensor.std()) > 0.8 * bound / 3 ** 0.5, name
+    assert all(torch.equal(a["logprob"], b["logprob"]) for a, b in zip(on, off))
 
 
 def peft_parity_body(hf_dir: str, out_dir: str, layout_kw: dict, sequences: list, lora_kw: dict):
