@@ -265,6 +265,16 @@ def test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layou
         assert sum(".lora." in k for k in keys) == 3 * 7 * 2  # weight, exp_avg, exp_avg_sq x 7 projections x A/B
 
 
+def test_lora_resume_on_the_same_layout_is_bit_identical(tmp_path):
+    from tests.support.helpers import ppo_body
+
+    common = LORA_RUN + [f"run.dir={tmp_path}"]
+    run_distributed(1, ppo_body, common + ["trainer.steps=3", "run.name=a"])
+    run_distributed(1, ppo_body, common + ["trainer.steps=1", "run.name=b"])
+    run_distributed(1, ppo_body, common + ["trainer.steps=3", "run.name=b"])
+    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+
+
 def test_lora_adapters_on_another_base_are_refused(tmp_path):
     from megatron_rl.errors import CheckpointError
     from tests.support.helpers import ppo_body

@@ -45,7 +45,10 @@ FEATURES = [
         "row-parallel layers, one per HF projection on the fused QKV and gate/up layers; the base frozen in the "
         "model's dtype, adapters and their Adam state in fp32, only adapters (and a critic's value head) train; "
         "TP (A or B split like the base), sequence parallelism, PP/VPP, CP and DP equal one process.",
-        ("tests/test_lora.py::test_lora_on_every_layout_equals_one_process",),
+        ("tests/test_lora.py::test_lora_on_every_layout_equals_one_process",
+         "tests/test_lora.py::test_lora_with_a_bf16_base_stays_within_bf16_rounding_of_fp32",
+         "tests/test_lora.py::test_fresh_adapters_start_as_peft_does_the_same_on_every_layout_and_leave_the_model_"
+         "unchanged"),
         constraints=_targets_rules("actor") + _targets_rules("critic") + (
             need("critic.lora.rank", lambda c, w: _critic_base_restorable(c),
                  "a LoRA critic starts from the actor after its SFT warm-up, which a checkpoint of adapters cannot "
@@ -75,6 +78,7 @@ FEATURES = [
         "sha256 (or seed); a resume loads the base first, then the adapters, exactly and onto another layout; "
         "adapters of another base are refused.",
         ("tests/test_lora.py::test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layout",
+         "tests/test_lora.py::test_lora_resume_on_the_same_layout_is_bit_identical",
          "tests/test_lora.py::test_lora_adapters_on_another_base_are_refused"),
         config="trainer.save_every with actor.lora / critic.lora",
     ),
