@@ -15,7 +15,7 @@ import json
 import typing
 from typing import Optional, Union
 
-PROTOCOL = 1  # raise when a message's fields change: both worlds run the same code or stop
+PROTOCOL = 2  # raise when a message's fields change: both worlds run the same code or stop
 
 
 class MessageError(ValueError):
@@ -36,9 +36,11 @@ class SamplingSettings:
 
 @dataclasses.dataclass(frozen=True)
 class WeightsPush:
-    """The actor's weights after ``version`` updates follow, rank to rank (not through the store)."""
+    """The actor's weights after ``version`` updates follow, rank to rank (not through the store);
+    ``adapters_only``: the LoRA adapters alone (the generators hold the frozen base from a full push)."""
 
     version: int
+    adapters_only: bool = False
     kind: typing.ClassVar[str] = "weights"
 
 

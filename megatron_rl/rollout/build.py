@@ -18,10 +18,12 @@ def on_active_layout(rollout):
     return dataclasses.replace(rollout, layout=RolloutLayoutConfig())
 
 
-def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing: bool = False) -> RolloutEngine:
+def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing: bool = False,
+                        lora=None) -> RolloutEngine:
     """megatron's engine with the options ``rollout`` (a :class:`~megatron_rl.config.schema.RolloutConfig`)
     sets.  ``record_routing`` (MoE routing replay): the engine returns the experts it routed every
-    token to.  Imported here, so loading a config never imports megatron-core's inference."""
+    token to.  ``lora`` (the actor's ``actor.lora``): a model of its own carries the same adapters.
+    Imported here, so loading a config never imports megatron-core's inference."""
     from megatron_rl.rollout.megatron.engine import MegatronRolloutEngine
 
     return MegatronRolloutEngine(model_cfg, device=device, max_batch_size=rollout.max_batch_size,
@@ -30,4 +32,4 @@ def make_rollout_engine(rollout, model_cfg: ModelConfig, device, record_routing:
                                  kv_block_tokens=rollout.kv_block_tokens, record_routing=record_routing,
                                  layout=rollout.layout, prefix_caching=rollout.prefix_caching,
                                  batching=rollout.batching, paged_attention=rollout.paged_attention,
-                                 cuda_graphs=rollout.cuda_graphs)
+                                 cuda_graphs=rollout.cuda_graphs, lora=lora)

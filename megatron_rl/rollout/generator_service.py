@@ -35,8 +35,10 @@ from megatron_rl.distributed.messages import (
 from megatron_rl.distributed.placement import GENERATOR
 from megatron_rl.distributed.runtime import job_placement, job_store
 from megatron_rl.distributed.startup import start_model_parallel
+from megatron_rl.layout.lora import lora_on
 from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.models.builder import build_gpt_chunks
+from megatron_rl.models.lora.adapters import attach_lora
 from megatron_rl.rollout.build import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import RolloutBatch
@@ -89,7 +91,8 @@ class PushedWeights:
     def load(self, push: WeightsPush) -> None:
         if self.bridge is not None:
             self.bridge.receiving(push)
-        self.last_refit = refit_across_worlds(None, self.chunks[0], self.group, self.trainers, self.data)
+        self.last_refit = refit_across_worlds(None, self.chunks[0], self.group, self.trainers, self.data,
+                                              adapters_only=push.adapters_only)
         self.engine.load_from_chunks(self.chunks)
         self.version = push.version
 
@@ -132,6 +135,10 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     # The training model's vocabulary rows, so the embedding and output layer map row for row.
     chunks = build_gpt_chunks(cfg.model, layout, device, initialize=False,
                               vocab_rows=refit_vocab_rows(cfg.model, cfg.parallel.tp, layout.tp))
+    if lora_on(cfg.actor.lora):  # the actor's adapters, so the generators do not generate from the base
+        attach_lora(chunks, cfg.model, cfg.actor.lora, cfg.run.seed)
+        for chunk in chunks:
+            chunk.requires_grad_(False)
     engine = make_rollout_engine(on_active_layout(cfg.rollout), cfg.model, device)
     bridge = Bridge(job_store()) if rank0 else None
     group = joint_group(cfg.distributed.timeout_s)

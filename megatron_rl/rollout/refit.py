@@ -13,6 +13,11 @@ each rank receiving exactly the slices of its inference shard (gloo on the CPU, 
 When the inference layout equals the training layout (same TP / PP / EP / expert-TP, one chunk
 per rank) there is nothing to move: the engine generates with the actor's chunk in place
 (:func:`megatron_rl.planner.memory.shares_training_weights`), as it always did.
+
+With LoRA the inference model carries the actor's adapters (:func:`build_inference_model` with
+``lora``), and since the base is frozen only the first refit moves it: later ones move the adapter
+tensors alone (``adapters_only``), on a plan of their own kept apart from megatron's cached full
+plan (which megatron keys by layout sizes, the same for both views).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.distributed as dist
 from megatron_rl.compat.resharding import cached_reshard_plan, global_layer_renamer, preset_refit_tensors
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.distributed.runtime import layout_groups
+from megatron_rl.layout.lora import is_adapter_param, lora_on
 from megatron_rl.layout.sizes import ParallelLayout
 
 
@@ -37,9 +43,10 @@ def inference_groups(infer: ParallelLayout, world: int):
 
 
 def build_inference_model(model_cfg: ModelConfig, infer: ParallelLayout, train: ParallelLayout,
-                          device: torch.device):
+                          device: torch.device, lora=None):
     """This rank's shard of the inference model, weights allocated but not initialised (the
-    first :func:`refit` fills them)."""
+    first :func:`refit` fills them); ``lora`` (the actor's LoRAConfig): the same adapters, so it
+    generates with them and not from the base."""
     from megatron_rl.capabilities import resolve_transformer_impl
     from megatron_rl.layout.arch import resolve_dtype
     from megatron_rl.models.builder import gpt_model, transformer_config
@@ -60,6 +67,11 @@ def build_inference_model(model_cfg: ModelConfig, infer: ParallelLayout, train: 
                       pp_rank=pp_rank, pg_collection=groups)
     model = model.to(device).eval().requires_grad_(False)
     attach_moe_state([model])
+    if lora_on(lora):
+        from megatron_rl.models.lora.adapters import attach_lora
+
+        attach_lora([model], model_cfg, lora, seed=0)  # values come with the refit
+        model.requires_grad_(False)
     return model
 
 
@@ -82,65 +94,111 @@ class RefitStats:
     shard_bytes: int = 0  # bytes of the shard it fills (every parameter and persistent buffer)
 
 
-def refit(train_chunks: list, infer_model, method: str) -> RefitStats:
+def refit(train_chunks: list, infer_model, method: str, adapters_only: bool = False) -> RefitStats:
     """Copy the actor's weights (``train_chunks``: this rank's megatron chunks, DDP-wrapped or
-    not) into ``infer_model`` with megatron-core's resharding; collective over the world."""
+    not) into ``infer_model`` with megatron-core's resharding; collective over the world.
+    ``adapters_only``: the LoRA adapters alone (the frozen base is already there from a full refit)."""
+    from megatron.core.resharding import get_or_create_service
     from megatron.core.resharding.refit import swap_model_weights
 
     from megatron_rl.models.canonical import unwrap
 
-    source, target = _refit_view([unwrap(c) for c in train_chunks]), _refit_view([infer_model])
+    chunks = [unwrap(c) for c in train_chunks]
+    source, target = _refit_view(chunks), _refit_view([infer_model])
     _forget_plans_of_other_models(source, target)
     start = time.perf_counter()
     with torch.no_grad():
-        swap_model_weights([source], [target], refit_method=method)
-    seconds = time.perf_counter() - start
-    return RefitStats(seconds, received_bytes(source, target))
+        if not adapters_only:
+            swap_model_weights([source], [target], refit_method=method)
+            return RefitStats(time.perf_counter() - start, received_bytes(source, target))
+        source, target = _refit_view(chunks, ADAPTERS), _refit_view([infer_model], ADAPTERS)
+        plan = _adapter_plan(("local", source, target), source, target)
+        _execute(plan, source, target, get_or_create_service(method))
+    return RefitStats(time.perf_counter() - start, _plan_received_bytes(plan, target))
 
 
-def snapshot_for_push(train_chunks: list, group, trainers: int):
+def snapshot_for_push(train_chunks: list, group, trainers: int, adapters_only: bool = False):
     """This trainer rank's weights as a push after this update will send them: a copy of the
     tensors the cross-world plan has this rank send (all of its tensors before the plan exists),
-    taken now so the trainers go on updating while the copy waits for the generators."""
+    taken now so the trainers go on updating while the copy waits for the generators.
+    ``adapters_only``: the LoRA adapters alone (the generators hold the frozen base already)."""
     from megatron.core.resharding.utils import named_refit_tensors
 
     from megatron_rl.models.canonical import unwrap
 
     chunks = [unwrap(c) for c in train_chunks]
-    plan = _cross_world_plan(_refit_view(chunks), None, group, trainers)
+    if adapters_only:
+        plan = _ADAPTER_PLANS.get(_cross_world_key(group, trainers))
+    else:
+        plan = _cross_world_plan(_refit_view(chunks), None, group, trainers)
     sent = None if plan is None else {op.param_name for op in plan.send_ops}
-    view = _RefitView(chunks)
+    view = _RefitView(chunks, ADAPTERS if adapters_only else None)
     with torch.no_grad():
-        tensors = {n: t.detach().clone() for n, t in named_refit_tensors(_refit_view(chunks))
+        tensors = {n: t.detach().clone() for n, t in named_refit_tensors(_refit_view(chunks, view.only))
                    if sent is None or n in sent}
     preset_refit_tensors(view, tensors)
     return view
 
 
-def refit_across_worlds(source, infer_model, group, trainers: int, data=None) -> RefitStats:
+def refit_across_worlds(source, infer_model, group, trainers: int, data=None, adapters_only: bool = False
+                        ) -> RefitStats:
     """One push from the training world to the generating world with megatron-core's resharding:
     trainer ranks pass ``source`` (a :func:`snapshot_for_push`) and ``infer_model=None``,
     generator ranks ``None`` and their shard of the inference model; collective over ``group``
     (:func:`megatron_rl.distributed.cross_world.joint_group`), whose first ``trainers`` ranks
     train.  The plan is built at the first push and cached; the bytes travel on ``data``
-    (:func:`~megatron_rl.distributed.cross_world.data_group`: NCCL on GPUs; ``group`` when None)."""
+    (:func:`~megatron_rl.distributed.cross_world.data_group`: NCCL on GPUs; ``group`` when None).
+    ``adapters_only`` (LoRA, after the first push): the adapters alone, on a plan of their own;
+    every rank of both worlds passes the same (trainer ranks: their snapshot's)."""
     from megatron.core.resharding.refit import swap_model_weights
 
     from megatron_rl.distributed.cross_world import copy_service
 
-    target = _refit_view([infer_model]) if infer_model is not None else None
+    adapters_only = source.only is not None if source is not None else adapters_only
+    target = _refit_view([infer_model], ADAPTERS if adapters_only else None) if infer_model is not None else None
     start = time.perf_counter()
     with torch.no_grad():
-        swap_model_weights([source] if source is not None else None, [target] if target is not None else None,
-                           refit_method=copy_service(group, data), group=group, src_rank_offset=0,
-                           dst_rank_offset=trainers)
+        if adapters_only:
+            plan = _adapter_plan(_cross_world_key(group, trainers), source, target, group=group,
+                                 src_rank_offset=0, dst_rank_offset=trainers)
+            _execute(plan, source, target, copy_service(group, data), group=group)
+        else:
+            swap_model_weights([source] if source is not None else None, [target] if target is not None else None,
+                               refit_method=copy_service(group, data), group=group, src_rank_offset=0,
+                               dst_rank_offset=trainers)
     seconds = time.perf_counter() - start
     if target is None:
         return RefitStats(seconds, 0)
     from megatron.core.resharding.utils import get_refit_tensor_dict
 
-    shard = sum(t.numel() * t.element_size() for t in get_refit_tensor_dict(target).values())
-    return RefitStats(seconds, _plan_received_bytes(_cross_world_plan(None, target, group, trainers), target), shard)
+    shard = sum(t.numel() * t.element_size() for t in get_refit_tensor_dict(_refit_view([infer_model])).values())
+    if not adapters_only:
+        plan = _cross_world_plan(None, target, group, trainers)
+    return RefitStats(seconds, _plan_received_bytes(plan, target), shard)
+
+
+ADAPTERS = "adapters"  # the view of a model's LoRA adapter tensors alone
+_ADAPTER_PLANS: dict = {}  # key -> the adapters-only plan (megatron's own cache keeps the full one)
+
+
+def _adapter_plan(key, source, target, **kw):
+    """The adapters-only reshard plan for ``key``, built (collectively) at its first use."""
+    from megatron.core.resharding import build_local_reshard_plan
+
+    if key not in _ADAPTER_PLANS:
+        experts = (source if source is not None else target).config.num_moe_experts
+        _ADAPTER_PLANS[key] = build_local_reshard_plan(source, target, num_experts=experts, **kw)
+    return _ADAPTER_PLANS[key]
+
+
+def _execute(plan, source, target, service, group=None) -> None:
+    from megatron.core.resharding import execute_reshard_plan
+
+    execute_reshard_plan(plan, source, target, service=service, group=group)
+
+
+def _cross_world_key(group, trainers: int) -> tuple:
+    return ("cross", group.rank(), group.size(), trainers)
 
 
 def _cross_world_plan(source, target, group, trainers: int):
@@ -161,16 +219,18 @@ def _forget_plans_of_other_models(source, infer_model) -> None:
     pair = (source, infer_model)
     if not _PLANNED or _PLANNED[0][0] is not source or _PLANNED[0][1] is not infer_model:
         clear_plan_cache()
+        _ADAPTER_PLANS.clear()
         _PLANNED[:] = [pair]
 
 
-def _refit_view(chunks: list) -> "_RefitView":
-    """The one module per rank megatron's resharding reads (made once per set of chunks, so the
-    plan cached for it stays valid)."""
-    view = getattr(chunks[0], "_refit_view", None)
+def _refit_view(chunks: list, only=None) -> "_RefitView":
+    """The one module per rank megatron's resharding reads (made once per set of chunks and
+    ``only``, so the plan cached for it stays valid)."""
+    attr = "_refit_view" if only is None else f"_refit_view_{only}"
+    view = getattr(chunks[0], attr, None)
     if view is None or view.chunks != chunks:
-        view = _RefitView(chunks)
-        object.__setattr__(chunks[0], "_refit_view", view)  # not a submodule: no cycle in named_modules
+        view = _RefitView(chunks, only)
+        object.__setattr__(chunks[0], attr, view)  # not a submodule: no cycle in named_modules
     return view
 
 
@@ -196,11 +256,14 @@ class _RefitView(torch.nn.Module):
     parameters are named by global layer index (VPP chunks each number their layers from 0) and
     global expert index.  megatron-core 0.19 resolves expert numbers only in TransformerEngine's
     grouped names (``weightK``); the local spec's ``SequentialMLP`` names its experts
-    ``local_experts.K`` on every EP rank, so without this an EP2 -> EP1 refit finds no source."""
+    ``local_experts.K`` on every EP rank, so without this an EP2 -> EP1 refit finds no source.
 
-    def __init__(self, chunks: list):
+    ``only=ADAPTERS``: the LoRA adapter parameters alone (no base weight, no buffer)."""
+
+    def __init__(self, chunks: list, only=None):
         super().__init__()
         self.chunks = chunks  # a plain list: the chunks are not submodules, only named below
+        self.only = only
         self.config = chunks[0].config
         self.pg_collection = chunks[0].pg_collection
         ep = getattr(self.pg_collection, "ep", None)
@@ -222,11 +285,12 @@ class _RefitView(torch.nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for chunk, rename in self._renamers():
             for name, param in chunk.named_parameters(recurse=recurse):
-                yield rename(name), param
+                if self.only is None or is_adapter_param(name):
+                    yield rename(name), param
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
         yield "", self
         for chunk, rename in self._renamers():
             for name, module in chunk.named_modules():
-                if name:
+                if name and (self.only is None or is_adapter_param(name + ".")):
                     yield rename(name), module

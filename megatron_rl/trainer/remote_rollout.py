@@ -38,6 +38,7 @@ from megatron_rl.distributed.bridge import Bridge, WeightSender
 from megatron_rl.distributed.cross_world import data_group, joint_group
 from megatron_rl.distributed.messages import GenerationRequest, SamplingSettings, WeightsPush
 from megatron_rl.distributed.runtime import job_placement, job_store, resolve_device
+from megatron_rl.layout.lora import lora_on
 from megatron_rl.rollout.generator_service import rollout_from_message
 from megatron_rl.rollout.refit import refit_across_worlds, snapshot_for_push
 from megatron_rl.rollout.sampling import SamplingParams
@@ -61,6 +62,8 @@ class RemoteRollout:
         self.trainers = job_placement().trainers
         self.sender = WeightSender(job_store(), lambda snapshot: refit_across_worlds(snapshot, None, self.group,
                                                                                      self.trainers, self.data))
+        self.lora = lora_on(cfg.actor.lora)  # the base is frozen: pushes after the first carry adapters only
+        self.base_pushed = False
         self.requested: dict[int, list[int]] = {}  # step -> dataset indices, requested and not yet taken
         self.next_request = 1
         self.pushed: Optional[int] = None
@@ -81,9 +84,11 @@ class RemoteRollout:
         """Send the actor's weights after ``version`` updates, then request what the bound allows.
         The trainers only copy what they will send (:func:`snapshot_for_push`); the transfer runs
         on their sender threads when the generators take it."""
-        snapshot = snapshot_for_push(chunks, self.group, self.trainers)
+        adapters_only = self.lora and self.base_pushed
+        snapshot = snapshot_for_push(chunks, self.group, self.trainers, adapters_only=adapters_only)
         if self.rank0:
-            self.bridge.post(WeightsPush(version))
+            self.bridge.post(WeightsPush(version, adapters_only=adapters_only))
+        self.base_pushed = True
         self.sender.put(version, snapshot)
         self.pushed = version
         self._request()

@@ -25,7 +25,7 @@ class MegatronRolloutEngine:
                  kv_cache_memory: float = 0.4, prefill_chunk_tokens: int = 4096, kv_block_tokens: int = 256,
                  record_routing: bool = False, layout=None,
                  prefix_caching: bool = True, batching: str = "auto", paged_attention: str = "auto",
-                 cuda_graphs: Optional[bool] = None):
+                 cuda_graphs: Optional[bool] = None, lora=None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model_cfg = model_cfg
@@ -53,7 +53,8 @@ class MegatronRolloutEngine:
         self.megatron_routing = False
         # Partial rollouts: weights that may change between two steps (generator ranks, async).
         self.live_weights: Optional[LiveWeights] = None
-        self.weights = EngineWeights(model_cfg, self.device, layout)
+        # lora: the actor's LoRAConfig, for the adapters of a model of its own (rollout.layout)
+        self.weights = EngineWeights(model_cfg, self.device, layout, lora=lora)
         self.dynamic = DynamicBatching(self)
         self.static = StaticBatching(self)
 

@@ -1,6 +1,10 @@
 """Which weights the engine generates with: the actor's own chunk in place where the inference
 layout is the training layout, else a model of its own on ``rollout.layout``, refit from the
-actor's chunks before every rollout (:mod:`megatron_rl.rollout.refit`) and freed after it."""
+actor's chunks before every rollout (:mod:`megatron_rl.rollout.refit`) and freed after it.
+
+With LoRA (``lora``: the actor's LoRAConfig) the model of its own carries the same adapters; the
+base is frozen, so the first refit from a set of chunks moves everything and later ones the
+adapters alone, and releasing it frees the adapters only (the base stays for the next rollout)."""
 
 from __future__ import annotations
 
@@ -9,13 +13,16 @@ from typing import Optional
 import torch
 
 from megatron_rl.config.schema import ModelConfig
+from megatron_rl.layout.lora import is_adapter_param, lora_on
 
 
 class EngineWeights:
     """The model the engine generates with, and the models and chunks it builds for that."""
 
-    def __init__(self, model_cfg: ModelConfig, device: torch.device, layout=None):
+    def __init__(self, model_cfg: ModelConfig, device: torch.device, layout=None, lora=None):
         self.model_cfg = model_cfg
+        self.lora = lora if lora_on(lora) else None
+        self._base_from: Optional[list] = None  # the chunks whose frozen base the model of its own holds
         self.device = device
         # rollout.layout (a RolloutLayoutConfig; unset sizes are the training layout's)
         self.layout = layout
@@ -61,12 +68,19 @@ class EngineWeights:
 
     def _refit(self, chunks: list, infer) -> bool:
         from megatron_rl.distributed.runtime import active_layout
+        from megatron_rl.models.canonical import unwrap
         from megatron_rl.rollout.refit import build_inference_model, refit
 
         if self.inference_model is None:
-            self.inference_model = build_inference_model(self.model_cfg, infer, active_layout(), self.device)
+            self.inference_model = build_inference_model(self.model_cfg, infer, active_layout(), self.device,
+                                                         lora=self.lora)
         self._materialize_inference_weights()
-        self.last_refit = refit(chunks, self.inference_model, "nccl" if self.device.type == "cuda" else "gloo")
+        source = [unwrap(c) for c in chunks]
+        adapters_only = self.lora is not None and self._base_from is not None and \
+            len(source) == len(self._base_from) and all(a is b for a, b in zip(source, self._base_from))
+        self.last_refit = refit(chunks, self.inference_model, "nccl" if self.device.type == "cuda" else "gloo",
+                                adapters_only=adapters_only)
+        self._base_from = source if self.lora is not None else None
         changed = self.model is not self.inference_model
         self.model = self.inference_model
         return changed
@@ -87,10 +101,11 @@ class EngineWeights:
 
     def release(self) -> None:
         """Free the model of its own's weights (refit again before the next rollout); the actor's
-        own shards stay."""
+        own shards stay.  With LoRA only the adapters go: the next refit restores them alone."""
         if self.inference_model is not None:
-            for tensor in self.inference_model.parameters():
-                tensor.untyped_storage().resize_(0)
+            for name, tensor in self.inference_model.named_parameters():
+                if self.lora is None or is_adapter_param(name):
+                    tensor.untyped_storage().resize_(0)
 
     def _materialize_inference_weights(self) -> None:
         """Give released weights their storage back (the refit overwrites every value)."""
