@@ -329,7 +329,8 @@ FEATURES = [
         "max_staleness > 1). A checkpoint takes every requested batch first "
         "(rollout_buffer: generated, not yet trained), so a SIGKILLed job resumes exactly; a dead generator rank ends "
         "the job with its name. Logged: staleness, policy version, generate and idle seconds of the generators, the "
-        "trainer's wait, refit seconds and bytes (rollout/refit_bytes equals rollout/generator_shard_bytes). "
+        "trainer's wait, refit seconds and bytes (rollout/refit_bytes equals rollout/generator_shard_bytes; with LoRA, "
+        "after the first push, the adapters' bytes). "
         "Evaluation runs on the training ranks. megatron-rl plan --generator-gpus (or rollout.ranks) sizes both sets.",
         ("tests/test_generator_ranks.py::test_one_step_off_on_generator_ranks_trains_what_the_colocated_mode_trains",
          "tests/test_generator_ranks.py::test_async_staleness_stays_bounded_and_a_killed_job_resumes_exactly",
