@@ -144,8 +144,9 @@ def peft_parity_body(hf_dir: str, out_dir: str, layout_kw: dict, sequences: list
     peft adapter to ``out_dir`` and returns our log-probs, with and without the adapters."""
     import torch.distributed as dist
 
-    from megatron_rl.config.schema import LoRAConfig, ModelConfig
+    from megatron_rl.config.schema import LoRAConfig, ModelConfig, OptimConfig
     from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.engine.trainable import make_trainable
     from megatron_rl.layout.lora import target_names
     from megatron_rl.models.builder import build_gpt_chunks
     from megatron_rl.models.canonical import gather_canonical
@@ -153,7 +154,7 @@ def peft_parity_body(hf_dir: str, out_dir: str, layout_kw: dict, sequences: list
     from megatron_rl.models.hf_bridge import load_hf_weights
     from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
     from megatron_rl.models.lora.adapters import adapters_disabled, attach_lora
-    from megatron_rl.models.lora.export import split_adapters, write_peft_adapter
+    from megatron_rl.models.lora.export import peft_tensors, split_adapters, write_peft_adapter
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.testing.weights import load_random_adapters
 
@@ -164,6 +165,9 @@ def peft_parity_body(hf_dir: str, out_dir: str, layout_kw: dict, sequences: list
     attach_lora(chunks, cfg, lora, seed=0)
     load_hf_weights(chunks, hf_dir)
     load_random_adapters(chunks, cfg, lora, seed=9)
+    # In megatron's DDP, as training runs: its gradient finalisation all-reduces the gradients that
+    # sequence parallelism leaves partial.
+    chunks = make_trainable(chunks, OptimConfig(), 1).chunks
     seqs = [{"tokens": torch.tensor(ids)} for ids in sequences]
 
     def logprobs():
@@ -175,11 +179,18 @@ def peft_parity_body(hf_dir: str, out_dir: str, layout_kw: dict, sequences: list
     with_adapters = logprobs()
     with adapters_disabled(chunks):
         base = logprobs()
+    # The adapters' gradients of the summed log-probs (the last position has no label: masked).
+    masked = [{"tokens": torch.tensor(ids), "mask": torch.cat([torch.ones(len(ids) - 1), torch.zeros(1)])}
+              for ids in sequences]
+    run_sequences(chunks, masked, LogProbHead(with_entropy=False), BatchPlan(micro_batch_size=2),
+                  torch.device("cpu"), loss_fn=lambda o, t, mb: ((o["logprob"] * t["mask"]).sum(), {}),
+                  forward_only=False)
+    grads = gather_canonical(chunks, "grad", select=lambda n: ".lora." in n)
     _, adapters = split_adapters(gather_canonical(chunks))
     if dist.get_rank() == 0:
         write_peft_adapter(out_dir, adapters, lora, target_names(cfg, lora.target_modules), hf_dir)
     dist.barrier()
-    return with_adapters, base
+    return with_adapters, base, peft_tensors(grads)
 
 
 @pytest.fixture(scope="module")
@@ -205,18 +216,25 @@ def test_lora_equals_peft_on_the_hf_model_and_exports_what_peft_loads(hf_llama, 
 
     hf_dir, sequences = hf_llama
     lora_kw = dict(rank=4, alpha=12.0, target_modules=targets)
-    ours, base = run_distributed(world, peft_parity_body, hf_dir, str(tmp_path / "adapter"), layout_kw, sequences,
-                                 lora_kw)[0]
+    ours, base, our_grads = run_distributed(world, peft_parity_body, hf_dir, str(tmp_path / "adapter"), layout_kw,
+                                            sequences, lora_kw)[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     plain = [hf_logprobs(model, ids) for ids in sequences]
-    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
+    peft_model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter"), is_trainable=True).eval()
     theirs = [hf_logprobs(peft_model, ids) for ids in sequences]
+    for ids in sequences:  # peft's adapter gradients of the same summed log-probs
+        logits = peft_model(torch.tensor([ids])).logits[0].float()
+        torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None]).sum().backward()
+    peft_grads = {n.replace(".default", ""): p.grad for n, p in peft_model.named_parameters() if "lora_" in n}
+    assert peft_grads.keys() == our_grads.keys()
+    scale = max(float(g.abs().max()) for g in peft_grads.values())
+    grad_gap = max(float((our_grads[k] - g).abs().max()) for k, g in peft_grads.items()) / scale
     gap = max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
     base_gap = max(float((a - b).abs().max()) for a, b in zip(base, plain))
     moved = max(float((a - b).abs().max()) for a, b in zip(theirs, plain))
     print(f"{layout_kw} {targets}: |ours - peft| {gap:.2e}, adapters off vs HF base {base_gap:.2e}, "
-          f"adapters move log-probs by {moved:.2e}")
-    assert gap <= 1e-4 and base_gap <= 1e-4
+          f"adapters move log-probs by {moved:.2e}; adapter gradients vs peft {grad_gap:.2e} of the largest")
+    assert gap <= 1e-4 and base_gap <= 1e-4 and grad_gap <= 1e-4
     assert moved > 1e-2  # the adapters matter, so the comparison means something
     assert sorted(peft_model.peft_config["default"].target_modules) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
