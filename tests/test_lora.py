@@ -44,13 +44,17 @@ def _reference(lora_kw: dict, model_kw=None, optim_kw=None) -> dict:
     (2, dict(ep=2), MOE_KW, ATTENTION_ONLY, None),
     (4, dict(tp=2, pp=2, sp=True), None, LORA, None),
     (4, dict(tp=2, cp=2), None, LORA, None),
-], ids=["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "dp2_distopt", "ep2_moe", "tp2_pp2_sp", "tp2_cp2"])
+    (2, dict(tp=2, sp=True), dict(recompute=dict(granularity="full", method="uniform", num_layers=1)), LORA, None),
+], ids=["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "dp2_distopt", "ep2_moe", "tp2_pp2_sp", "tp2_cp2",
+        "tp2_sp_full_recompute"])
 def test_lora_on_every_layout_equals_one_process(world, layout_kw, model_kw, lora_kw, optim_kw):
     from megatron_rl.config.schema import LoRAConfig
     from megatron_rl.layout.lora import projections
     from megatron_rl.testing.layout_parity import model_config
 
-    ref = _reference(lora_kw, model_kw, optim_kw)
+    # Recompute changes no number: compared with one process that keeps its activations.
+    ref_model_kw = {k: v for k, v in model_kw.items() if k != "recompute"} or None if model_kw else None
+    ref = _reference(lora_kw, ref_model_kw, optim_kw)
     got = run_distributed(world, actor_critic_step, layout_kw, ref["weights"], CP_LENGTHS, PLAN, False, model_kw,
                           dict(CP_STEP_OPTIM, **(optim_kw or {})), True, 1, lora_kw)[0]
     outs = max_diff_outputs(got["outs"], ref["outs"])

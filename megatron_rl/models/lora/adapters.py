@@ -201,6 +201,17 @@ def attach_lora(chunks, model_cfg, lora, seed: int, train_also: tuple[str, ...] 
         for layer in model.decoder.layers:
             layer.lora = LayerAdapters(layer, projs, dims, lora.rank, lora.alpha, lora.dropout)
             init_adapters(layer.lora, layer.layer_number - 1, seed)
+        if getattr(model, "pre_process", False) and model.config.recompute_granularity == "full":
+            model.embedding.register_forward_hook(_require_grad)
+
+
+def _require_grad(module, args, output):
+    """The frozen embedding's output, marked as needing a gradient.  megatron's full recompute is a
+    reentrant checkpoint: an ``autograd.Function`` whose output needs no gradient when none of its
+    inputs does -- and with the embedding frozen the first stage's hidden states need none, so every
+    adapter in a recomputed layer would get no gradient at all (HF's ``enable_input_require_grads``
+    for peft with gradient checkpointing)."""
+    return output.requires_grad_(True) if not output.requires_grad else output
 
 
 def adapter_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
