@@ -44,7 +44,8 @@ FEATURES = [
         "Low-rank adapters (peft's: A Kaiming-uniform, B zero, scaled by alpha/rank) on megatron's column- and "
         "row-parallel layers, one per HF projection on the fused QKV and gate/up layers; the base frozen in the "
         "model's dtype, adapters and their Adam state in fp32, only adapters (and a critic's value head) train; "
-        "TP (A or B split like the base), sequence parallelism, PP/VPP, CP and DP equal one process.",
+        "TP (A or B split like the base), sequence parallelism, PP/VPP, CP, DP (distributed optimizer too), EP for "
+        "a MoE model's attention, and full recompute equal one process.",
         ("tests/test_lora.py::test_lora_on_every_layout_equals_one_process",
          "tests/test_lora.py::test_lora_with_a_bf16_base_stays_within_bf16_rounding_of_fp32",
          "tests/test_lora.py::test_fresh_adapters_start_as_peft_does_the_same_on_every_layout_and_leave_the_model_"
