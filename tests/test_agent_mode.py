@@ -74,7 +74,7 @@ def test_a_step_no_agent_reached_stops_and_one_some_missed_warns_once():
 
 @pytest.mark.slow
 def test_train_stops_when_no_agent_named_its_session_and_warns_when_half_did(tmp_path):
-    from tests.test_cli import cli
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
 
     proc, seconds = cli("train", *TINY, *AGENT_RUN, "rollout.agent=tests.support.envs:sdk_agent_without_session_id",
                         f"run.dir={tmp_path}", "run.name=none")
@@ -216,7 +216,7 @@ def test_an_agent_warm_up_without_chat_demonstrations_is_refused_before_launch(t
 
 @pytest.mark.slow
 def test_an_agent_job_warms_up_on_demonstrated_chats(tmp_path):
-    from tests.test_cli import cli
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
 
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "add"},
             {"role": "tool", "content": "2"}, {"role": "assistant", "content": "2"}]
@@ -256,7 +256,7 @@ def write_tool_chats(path, count: int, seed: int = 0) -> str:
 def sdk_tool_journey(tmp_path, warmup_steps: int, steps: int, name: str = "journey"):
     """An openai-SDK agent with streaming and tools driving GRPO through the endpoint, after a warm-up
     on the chats the endpoint serves: ``(process, seconds, metrics)``."""
-    from tests.test_cli import cli
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
 
     data = write_tool_chats(tmp_path / "tool_chats.jsonl", 256)
     proc, seconds = cli(

@@ -36,10 +36,13 @@ class RunsACommand:
 
 
 def cli(*args, timeout=300, env_extra=None):
+    """``python -m megatron_rl.tools.cli ARGS`` as its own process, forked from one that has torch and
+    megatron imported (:func:`megatron_rl.testing.cli_runner.run_cli`): ~40 commands, one import."""
+    from megatron_rl.testing.cli_runner import run_cli
+
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FAULT"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, env=env, cwd=ROOT, timeout=timeout)
 
 
 def update_sizes(step_dir: str, *added: str) -> None:

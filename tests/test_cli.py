@@ -164,6 +164,7 @@ def test_fresh_start_in_a_used_run_directory_keeps_the_old_run_and_does_not_mix_
     old step 2 used to outrank it, and retention deleted it), the old run -- its config.yaml
     included -- is moved aside, not deleted, and can be resumed there; a later
     trainer.resume=auto continues the fresh run."""
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process each, without the import of one
     from tests.support.helpers import TINY
 
     common = ["train", *TINY, f"run.dir={tmp_path}", "run.name=r"]

@@ -249,9 +249,9 @@ def cli_body(argv: list[str]) -> int:
 
 @pytest.mark.slow
 def test_a_multi_turn_job_trains_and_logs_env_metrics(tmp_path):
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
     from megatron_rl.testing.harness import run_distributed
     from tests.support.helpers import TINY, read_metrics
-    from tests.test_cli import cli
 
     # The job end to end through the CLI, on half of TINY's prompts (2 x rollout.n=2 trajectories a step).
     proc, seconds = cli("train", *TINY, "rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.turns=2",
@@ -527,8 +527,8 @@ def test_the_endpoint_serves_two_tool_turns_and_records_the_exact_ids():
 def test_an_agent_job_trains_on_what_the_endpoint_served(tmp_path):
     """rollout.agent: an outside agent in its own process drives every sample through the endpoint
     (two tool turns); the step trains on the served sessions and the agent's reward counts."""
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
     from tests.support.helpers import TINY, read_metrics
-    from tests.test_cli import cli
 
     proc, seconds = cli("train", *TINY, "rollout.agent=tests.support.envs:two_tool_turns", "rollout.max_new_tokens=4",
                         "rollout.max_turns=3", "rollout.max_trajectory_tokens=100", "model.max_position_embeddings=128",
@@ -587,8 +587,8 @@ def test_the_endpoint_and_agents_stop_at_their_limits():
 def test_grpo_with_the_calculator_tool_raises_the_reward(tmp_path):
     """configs/tool_calling_cpu.yaml: two-digit products, which the tiny model can only get with the
     calculator; after the warm-up on demonstrations GRPO raises the share of exact answers."""
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
     from tests.support.helpers import read_metrics
-    from tests.test_cli import cli
 
     proc, seconds = cli("train", "--config", "configs/tool_calling_cpu.yaml", f"run.dir={tmp_path}", timeout=2400)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -638,8 +638,8 @@ def test_multi_turn_on_a_generator_rank_trains_what_the_colocated_mode_trains(tm
     log-probs may differ in the last bits (trajectories share engine calls as they become ready, so
     the batches differ), which only the rollout/trainer log-prob gap shows -- and the re-weighting
     by them, so the correction one_step_off defaults to is off here."""
+    from megatron_rl.testing.cli_runner import timed_cli as cli  # a process, without the import of one
     from tests.support.helpers import TINY, read_metrics
-    from tests.test_cli import cli
     from tests.test_generator_ranks import _stable
 
     common = (*TINY, "rollout.env=tests.support.envs:ScriptedEnv", "rollout.env_kwargs.turns=2", "rollout.max_turns=3",

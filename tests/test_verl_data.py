@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -40,9 +38,11 @@ def write_verl_parquet(path, n: int = 4) -> str:
 
 
 def cli(*args, env=None, timeout=600):
+    """The CLI as its own process, forked from one with the imports done (no interpreter start each)."""
+    from megatron_rl.testing.cli_runner import run_cli
+
     full = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, env=full, cwd=ROOT, timeout=timeout)
 
 
 # ---------------------------------------------------------------- records
