@@ -349,12 +349,11 @@ def lora_hf_run_body(hf_dir: str, run_dir: str, sequences: list):
 @pytest.mark.slow
 def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_that_hf_loads(hf_llama, tmp_path):
     import os
-    import subprocess
-    import sys
 
     import peft
     import transformers
 
+    from megatron_rl.testing.cli_runner import run_cli
     from tests.support.helpers import hf_logprobs, make_hf_model
 
     hf_dir, sequences = hf_llama
@@ -363,8 +362,7 @@ def test_a_lora_run_exports_a_peft_adapter_and_a_merged_model_that_hf_loads(hf_l
     run = str(tmp_path / "lora")
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=root,
-                              capture_output=True, text=True, timeout=300)
+        return run_cli(*args, cwd=root, timeout=300)
 
     # TP2 on export: the adapters are gathered from their shards.
     done = cli("convert", "--checkpoint", run, "--hf-out", str(tmp_path / "adapter"), "--nproc", "2", "parallel.tp=2")
