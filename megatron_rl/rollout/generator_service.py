@@ -38,7 +38,7 @@ from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.layout.lora import lora_on
 from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.models.builder import build_gpt_chunks
-from megatron_rl.models.lora.adapters import attach_lora
+from megatron_rl.models.lora.adapters import attach_inference_lora
 from megatron_rl.rollout.build import make_rollout_engine, on_active_layout
 from megatron_rl.rollout.dp import generate_data_parallel
 from megatron_rl.rollout.engine import RolloutBatch
@@ -136,9 +136,7 @@ def serve_generation(cfg: Config, log=print, wrap_engine=None) -> None:
     chunks = build_gpt_chunks(cfg.model, layout, device, initialize=False,
                               vocab_rows=refit_vocab_rows(cfg.model, cfg.parallel.tp, layout.tp))
     if lora_on(cfg.actor.lora):  # the actor's adapters, so the generators do not generate from the base
-        attach_lora(chunks, cfg.model, cfg.actor.lora, cfg.run.seed)
-        for chunk in chunks:
-            chunk.requires_grad_(False)
+        attach_inference_lora(chunks, cfg.model, cfg.actor.lora)
     engine = make_rollout_engine(on_active_layout(cfg.rollout), cfg.model, device)
     bridge = Bridge(job_store()) if rank0 else None
     group = joint_group(cfg.distributed.timeout_s)

@@ -68,10 +68,9 @@ def build_inference_model(model_cfg: ModelConfig, infer: ParallelLayout, train: 
     model = model.to(device).eval().requires_grad_(False)
     attach_moe_state([model])
     if lora_on(lora):
-        from megatron_rl.models.lora.adapters import attach_lora
+        from megatron_rl.models.lora.adapters import attach_inference_lora
 
-        attach_lora([model], model_cfg, lora, seed=0)  # values come with the refit
-        model.requires_grad_(False)
+        attach_inference_lora([model], model_cfg, lora)
     return model
 
 

@@ -29,7 +29,7 @@ import os
 import torch.distributed as dist
 
 from megatron_rl.config.model_io import model_config_from_dict, model_config_to_dict
-from megatron_rl.config.schema import Config, LoRAConfig
+from megatron_rl.config.schema import Config
 from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine.checkpoint import (
     ONLY_TRAINED,
@@ -46,6 +46,7 @@ from megatron_rl.models.canonical import gather_canonical
 from megatron_rl.models.heads import attach_value_head
 from megatron_rl.models.hf_bridge import copy_companion_files, export_hf, load_hf_weights, model_source_meta
 from megatron_rl.models.lora.adapters import attach_lora
+from megatron_rl.models.lora.base import lora_settings
 from megatron_rl.models.lora.export import export_merged_hf, split_adapters, write_peft_adapter
 
 
@@ -100,12 +101,6 @@ def megatron_to_hf(cfg: Config, checkpoint: str, hf_out: str, part: str = "actor
         recorded = meta.get("tokenizer") or meta.get("source")
         print(_companions_line(hf_out, carried, carried, recorded), flush=True)
     return hf_out
-
-
-def lora_settings(meta: dict, part: str) -> LoRAConfig | None:
-    """The LoRA settings ``part`` of a checkpoint was trained with, or None (full weights)."""
-    saved = ((meta.get("lora") or {}).get("models") or {}).get(part)
-    return LoRAConfig(**saved) if saved else None
 
 
 def _lora_to_hf(cfg: Config, checkpoint: str, meta: dict, hf_out: str, part: str, merge: bool,

@@ -24,7 +24,7 @@ import textwrap
 
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.errors import ConfigError
-from megatron_rl.layout.lora import ALL_LINEAR, adapter_params, unknown_targets
+from megatron_rl.layout.lora import ALL_LINEAR, PROJECTIONS, adapter_params, unknown_targets
 from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, total_params
 from megatron_rl.planner.option import format_value
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
@@ -164,8 +164,7 @@ def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
     bad = unknown_targets(targets)
     if bad or not targets:
         raise ConfigError("--lora-targets", args.lora_targets, f"unknown projection(s) {', '.join(bad) or '(none)'}",
-                          f"comma-separated q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj or "
-                          f"{ALL_LINEAR}")
+                          f"comma-separated {', '.join(PROJECTIONS)} or {ALL_LINEAR}")
     return LoRAConfig(rank=args.lora_rank, target_modules=targets) if args.lora_rank else None
 
 
@@ -177,9 +176,9 @@ def _models_line(inputs: PlanInputs) -> str:
         return (f"{name} with LoRA rank {cfg.rank} on {','.join(cfg.target_modules)} (frozen bf16 base, fp32 "
                 "adapters + grads + Adam)")
 
-    reference = ", reference" if inputs.with_reference and inputs.actor_lora is None else ""
-    if inputs.with_reference and inputs.actor_lora is not None:
-        reference = ", reference = the actor's base with adapters off (no copy)"
+    reference = ""
+    if inputs.with_reference:
+        reference = ", reference = the actor's base with adapters off (no copy)" if inputs.actor_lora else ", reference"
     return lora("actor", inputs.actor_lora) + (", " + lora("critic", inputs.critic_lora) if inputs.with_critic
                                                else "") + reference
 

@@ -76,10 +76,10 @@ def check_checkpoint_arg(path: str, part: str, need_hf_config: bool = False) -> 
 def check_lora_checkpoint(step: str, args) -> None:
     """What a checkpoint of LoRA adapters can be turned into: a peft adapter, or with ``--merge`` the
     base the user names (the one the adapters were trained on) with them merged in."""
-    from megatron_rl.models.lora.base import weights_sha256
+    from megatron_rl.models.lora.base import lora_settings, weights_sha256
 
     meta = check_checkpoint(step)
-    saved = ((meta.get("lora") or {}).get("models") or {}).get(args.part)
+    saved = lora_settings(meta, args.part)
     merge = getattr(args, "merge", False)
     if saved is None:
         if merge:

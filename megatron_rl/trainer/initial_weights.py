@@ -17,11 +17,12 @@ from megatron_rl.trainer.sft import sft_warmup
 from megatron_rl.utils import phase
 
 
-def load_base_weights(models: ModelSet, cfg: Config) -> None:
+def load_base_weights(models: ModelSet, cfg: Config, critic_base: bool = False) -> None:
     """The actor's weights before any training: HF, a checkpoint, or a seeded draw that is the same
     on every layout (:mod:`megatron_rl.models.seeded_init`).  With LoRA this is the frozen base
-    (a checkpoint of a LoRA run holds only adapters, so a resume loads the base here first); a
-    LoRA critic's base is the actor's (or ``critic.hf_path``)."""
+    (a checkpoint of a LoRA run holds only adapters, so a resume loads the base here first).
+    ``critic_base`` (a resume): a LoRA critic's base too, the actor's (or ``critic.hf_path``); a
+    fresh run starts the critic from the warmed-up actor in :func:`init_weights` instead."""
     if cfg.actor.init_checkpoint:
         only = checkpoint.ONLY_BASE if models.actor_lora else None
         checkpoint.load_checkpoint(cfg.actor.init_checkpoint,
@@ -33,7 +34,7 @@ def load_base_weights(models: ModelSet, cfg: Config) -> None:
     else:
         seeded_init(models.actor.chunks, cfg.run.seed)
     models.actor.weights_replaced()
-    if models.critic is not None and models.critic_lora:
+    if critic_base and models.critic is not None and models.critic_lora:
         _critic_from(models, cfg, gather_canonical(models.actor.chunks))
 
 

@@ -223,7 +223,7 @@ class PPOTrainer:
         # LoRA checkpoints hold adapters only: the frozen base comes first, from where the run started.
         base_first = bool(candidates) and (self.models.actor_lora or self.models.critic_lora)
         if base_first:
-            load_base_weights(self.models, self.cfg)
+            load_base_weights(self.models, self.cfg, critic_base=True)
         loaded = checkpoint.load_newest(candidates, self.models.checkpoint_parts(),
                                         model_config_to_dict(self.cfg.model), fall_back=mode == "auto", log=self.log,
                                         base=lora_base_identity(self.cfg) if base_first and _rank0() else None)

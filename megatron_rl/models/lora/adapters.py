@@ -205,6 +205,14 @@ def attach_lora(chunks, model_cfg, lora, seed: int, train_also: tuple[str, ...] 
             model.embedding.register_forward_hook(_require_grad)
 
 
+def attach_inference_lora(chunks, model_cfg, lora) -> None:
+    """The same adapters on a model that only generates (the inference model of ``rollout.layout``,
+    a generator rank's chunks): nothing there trains, and the values come with the refit."""
+    attach_lora(chunks, model_cfg, lora, seed=0)
+    for chunk in chunks:
+        chunk.requires_grad_(False)
+
+
 def _require_grad(module, args, output):
     """The frozen embedding's output, marked as needing a gradient.  megatron's full recompute is a
     reentrant checkpoint: an ``autograd.Function`` whose output needs no gradient when none of its

@@ -58,6 +58,15 @@ def lora_meta(cfg) -> dict:
     return {"base": lora_base_identity(cfg), "models": models}
 
 
+def lora_settings(meta: dict, part: str):
+    """The ``LoRAConfig`` model ``part`` of a checkpoint (its manifest ``meta``) was trained with,
+    or None when it holds full weights: what :func:`lora_meta` wrote."""
+    from megatron_rl.config.schema import LoRAConfig
+
+    saved = ((meta.get("lora") or {}).get("models") or {}).get(part)
+    return LoRAConfig(**saved) if saved else None
+
+
 def check_lora_base(path: str, meta: dict, base: Optional[dict]) -> None:
     """Refuse adapters saved on another base than ``base`` (this run's)."""
     if base is None:
