@@ -16,15 +16,19 @@ DEMO = os.path.join(ROOT, "configs", "demo_cpu.yaml")
 
 
 def cli(*args, env=None, timeout=300):
-    """Run the CLI; return (process, seconds).  ``timeout`` is the bound on a hung job: generous,
-    and far below the 600 s collective timeout that a rank left waiting would otherwise sit out."""
-    full_env = dict(os.environ, **(env or {}))
-    if "MEGATRON_RL_FAULT" not in (env or {}):
-        full_env.pop("MEGATRON_RL_FAULT", None)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - start
+    """Run the CLI as a process of its own (forked, ranks too, from a server that imported torch once:
+    :mod:`megatron_rl.testing.cli_runner`); return (process, seconds).  ``timeout`` is the bound on a
+    hung job: generous, and far below the 600 s collective timeout that a rank left waiting would
+    otherwise sit out."""
+    from megatron_rl.testing.cli_runner import timed_cli
+
+    if any(k.startswith("PYTHON") for k in env or {}):  # read at start-up: a new interpreter
+        full_env = dict(os.environ, **env)
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+        return proc, time.monotonic() - start
+    return timed_cli(*args, env=env, timeout=timeout)
 
 
 def fault(spec: str, nproc: int, tmp_path, *overrides: str):

@@ -11,6 +11,7 @@ import yaml
 
 from megatron_rl.config.loader import load_config
 from megatron_rl.errors import ConfigError
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.tools.cli import main
 
 # verl's examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh (35 keys) and five keys its sibling
@@ -352,8 +353,6 @@ def _verl_rows(path, n: int = 4) -> str:
 
 @pytest.mark.slow
 def test_verls_files_with_verls_key_names_in_one_run(tmp_path):
-    import subprocess
-    import sys
 
     from tests.support.helpers import TINY, read_metrics
 
@@ -363,9 +362,8 @@ def test_verls_files_with_verls_key_names_in_one_run(tmp_path):
                "algorithm.mini_batches"}
     ours = [item for item in TINY if item.split("=")[0] not in renamed]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", *ours, *VERL_TINY_RUN,
-                           f"data.train_files={path}", f"data.val_files={path}", f"run.dir={tmp_path}"],
-                          cwd=root, capture_output=True, text=True, timeout=600)
+    proc = run_cli("train", *ours, *VERL_TINY_RUN, f"data.train_files={path}", f"data.val_files={path}",
+                   f"run.dir={tmp_path}", cwd=root, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "proj" / "verl"
     rows = [row for row in read_metrics(run) if "reward/mean" in row]

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.testing.harness import run_distributed
 from tests.support.helpers import (
     ARCHS,
@@ -140,10 +139,8 @@ def test_unpacked_and_token_budget_batches_match_hf(hf_models, tmp_path):
 def test_score_command_line(hf_models, tmp_path):
     hf_dir, reference = hf_models["qwen2"]
     out = tmp_path / "cli.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.tools.cli", "score", "--hf-model", hf_dir, "--input",
-         os.path.join(hf_dir, "in.jsonl"), "--output", str(out), "--nproc", "2", "parallel.tp=2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_cli("score", "--hf-model", hf_dir, "--input", os.path.join(hf_dir, "in.jsonl"), "--output", str(out),
+                   "--nproc", "2", "parallel.tp=2")
     assert proc.returncode == 0, proc.stderr
     assert check_scores(str(out), reference) <= 1e-4
 
@@ -152,9 +149,7 @@ def test_score_rejects_bad_input_line(hf_models, tmp_path):
     hf_dir, _ = hf_models["llama"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 999]}\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.tools.cli", "score", "--hf-model", hf_dir, "--input", str(bad),
-         "--output", str(tmp_path / "o.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_cli("score", "--hf-model", hf_dir, "--input", str(bad), "--output", str(tmp_path / "o.jsonl"))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(f"data error: {bad}:2=999: token id outside")
 
@@ -263,8 +258,7 @@ def test_convert_command_both_directions(hf_models, tmp_path):
     hf_dir, _ = hf_models["qwen3"]
 
     def cli(*args):
-        proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "convert", *args], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        proc = run_cli("convert", *args)
         assert proc.returncode == 0, proc.stderr
         return proc
 

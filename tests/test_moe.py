@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from megatron_rl.capabilities import te_usable, te_version
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.testing.harness import close_all_pools, run_distributed
 from tests.support.helpers import (
     ActorCriticHead,
@@ -145,8 +144,7 @@ def test_score_matches_hf_on_expert_parallel_layouts(hf_moe, layout, tmp_path):
 
 
 def _cli(*args) -> None:
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = run_cli(*args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

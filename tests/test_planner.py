@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import memory
 from megatron_rl.planner.option import PlanOption, cp_levels
 from megatron_rl.planner.search import plan, preset
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.testing.harness import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,10 +245,8 @@ def test_plan_config_lists_the_keys_where_a_recipe_differs(capsys, tmp_path):
 
 
 def test_plan_command_prints_a_fitting_layout():
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "plan", "--model", "qwen2.5-7b",
-                           "--prompt-len", "1024", "--response-len", "32768", "--nodes", "1",
-                           "--gpus-per-node", "8", "--gpu-memory", "80"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = run_cli("plan", "--model", "qwen2.5-7b", "--prompt-len", "1024", "--response-len", "32768", "--nodes", "1",
+                   "--gpus-per-node", "8", "--gpu-memory", "80", timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "recommended:" in proc.stdout and "overrides:   parallel.tp=" in proc.stdout
 

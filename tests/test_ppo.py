@@ -484,9 +484,9 @@ def test_reward_function_that_raises_stops_the_run_with_the_prompt_index(tmp_pat
 
 
 def _cli(args, env=None, timeout=600):
-    full = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", *args], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=timeout)
+    from megatron_rl.testing.cli_runner import run_cli
+
+    return run_cli(*args, env=dict(os.environ, **(env or {})), timeout=timeout)
 
 
 @pytest.mark.slow
@@ -518,8 +518,9 @@ def test_run_ppo_sh_demo_learns(tmp_path):
     steps = load_config(os.path.join(ROOT, "configs", "demo_cpu.yaml")).trainer.steps
     close_all_pools()  # idle test workers would share the two cores with the demo's four ranks
     start = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_RL_FORK_RANKS"}  # ranks start as users' do
     proc = subprocess.run(["./run_ppo.sh", f"run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=1800, env=env)
     minutes = (time.monotonic() - start) / 60
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "demo_cpu")

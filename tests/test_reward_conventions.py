@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,6 +12,7 @@ from megatron_rl.data.prompts import load_prompts
 from megatron_rl.data.tokenizer import CharTokenizer
 from megatron_rl.rewards.conventions import needs_answers
 from megatron_rl.rewards.registry import RewardFunctionError, detected_convention, get_reward_fn, grade_batch
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.tools.cli import main
 from tests.support.helpers import TINY, read_metrics
 
@@ -227,6 +226,7 @@ def test_validate_refuses_data_without_a_column_the_reward_requires_by_name(caps
 
 TRL_REWARDS = '''
 import re
+from megatron_rl.testing.cli_runner import run_cli
 
 
 def format_reward(completions, **kwargs):
@@ -258,10 +258,9 @@ def test_trl_reward_functions_unchanged(tmp_path, name, conversational):
     rows = [{"prompt": [{"role": "user", "content": f"{i}+{i}="}] if conversational else f"{i}+{i}=",
              "solution": str(2 * i)} for i in range(1, 9)]
     data = write_jsonl(tmp_path / "train.jsonl", rows)
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", *TINY, f"data.train_path={data}",
-                           "data.max_prompt_tokens=40", f"reward.fn={tmp_path}/trl_rewards.py:{name}",
-                           "trainer.steps=2", "trainer.log_samples=true", f"run.dir={tmp_path}", "run.name=trl"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_cli("train", *TINY, f"data.train_path={data}", "data.max_prompt_tokens=40",
+                   f"reward.fn={tmp_path}/trl_rewards.py:{name}", "trainer.steps=2", "trainer.log_samples=true",
+                   f"run.dir={tmp_path}", "run.name=trl", timeout=600)
     assert proc.returncode == 0, proc.stderr
     metrics = read_metrics(tmp_path / "trl")
     assert len(metrics) == 2

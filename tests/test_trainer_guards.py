@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.testing.harness import run_distributed
 from megatron_rl.trainer.experience import Samples, response_positions
 from megatron_rl.utils.seeds import derive_seed
@@ -22,9 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_run_whose_critic_updates_are_all_non_finite_stops_with_one_line(tmp_path):
     """At critic lr 1e30 the first critic update blows the values up; from then on every critic
     gradient is non-finite.  Step 1 still applies one of its two updates; step 2 applies none."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", *TINY, "critic.optim.lr=1e30",
-                           "trainer.steps=3", f"run.dir={tmp_path}", "run.name=n"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_cli("train", *TINY, "critic.optim.lr=1e30", "trainer.steps=3", f"run.dir={tmp_path}", "run.name=n")
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("training error: critic.optim.lr=1e+30: all 2 critic optimizer steps of PPO step 2 "
@@ -151,10 +150,9 @@ def test_plain_reward_that_never_returns_stops_the_job_with_one_line(tmp_path):
     import time
 
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--nproc", "2", *TINY,
-                           "reward.fn=tests.support.helpers:never_returns", "reward.timeout_s=0.5",
-                           "distributed.timeout_s=30", "trainer.steps=3", f"run.dir={tmp_path}", "run.name=h"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    proc = run_cli("train", "--nproc", "2", *TINY, "reward.fn=tests.support.helpers:never_returns",
+                   "reward.timeout_s=0.5", "distributed.timeout_s=30", "trainer.steps=3", f"run.dir={tmp_path}",
+                   "run.name=h", timeout=240)
     print(f"job ended after {time.monotonic() - start:.1f} s")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "reward error: reward.fn=tests.support.helpers:never_returns: did not return within 2 s " \

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_rl.config.loader import load_config
 from megatron_rl.errors import ConfigError
+from megatron_rl.testing.cli_runner import run_cli
 from megatron_rl.tools.cli import main
 from megatron_rl.validation import validate
 
@@ -145,9 +146,7 @@ def test_model_directory_that_does_not_exist(capsys, tmp_path, key, what):
 
 def test_train_refuses_before_starting_any_process(tmp_path):
     """The launcher validates before it starts ranks: a bad value never reaches a process group."""
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl.tools.cli", "train", "--config", DEMO, "--nproc", "4",
-                           f"run.dir={tmp_path}", "rollout.temperature=-1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_cli("train", "--config", DEMO, "--nproc", "4", f"run.dir={tmp_path}", "rollout.temperature=-1")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "config error: rollout.temperature=-1.0: out of range (must be >= 0 and <= 3e+38); "

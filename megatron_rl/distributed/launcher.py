@@ -13,10 +13,18 @@ SIGTERM, or ranks still running ``grace_s`` after the first, end the job at once
 in its own process group, and each group is killed when the job ends, whatever state its leader is
 in, so no helper outlives the job holding its output open; a rank whose launcher dies (even by
 SIGKILL) is sent SIGTERM by the kernel (``PR_SET_PDEATHSIG``).
+
+``MEGATRON_RL_FORK_RANKS=1`` starts each rank as a fork of the launcher instead of a new interpreter:
+for a launcher that has imported torch and megatron-core already and done nothing else with them
+(a test suite's CLI fork server, :mod:`megatron_rl.testing.cli_runner`), where a new interpreter's
+imports are most of a small job's time.  The rank is the same command in a process of its own:
+its own session, environment, exit code, and the interpreter's normal exit (non-daemon threads
+joined, atexit handlers run).
 """
 
 from __future__ import annotations
 
+import atexit
 import glob
 import json
 import os
@@ -24,13 +32,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 
 from megatron_rl.distributed.env import PORT_FILE_ENV
 from megatron_rl.distributed.guard import ERROR_FILE_ENV, done_file
 from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from megatron_rl.utils.phase import phase_file
 
+FORK_RANKS_ENV = "MEGATRON_RL_FORK_RANKS"
 POLL_S = 0.1
 GRACE_S = 5.0
 STOP_GRACE_S = 600.0  # default time the ranks get to checkpoint and exit after a stop signal
@@ -99,8 +110,77 @@ def _last_phase(err_base: str, rank: int) -> str:
         return "starting"
 
 
-def _start_ranks(argv: list[str], nproc: int, extra_env: dict | None, err_base: str) -> list[subprocess.Popen]:
+class _ForkedRank:
+    """What the launcher reads of a rank forked from it: ``subprocess.Popen``'s ``pid``, ``poll``,
+    ``wait`` and ``returncode`` (negative: the signal that ended it)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def _reap(self, flags: int):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self):
+        return self._reap(os.WNOHANG)
+
+    def wait(self, timeout=None):
+        return self._reap(0)
+
+
+def _exit_code(err: SystemExit) -> int:
+    """The exit status ``python`` gives a ``SystemExit``: None 0, an int itself, anything else printed, 1."""
+    if err.code is None or isinstance(err.code, int):
+        return err.code or 0
+    print(err.code, file=sys.stderr)
+    return 1
+
+
+def _forked_rank_main(argv: list[str], env: dict) -> None:
+    """In the forked child: run ``megatron-rl <argv>`` as the new interpreter would, then exit."""
+    code = 1
+    try:
+        os.setsid()
+        _die_with_parent()
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(env)
+        atexit._clear()  # the launcher's handlers are not the rank's
+        sys.argv = ["megatron_rl.tools.cli", *argv]
+        from megatron_rl.tools.cli import main
+
+        code = main(list(argv)) or 0
+    except SystemExit as err:
+        code = _exit_code(err)
+    except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit code 1
+        traceback.print_exc()
+    finally:
+        try:
+            threading._shutdown()  # the interpreter's exit: non-daemon threads first, then atexit
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _fork_rank(argv: list[str], env: dict) -> _ForkedRank:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _forked_rank_main(argv, env)
+    return _ForkedRank(pid)
+
+
+def _start_ranks(argv: list[str], nproc: int, extra_env: dict | None, err_base: str) -> list:
     """Each rank: this command line again, in a session of its own, with its rendezvous environment."""
+    fork = os.environ.get(FORK_RANKS_ENV) == "1"
     procs = []
     for rank in range(nproc):
         env = dict(os.environ)
@@ -112,6 +192,9 @@ def _start_ranks(argv: list[str], nproc: int, extra_env: dict | None, err_base: 
             **{ERROR_FILE_ENV: err_base, PORT_FILE_ENV: f"{err_base}.port"},
         )
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        if fork:
+            procs.append(_fork_rank(argv, env))
+            continue
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", *argv],
                                       env=env, start_new_session=True, preexec_fn=_die_with_parent))
     return procs

@@ -10,6 +10,10 @@ files, environment and working directory, and the interpreter's normal exit (ate
 non-daemon threads, flushed output).  It returns a :class:`subprocess.CompletedProcess` like
 ``subprocess.run(..., capture_output=True, text=True)``.
 
+A ``--nproc N`` command's ranks are forked from the command in turn
+(``MEGATRON_RL_FORK_RANKS=1``, :mod:`megatron_rl.distributed.launcher`) unless ``env`` sets it
+otherwise: each rank is a process of its own without a new interpreter's imports either.
+
 What it cannot reproduce, and refuses: environment variables an interpreter or a module reads at
 start-up (``PYTHON*``, ``MEGATRON_RL_COMPAT_TRACE`` and the ``site/`` hooks') -- use a real
 subprocess for those.  Nor does it see warnings the imports themselves print (they were printed
@@ -39,6 +43,7 @@ PRELOAD = (
     "megatron_rl.tools.convert",
     "megatron_rl.tools.generate",
 )
+FORK_RANKS_ENV = "MEGATRON_RL_FORK_RANKS"  # megatron_rl.distributed.launcher's switch
 # Read when an interpreter or a module starts: a forked child would not see a change.
 _STARTUP_ENV = ("MEGATRON_RL_COMPAT_TRACE", "MEGATRON_RL_LONG_TAIL", "MEGATRON_RL_DECODE_FLOOR_S")
 
@@ -79,6 +84,7 @@ def _child(request: dict, reply) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    os.environ.setdefault(FORK_RANKS_ENV, "1")
     sys.path[0] = os.getcwd()  # python -m: the working directory first
     sys.argv = [MODULE, *request["args"]]
     # python -m runs the module as __main__ only: the server's imported copy must not be found

@@ -33,7 +33,11 @@ What this design costs:
   restores the tunables tests lower (``_CACHES``, ``_TUNABLES``).  Anything else a body patches
   (a method, a registry entry) it must restore in ``finally``.  For fresh processes, call
   ``get_pool(n).close()``: the next ``get_pool(n)`` starts new workers.
-* Pools are never shrunk: sizes 1, 2, 4 and 8 all stay alive until the session ends.
+* An idle pool is not free: every worker keeps the gloo process groups of its last layout (about
+  30), whose event-loop threads wake a hundred times a second; fourteen idle workers took 45% of a
+  core on a 2-core machine.  So a pool idle for ``MEGATRON_RL_TEST_POOL_IDLE_S`` seconds (20) is
+  closed by a background thread, and started again, transparently, by its next ``run``: restarting
+  costs 2-4 s, idling costs the whole machine a fifth of its CPU for as long as it lasts.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import pickle
 import queue
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -51,6 +56,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 _DEFAULT_TIMEOUT = float(os.environ.get("MEGATRON_RL_TEST_TIMEOUT", "300"))
+_IDLE_CLOSE_S = float(os.environ.get("MEGATRON_RL_TEST_POOL_IDLE_S", "20"))
 
 # Process-wide state one body may change and the next should not inherit.  Caches, cleared
 # (``cache_clear`` for functools caches, ``clear`` for dicts): (module, attribute, method).
@@ -125,6 +131,13 @@ class WorkerPool:
     def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT):
         self.world_size = world_size
         self.timeout = timeout
+        self._lock = threading.RLock()  # run and the idle reaper's close never overlap
+        self._start()
+
+    def _start(self) -> None:
+        self.closed = False
+        self.idle_since = time.monotonic()
+        world_size = self.world_size
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["megatron_rl.testing.preload"])
         # Not daemonic: megatron's checkpoint writer starts helper processes of its own.
@@ -164,7 +177,26 @@ class WorkerPool:
         return all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank return values."""
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank return values (a pool closed
+        while idle starts again first)."""
+        with self._lock:
+            if self.closed:
+                self._start()
+            try:
+                return self._run(fn, args, kwargs, timeout)
+            finally:
+                self.idle_since = time.monotonic()
+
+    def close_if_idle(self, idle_s: float) -> None:
+        """Close the workers when no body ran for ``idle_s`` seconds (never while one runs)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self.closed and time.monotonic() - self.idle_since > idle_s:
+                    self.close()
+            finally:
+                self._lock.release()
+
+    def _run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> list[Any]:
         self._next_id += 1
         task_id = self._next_id
         payload = pickle.dumps((fn, args, kwargs))
@@ -201,6 +233,7 @@ class WorkerPool:
         return values
 
     def close(self) -> None:
+        self.closed = True
         for q in self._tasks:
             try:
                 q.put_nowait(None)
@@ -217,10 +250,24 @@ class WorkerPool:
 _POOLS: dict[int, WorkerPool] = {}
 
 
+_REAPER: threading.Thread | None = None
+
+
+def _close_idle_pools() -> None:
+    while True:
+        time.sleep(max(1.0, _IDLE_CLOSE_S / 4))
+        for pool in list(_POOLS.values()):
+            pool.close_if_idle(_IDLE_CLOSE_S)
+
+
 def get_pool(world_size: int) -> WorkerPool:
+    global _REAPER
     pool = _POOLS.get(world_size)
-    if pool is None or not pool.alive:
+    if pool is None or not (pool.closed or pool.alive):
         pool = _POOLS[world_size] = WorkerPool(world_size)
+    if _REAPER is None and _IDLE_CLOSE_S > 0:
+        _REAPER = threading.Thread(target=_close_idle_pools, name="megatron_rl_pool_reaper", daemon=True)
+        _REAPER.start()
     return pool
 
 
