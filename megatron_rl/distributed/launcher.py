@@ -42,6 +42,7 @@ from megatron_rl.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED
 from megatron_rl.utils.phase import phase_file
 
 FORK_RANKS_ENV = "MEGATRON_RL_FORK_RANKS"
+CLI_MODULE = "megatron_rl.tools.cli"
 POLL_S = 0.1
 GRACE_S = 5.0
 STOP_GRACE_S = 600.0  # default time the ranks get to checkpoint and exit after a stop signal
@@ -151,10 +152,8 @@ def _forked_rank_main(argv: list[str], env: dict) -> None:
         os.environ.clear()
         os.environ.update(env)
         atexit._clear()  # the launcher's handlers are not the rank's
-        sys.argv = ["megatron_rl.tools.cli", *argv]
-        from megatron_rl.tools.cli import main
-
-        code = main(list(argv)) or 0
+        _run_cli_module(argv)
+        code = 0
     except SystemExit as err:
         code = _exit_code(err)
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit code 1
@@ -167,6 +166,19 @@ def _forked_rank_main(argv: list[str], env: dict) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _run_cli_module(argv: list[str]) -> None:
+    """``python -m megatron_rl.tools.cli <argv>`` in this process (by name: the launcher sits below
+    the command-line layer), as ``__main__``; it ends by raising ``SystemExit``."""
+    import runpy
+
+    sys.argv = [CLI_MODULE, *argv]
+    sys.modules.pop(CLI_MODULE, None)  # python -m runs a fresh copy as __main__
+    package, _, name = CLI_MODULE.rpartition(".")
+    if hasattr(sys.modules.get(package), name):
+        delattr(sys.modules[package], name)
+    runpy.run_module(CLI_MODULE, run_name="__main__", alter_sys=True)
 
 
 def _fork_rank(argv: list[str], env: dict) -> _ForkedRank:
@@ -195,7 +207,7 @@ def _start_ranks(argv: list[str], nproc: int, extra_env: dict | None, err_base: 
         if fork:
             procs.append(_fork_rank(argv, env))
             continue
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.tools.cli", *argv],
+        procs.append(subprocess.Popen([sys.executable, "-m", CLI_MODULE, *argv],
                                       env=env, start_new_session=True, preexec_fn=_die_with_parent))
     return procs
 
