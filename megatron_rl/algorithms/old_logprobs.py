@@ -15,8 +15,9 @@
 
 What needs the old log-probs *before* the update keeps the recompute pass under ``auto`` and is
 refused with ``training_forward``: more than one optimizer step per rollout (``ppo_epochs`` > 1 or
-``mini_batches`` > 1), rollout correction (its weights multiply the loss), and a KL penalty in the
-reward (it changes the advantages).  Config validation enforces it (``megatron_rl/features/algorithms.py``).
+``mini_batches`` > 1), rollout correction (its weights multiply the loss), a KL penalty in the
+reward (it changes the advantages) and on-policy distillation (its advantages are teacher minus
+student log-probs).  Config validation enforces it (``megatron_rl/features/algorithms.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def training_forward_blockers(alg) -> list[str]:
         out.append(f"algorithm.rollout_correction.mode={alg.rollout_correction.mode} (needs off)")
     if alg.kl_in_reward and alg.kl_coef > 0:
         out.append("algorithm.kl_in_reward=true (needs false, or kl_coef=0)")
+    if alg.distill.teachers:
+        out.append("algorithm.distill (its advantages read the student's log-probs)")
     return out
 
 

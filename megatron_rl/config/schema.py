@@ -455,6 +455,22 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
+    student sampled, and the student's per-token advantage becomes
+    ``coef * (teacher_logp - student_logp) + reward_coef * task advantage``."""
+
+    teachers: dict = _f({}, "Teacher per data_source: {default: PATH} for every prompt, or {SOURCE: PATH, ...} "
+                            "(a record's data_source picks its teacher; `default` takes the rest).  PATH: a Hugging "
+                            "Face model directory or a megatron_rl checkpoint step directory, with the student's "
+                            "vocabulary; {} = off.")
+    coef: float = _f(1.0, "Weight of the per-token reverse-KL advantage teacher_logp - student_logp.", gt=0,
+                     le=MAX_FLOAT)
+    reward_coef: float = _f(0.0, "Weight of the task advantage (algorithm.advantage over the reward); 0 = pure "
+                                 "distillation.", ge=0, le=MAX_FLOAT)
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: str = _f("gae", "Advantage estimator (docs/algorithms.md): gae needs a critic; grpo, rloo, drgrpo, "
                         "reinforce_plus_plus_baseline need rollout.n >= 2.",
@@ -499,11 +515,12 @@ class AlgorithmConfig:
     overlong_penalty: float = _f(1.0, "DAPO overlong shaping: the penalty at rollout.max_new_tokens.",
                                  ge=0, le=MAX_FLOAT)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     old_logprobs: Literal[OLD_LOGPROB_SOURCES] = _f(
         "auto", "Old log-probs of the PPO ratio: recompute (a forward before the update), training_forward (the "
         "update's own forward, detached: same loss and gradients, one forward fewer; needs ppo_epochs=1, "
-        "mini_batches=1, no rollout correction, no KL in the reward), rollout (the rollout engine's); auto = "
-        "training_forward when allowed, else recompute."
+        "mini_batches=1, no rollout correction, no KL in the reward, no distillation), rollout (the rollout "
+        "engine's); auto = training_forward when allowed, else recompute."
     )
     routing_replay: bool = _f(
         False, "MoE: record each token's experts while rollout.engine=megatron generates (else in the old-log-prob "

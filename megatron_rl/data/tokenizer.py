@@ -117,6 +117,10 @@ class CharTokenizer:
         """Prompt ids for a chat, generation prompt included."""
         return self.encode_prompt(self.chat_text(messages, tools))
 
+    def tokens(self) -> list[str]:
+        """Every token, in id order."""
+        return list(self.SPECIALS) + list(self.alphabet)
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local model directory (never from the Hub)."""
@@ -170,6 +174,19 @@ class HFTokenizer:
             return self.encode_prompt(plain_chat_text(messages, tools))
         # The rendered template already holds BOS and every marker, so add nothing more.
         return self.encode(self.chat_text(messages, tools))
+
+    def tokens(self) -> list[str]:
+        """Every token, in id order."""
+        return [str(t) for t in self.tok.convert_ids_to_tokens(list(range(len(self.tok))))]
+
+
+def vocabulary_digest(tokenizer) -> dict:
+    """The vocabulary's size and the sha256 of its tokens in id order: two tokenizers with the same
+    digest map every id to the same token (what a teacher and its student must share)."""
+    import hashlib
+
+    tokens = tokenizer.tokens()
+    return {"size": len(tokens), "sha256": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()}
 
 
 def has_tokenizer_files(path: str) -> bool:

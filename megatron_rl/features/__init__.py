@@ -16,6 +16,7 @@ from megatron_rl.features import (
     checkpointing,
     cluster,
     data,
+    distillation,
     environments,
     layouts,
     long_context,
@@ -39,8 +40,8 @@ from megatron_rl.features.base import (  # noqa: F401 - the registry's vocabular
 )
 
 # The matrix's sections, in reading order: how to run, how to lay out, then what runs.
-AREA_MODULES = (runtime, layouts, long_context, models, lora, rollout, environments, algorithms, rewards, data, memory,
-                checkpointing, cluster)
+AREA_MODULES = (runtime, layouts, long_context, models, lora, rollout, environments, algorithms, distillation, rewards,
+                data, memory, checkpointing, cluster)
 FEATURES: list[Feature] = [feature for module in AREA_MODULES for feature in module.FEATURES]
 
 

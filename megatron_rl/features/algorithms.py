@@ -135,10 +135,12 @@ FEATURES = [
          "tests/test_ppo.py::test_old_logprob_source_keeps_the_recompute_pass_where_the_update_needs_it"),
         (
             need("algorithm.old_logprobs", lambda c, w: not training_forward_blockers(c.algorithm),
-                 "the update's forward gives the old log-probs only when it is exactly on-policy "
-                 "(ppo_epochs=1, mini_batches=1, rollout_correction.mode=off, no KL in the reward)",
+                 "the update's forward gives the old log-probs only when it is exactly on-policy and nothing reads "
+                 "them before the update (ppo_epochs=1, mini_batches=1, rollout_correction.mode=off, no KL in the "
+                 "reward, no algorithm.distill)",
                  "use algorithm.old_logprobs=auto (it recomputes them here) or recompute",
-                 "training_forward: ppo_epochs=1, mini_batches=1, no rollout correction, no KL in the reward",
+                 "training_forward: ppo_epochs=1, mini_batches=1, no rollout correction, no KL in the reward, no "
+                 "distillation",
                  when=lambda c: c.algorithm.old_logprobs == "training_forward"),
             need("algorithm.old_logprobs", lambda c, w: c.algorithm.rollout_correction.mode == "off",
                  "rollout correction weighs the trainer's log-probs against the rollout's, which are the old ones here",

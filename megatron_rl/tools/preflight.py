@@ -5,7 +5,8 @@ and the evaluation file (every record parsed and measured as training parses and
 files up to 1 GiB (``data.prompts.FULL_CHECK_BYTES``) -- the first GiB of larger ones, said in one
 line; no prompt within ``data.max_prompt_tokens`` is refused, dropped ones are counted; the answer
 key when the reward reads answers), the reward function (its calling convention), the tokenizer (its
-vocabulary must fit the model's), the critic's HF directory and the initial checkpoint.  Each failure
+vocabulary must fit the model's), the critic's HF directory, the initial checkpoint and the
+distillation teachers (their vocabulary is the student's).  Each failure
 is one line naming the key, or the file and line.
 """
 
@@ -72,6 +73,23 @@ def check_training_inputs(cfg: Config) -> None:
         _check_environment(cfg, tokenizer)
     if cfg.rollout.agent:
         _check_agent(cfg)
+    if cfg.algorithm.distill.teachers:
+        _check_teachers(cfg, tokenizer)
+
+
+def _check_teachers(cfg: Config, tokenizer) -> None:
+    """Each teacher's directory, vocabulary (the student's) and shape on the training layout; without a
+    ``default`` teacher, every prompt's data_source names one."""
+    from megatron_rl.data.tokenizer import vocabulary_digest
+    from megatron_rl.trainer.teachers import DEFAULT_SOURCE, check_teacher_layouts, read_teachers
+
+    teachers = read_teachers(cfg.algorithm.distill.teachers, cfg.model, vocabulary_digest(tokenizer))
+    check_teacher_layouts(teachers, cfg)
+    if not _launched_rank() and DEFAULT_SOURCE not in {t.name for t in teachers}:
+        from megatron_rl.data.sources import load_prompt_source
+        from megatron_rl.trainer.teacher_rows import TeacherRows
+
+        TeacherRows(teachers, load_prompt_source(cfg.data, tokenizer))
 
 
 def _check_reward_columns(cfg: Config, reward_fn) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+from megatron_rl.algorithms.distill import distill_advantages, reverse_kl, uses_task_advantage
 from megatron_rl.algorithms.kl import apply_kl_penalty
 from megatron_rl.algorithms.old_logprobs import OldLogprobSource
 from megatron_rl.algorithms.rollout_correction import correction_weights
@@ -49,9 +50,39 @@ def _forward_passes(models: ModelSet, samples: Samples, mask: torch.Tensor, cfg:
     return recomputed, ref, values
 
 
+def teacher_logprobs(models: ModelSet, samples: Samples, teacher_rows: dict, cfg: Config,
+                     timings: dict) -> torch.Tensor:
+    """``[B, R]`` log-prob each sample's teacher gives each sampled token (``teacher_rows``: the rows
+    of each teacher, by name), at the temperature the student's log-probs are taken at."""
+    head = dataclasses.replace(logprob_head(cfg), with_entropy=False)
+    out = torch.zeros(len(samples), max(len(r) for r in samples.response_ids))
+    for name, rows in teacher_rows.items():
+        if not rows:
+            continue
+        own = samples.select(rows)
+        with torch.no_grad(), timed("teacher_logprob", timings), models.teacher_pass(name) as chunks:
+            outs, _ = run_sequences(chunks, own.sequences(), head, models.plan, models.device)
+        scored = own.pad_responses([o["logprob"] for o in outs])
+        out[rows, : scored.size(1)] = scored
+    return out
+
+
+def _distill(advantage_rows, student, teacher, mask, teacher_rows: dict, alg) -> tuple[torch.Tensor, dict]:
+    """The distillation advantage and ``distill/reverse_kl`` (all tokens, and per teacher when several)."""
+    d = alg.distill
+    advantage_rows = distill_advantages(advantage_rows, student, teacher, mask, d.coef, d.reward_coef)
+    metrics = {"distill/reverse_kl": reverse_kl(student, teacher, mask)}
+    if len(teacher_rows) > 1:
+        for name, rows in teacher_rows.items():
+            metrics[f"distill/reverse_kl/{name}"] = reverse_kl(student[rows], teacher[rows], mask[rows])
+    return advantage_rows, metrics
+
+
 def make_experience(models: ModelSet, samples: Samples, scores: torch.Tensor, cfg: Config,
-                    old_logprobs: OldLogprobSource, kl_coef: float, timings: dict) -> Experience:
-    """Everything the update trains on; ``kl_coef``: the KL controller's current coefficient."""
+                    old_logprobs: OldLogprobSource, kl_coef: float, timings: dict,
+                    teacher_rows: dict | None = None) -> Experience:
+    """Everything the update trains on; ``kl_coef``: the KL controller's current coefficient;
+    ``teacher_rows``: with distillation, the rows each teacher scores, by name."""
     alg = cfg.algorithm
     mask = samples.response_mask()
     recomputed, ref, values = _forward_passes(models, samples, mask, cfg, old_logprobs, timings)
@@ -69,13 +100,19 @@ def make_experience(models: ModelSet, samples: Samples, scores: torch.Tensor, cf
         # RLOO, ...) see it as the row sum of the penalised token rewards.  Validation keeps
         # old_logprobs=training_forward away from it, so the old log-probs are known here.
         token_rewards, _ = apply_kl_penalty(token_rewards, old_logprob, ref_logprob, mask, kl_coef, alg.kl_kind)
-    advantage_rows, returns = compute_advantages(
-        alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows, alg,
-    )
+    advantage_rows, returns = torch.zeros_like(mask), None
+    if uses_task_advantage(alg):
+        advantage_rows, returns = compute_advantages(
+            alg.advantage, scores, torch.tensor(samples.prompt_index), mask, token_rewards, value_rows, alg,
+        )
     weights, metrics = None, {}
+    if teacher_rows:
+        teacher = teacher_logprobs(models, samples, teacher_rows, cfg, timings) * mask
+        advantage_rows, metrics = _distill(advantage_rows, old_logprob, teacher, mask, teacher_rows, alg)
     correction = alg.rollout_correction
     if correction.mode != "off":
-        weights, metrics = correction_weights(old_logprob, samples.rollout_logprobs(), mask, correction.mode,
-                                              correction.level, correction.threshold)
+        weights, correction_metrics = correction_weights(old_logprob, samples.rollout_logprobs(), mask,
+                                                         correction.mode, correction.level, correction.threshold)
+        metrics.update(correction_metrics)
     return Experience(samples, scores, mask, old_logprob, ref_logprob, value_rows, token_rewards,
                       advantage_rows, returns, rollout_weights=weights, metrics=metrics, trainer_pass=recomputed)

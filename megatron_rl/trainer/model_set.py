@@ -1,4 +1,5 @@
-"""The models a PPO run trains and reads -- actor, frozen reference, critic -- and where they live.
+"""The models a PPO run trains and reads -- actor, frozen reference, critic, distillation teachers
+-- and where they live.
 
 Built once by the trainer; the step's phases (experience, update) and checkpoints take them from
 here.  With ``trainer.offload`` only the running phase's model stays on the device.
@@ -36,6 +37,10 @@ class ModelSet:
     device: object
     offloaders: dict = dataclasses.field(default_factory=dict)
     reference_is_base: bool = False
+    # On-policy distillation: each teacher's frozen chunks on the training layout, by its name
+    # (:class:`megatron_rl.trainer.teachers.TeacherSource`), with where it came from.
+    teachers: dict = dataclasses.field(default_factory=dict)
+    teacher_sources: tuple = ()
 
     @property
     def actor_lora(self) -> bool:
@@ -69,6 +74,8 @@ class ModelSet:
             self.offloaders["critic"] = Offloader(self.critic.chunks, self.critic.optimizer)
         if self.reference is not None:
             self.offloaders["reference"] = Offloader(self.reference)
+        for name, chunks in self.teachers.items():
+            self.offloaders[teacher_phase(name)] = Offloader(chunks)
 
     def phase(self, active: Optional[str]) -> None:
         """Keep ``active`` on the device and the other models in host memory (None: all on device)."""
@@ -90,13 +97,46 @@ class ModelSet:
             parts["reference"] = checkpoint.ModelPart(self.reference)
         return parts
 
+    @contextlib.contextmanager
+    def teacher_pass(self, name: str):
+        """The chunks of teacher ``name``, on the device, for the block."""
+        self.phase(teacher_phase(name))
+        yield self.teachers[name]
+
     def built_line(self) -> str:
         reference = "reference (the actor's base, adapters off)" if self.reference_is_base else "reference"
-        return ", ".join(name for name, on in (("actor", True), (reference, self.has_reference),
-                                               ("critic", self.critic is not None)) if on)
+        teachers = [f"teacher {s.name} ({s.kind} {s.path}: {s.model.num_layers} layers, hidden {s.model.hidden_size})"
+                    for s in self.teacher_sources]
+        return ", ".join([name for name, on in (("actor", True), (reference, self.has_reference),
+                                                ("critic", self.critic is not None)) if on] + teachers)
 
 
-def build_models(cfg: Config, layout, device, plan: BatchPlan, use_ref: bool, use_critic: bool) -> ModelSet:
+def teacher_phase(name: str) -> str:
+    """The phase (and offloader) name of teacher ``name``."""
+    return f"teacher:{name}"
+
+
+def build_teachers(sources: tuple, layout, device) -> dict:
+    """Each teacher frozen on the training layout, its weights loaded from its directory (they are
+    never trained, so never checkpointed: a resumed run loads them again from the same place)."""
+    from megatron_rl.config.model_io import model_config_to_dict
+    from megatron_rl.models.hf_bridge import load_hf_weights
+    from megatron_rl.trainer.teachers import HF
+
+    teachers = {}
+    for source in sources:
+        chunks = freeze(build_gpt_chunks(source.model, layout, device))
+        if source.kind == HF:
+            load_hf_weights(chunks, source.path)
+        else:
+            checkpoint.load_checkpoint(source.path, {"actor": checkpoint.ModelPart(chunks)}, with_optimizer=False,
+                                       load_rng=False, model_config=model_config_to_dict(source.model))
+        teachers[source.name] = chunks
+    return teachers
+
+
+def build_models(cfg: Config, layout, device, plan: BatchPlan, use_ref: bool, use_critic: bool,
+                 teachers: tuple = ()) -> ModelSet:
     """Actor, then reference, then critic, each on ``layout`` (weights are loaded afterwards).  With
     ``actor.lora`` / ``critic.lora`` that model's base is frozen and only its adapters (and the
     critic's value head) train; a LoRA actor is its own reference."""
@@ -114,4 +154,5 @@ def build_models(cfg: Config, layout, device, plan: BatchPlan, use_ref: bool, us
     base_reference = use_ref and lora_on(cfg.actor.lora)
     reference = freeze(build()) if use_ref and not base_reference else None
     critic = make_trainable(build(cfg.critic.lora, head=True), cfg.critic.optim, updates) if use_critic else None
-    return ModelSet(actor, reference, critic, plan, device, reference_is_base=base_reference)
+    return ModelSet(actor, reference, critic, plan, device, reference_is_base=base_reference,
+                    teachers=build_teachers(teachers, layout, device), teacher_sources=tuple(teachers))

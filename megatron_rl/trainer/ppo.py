@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms import losses
 from megatron_rl.algorithms.advantages import needs_critic
+from megatron_rl.algorithms.distill import uses_task_advantage
 from megatron_rl.algorithms.kl import make_kl_controller
 from megatron_rl.algorithms.old_logprobs import old_logprob_source
 from megatron_rl.algorithms.shaping import overlong_penalty
@@ -41,7 +42,7 @@ from megatron_rl.config.model_io import model_config_to_dict
 from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSampler, PromptSet
 from megatron_rl.data.sources import load_prompt_source, tokenizer_spec
-from megatron_rl.data.tokenizer import load_tokenizer
+from megatron_rl.data.tokenizer import load_tokenizer, vocabulary_digest
 from megatron_rl.distributed import collectives, faults
 from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine import checkpoint
@@ -88,6 +89,8 @@ from megatron_rl.trainer.sample_log import SampleLog
 from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.staleness import StalenessPlan, staleness_metrics
 from megatron_rl.trainer.startup_lines import layout_line, lora_lines, model_line, old_logprobs_line, rollout_line
+from megatron_rl.trainer.teacher_rows import TeacherRows
+from megatron_rl.trainer.teachers import check_teacher_layouts, read_teachers
 from megatron_rl.utils import phase
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key
@@ -115,15 +118,19 @@ class PPOTrainer:
         self.run_dir = os.path.join(cfg.run.dir, cfg.run.name)
         self.ckpt_root = os.path.join(self.run_dir, "checkpoints")
         os.makedirs(self.run_dir, exist_ok=True)
-        self.use_critic = needs_critic(cfg.algorithm.advantage)
+        self.use_critic = needs_critic(cfg.algorithm.advantage) and uses_task_advantage(cfg.algorithm)
         self.use_ref = cfg.algorithm.kl_coef > 0
         self._load_data()
+        self.teachers = read_teachers(cfg.algorithm.distill.teachers, cfg.model, vocabulary_digest(self.tokenizer))
+        check_teacher_layouts(self.teachers, cfg)
+        self.teacher_rows = TeacherRows(self.teachers, self.prompts)
         self.log(rollout_line(self.resolution))
         self.old_logprobs = old_logprob_source(cfg.algorithm.old_logprobs)
         self.log(old_logprobs_line(self.resolution, self.old_logprobs.name))
         self.log("resolved: " + ", ".join(self.resolution.lines()))
         self._make_step_inputs()
-        self.models: ModelSet = build_models(cfg, self.layout, self.device, self.plan, self.use_ref, self.use_critic)
+        self.models: ModelSet = build_models(cfg, self.layout, self.device, self.plan, self.use_ref, self.use_critic,
+                                             self.teachers)
         self.log(model_line(cfg, self.models.built_line()))
         for line in lora_lines(cfg):
             self.log(line)
@@ -247,7 +254,8 @@ class PPOTrainer:
 
     def save(self, step: int) -> str:
         meta = {"models": {name: model_config_to_dict(self.cfg.model) for name in self.models.checkpoint_parts()},
-                **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer)}
+                **model_source_meta(self.cfg.model.hf_path, self.cfg.data.tokenizer),
+                "vocabulary": vocabulary_digest(self.tokenizer)}
         if (self.models.actor_lora or self.models.critic_lora) and _rank0():  # rank 0 writes the manifest
             meta["lora"] = lora_meta(self.cfg)
         if self.remote is not None:  # nothing in flight: every requested batch is in the checkpoint
@@ -338,7 +346,7 @@ class PPOTrainer:
             samples, scores, sampling_metrics = self._sample(step, timings)
             with timed("experience", timings):
                 exp = make_experience(self.models, samples, scores, self.cfg, self.old_logprobs, self.kl_ctl.value,
-                                      timings)
+                                      timings, self.teacher_rows.of(samples))
             metrics, policy = update_models(self.models, exp, step, self.cfg, self.old_logprobs, self.kl_ctl.value,
                                             timings)
             metrics.update(self._update_kl_coef(exp, policy))

@@ -1,0 +1,98 @@
+"""On-policy distillation against GRPO alone, at equal samples, on the CPU.
+
+The teacher is trained by the project (``configs/distill_teacher_cpu.yaml``: a long supervised
+warm-up on the digit_sum table); each student run is ``configs/distill_cpu.yaml`` from the same
+start, once distilled from that teacher (``reward_coef`` 0, and optionally a mix) and once with
+GRPO on the reward alone, seeds interleaved so machine noise hits both alike.  Prints per run the
+reward of the first and last 5 steps, the first step where the mean of 5 reaches a share of the
+teacher's reward, and the reverse KL to the teacher at the start and the end.
+
+    python benchmarks/distill_vs_grpo.py [--seeds 2] [--steps 40] [--lr 0.001]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEACHER = os.path.join(ROOT, "configs", "distill_teacher_cpu.yaml")
+STUDENT = os.path.join(ROOT, "configs", "distill_cpu.yaml")
+
+
+def train(config: str, overrides: list[str]) -> list[dict]:
+    """Harness body: one training run; its metrics rows."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.trainer.metrics import read_metrics
+    from megatron_rl.trainer.ppo import run_ppo
+    from megatron_rl.validation import validate
+
+    cfg = load_config(config, overrides)
+    validate(cfg, dist.get_world_size())
+    run_ppo(cfg, log=lambda line: None)
+    return read_metrics(os.path.join(cfg.run.dir, cfg.run.name, "metrics.jsonl"))
+
+
+def _mean5(values: list[float], end: int) -> float:
+    window = values[max(0, end - 5):end]
+    return sum(window) / len(window)
+
+
+def _reached(rewards: list[float], target: float):
+    return next((i for i in range(5, len(rewards) + 1) if _mean5(rewards, i) >= target), None)
+
+
+def main() -> int:
+    sys.path.insert(0, ROOT)
+    from megatron_rl.testing.harness import importable_script, run_distributed
+
+    this = importable_script(__file__, globals().get("__spec__"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--mix", type=float, default=1.0, help="reward_coef of the mixed run (0: leave it out)")
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="distill_vs_grpo_")
+    start = time.monotonic()
+    teacher_rows = run_distributed(1, this.train, TEACHER, [f"run.dir={work}"])[0]
+    teacher = os.path.join(work, "distill_teacher_cpu")
+    teacher_reward = teacher_rows[-1]["reward/mean"]
+    print(f"teacher: reward {teacher_reward:.3f} after its warm-up ({time.monotonic() - start:.0f} s)")
+    # The student without a teacher, for GRPO (an override merges into a mapping, it cannot empty it).
+    import yaml
+
+    with open(STUDENT) as fh:
+        student = yaml.safe_load(fh)
+    del student["algorithm"]["distill"]
+    plain = os.path.join(work, "student_without_teacher.yaml")
+    with open(plain, "w") as fh:
+        yaml.safe_dump(student, fh)
+    modes = {"distill": (STUDENT, [f"algorithm.distill.teachers={{default: {teacher}}}"]), "grpo": (plain, [])}
+    if args.mix:
+        modes["distill+reward"] = (STUDENT, modes["distill"][1] + [f"algorithm.distill.reward_coef={args.mix}"])
+    print(f"{'run':<16} {'seed':>4} {'first 5':>8} {'last 5':>8} {'0.5x teacher at':>16} {'KL start':>9} "
+          f"{'KL end':>7}")
+    for seed in range(1, args.seeds + 1):
+        for mode, (config, extra) in modes.items():  # interleaved: each seed runs every mode back to back
+            rows = run_distributed(1, this.train, config, extra + [
+                f"run.dir={work}", f"run.name={mode}_{seed}", f"run.seed={seed}", f"trainer.steps={args.steps}",
+                f"actor.optim.lr={args.lr}"])[0]
+            rewards = [r["reward/mean"] for r in rows]
+            kl = [r.get("distill/reverse_kl") for r in rows]
+            reached = _reached(rewards, 0.5 * teacher_reward)
+            kl_text = (f"{_mean5(kl, 5):9.3f} {_mean5(kl, len(kl)):7.3f}" if kl[0] is not None
+                       else f"{'-':>9} {'-':>7}")
+            print(f"{mode:<16} {seed:>4} {_mean5(rewards, 5):8.3f} {_mean5(rewards, len(rewards)):8.3f} "
+                  f"{('step ' + str(reached)) if reached else 'not reached':>16} {kl_text}", flush=True)
+    print(f"({time.monotonic() - start:.0f} s in all; runs in {work})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
