@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,15 +138,18 @@ TINY_RUN = STUDENT[:-2] + ["model.vocab_size=64", "model.max_position_embeddings
                            "trainer.prompts_per_step=4", "trainer.plot=false", "trainer.resume=never"]
 
 
-def _teacher_run(tmp_path) -> str:
-    """A teacher trained by the project (a warm-up and one step of a wider model on the task)."""
+@pytest.fixture(scope="module")
+def trained_teacher(tmp_path_factory) -> str:
+    """A teacher trained by the project (a warm-up and one step of a wider model on the task): its run
+    directory."""
     from tests.support.helpers import train_body
 
+    where = tmp_path_factory.mktemp("teacher_run")
     teacher = TINY_RUN + ["model.hidden_size=48", "model.ffn_hidden_size=96",
-                          "trainer.sft_warmup_steps=4", "trainer.steps=1", f"run.dir={tmp_path}", "run.name=teacher",
+                          "trainer.sft_warmup_steps=4", "trainer.steps=1", f"run.dir={where}", "run.name=teacher",
                           "run.seed=5"]
     run_distributed(1, train_body, None, teacher)
-    return str(tmp_path / "teacher")
+    return str(where / "teacher")
 
 
 DISTILL_LAYOUTS = {
@@ -163,13 +167,13 @@ def _numbers(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_distillation_steps_on_every_layout_equal_one_process(tmp_path):
+def test_distillation_steps_on_every_layout_equal_one_process(trained_teacher, tmp_path):
     """Two steps of distillation plus the task advantage (reward_coef 0.5), teacher and student on
     TP2+SP, PP2, CP2 and DP2, against one process: every metric (reverse KL, losses, gradient norm,
     rewards) within 1e-5 relative."""
     from tests.support.helpers import train_body
 
-    teacher = _teacher_run(tmp_path)
+    teacher = trained_teacher
     # Greedy: DP replicas batch sequences differently, which can flip a temperature draw that lies on a
     # boundary; greedy samples are the same on every layout, so the steps train on the same tokens.
     common = TINY_RUN + [f"algorithm.distill.teachers={{default: {teacher}}}", "algorithm.distill.reward_coef=0.5",
@@ -210,14 +214,14 @@ def test_a_teacher_of_another_vocabulary_or_without_one_is_refused_before_launch
         check_training_inputs(load_config(None, base + ["algorithm.distill.teachers={math: /nonexistent}"]))
 
 
-def test_a_teacher_checkpoint_records_its_vocabulary_and_another_one_is_refused(tmp_path):
+def test_a_teacher_checkpoint_records_its_vocabulary_and_another_one_is_refused(trained_teacher):
     from megatron_rl.config.loader import load_config
     from megatron_rl.data.tokenizer import load_tokenizer, vocabulary_digest
     from megatron_rl.errors import ConfigError
     from megatron_rl.tools.preflight import check_training_inputs
 
-    teacher = _teacher_run(tmp_path)
-    meta = json.loads(next((tmp_path / "teacher" / "checkpoints").glob("step_*/meta.json")).read_text())
+    teacher = trained_teacher
+    meta = json.loads(next(Path(teacher, "checkpoints").glob("step_*/meta.json")).read_text())
     assert meta["vocabulary"] == vocabulary_digest(load_tokenizer("char"))
     ok = TINY_RUN + [f"algorithm.distill.teachers={{default: {teacher}}}"]
     check_training_inputs(load_config(None, ok))
@@ -227,12 +231,12 @@ def test_a_teacher_checkpoint_records_its_vocabulary_and_another_one_is_refused(
 
 
 @pytest.mark.slow
-def test_distillation_runs_on_a_generator_rank_in_async_mode(tmp_path):
+def test_distillation_runs_on_a_generator_rank_in_async_mode(trained_teacher, tmp_path):
     """One generator rank and one trainer rank (the job a user starts), batches up to one version
     stale: the trainer scores the generated tokens with the teacher as it does colocated."""
     from megatron_rl.testing.cli_runner import run_cli
 
-    teacher = _teacher_run(tmp_path)
+    teacher = trained_teacher
     proc = run_cli("train", "--nproc", "2", *TINY_RUN, f"algorithm.distill.teachers={{default: {teacher}}}",
                    "rollout.ranks=1", "trainer.mode=async", "trainer.max_staleness=1", "trainer.steps=3",
                    f"run.dir={tmp_path}", "run.name=async", timeout=600)
