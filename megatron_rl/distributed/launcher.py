@@ -152,7 +152,7 @@ def _forked_rank_main(argv: list[str], env: dict) -> None:
         os.environ.clear()
         os.environ.update(env)
         atexit._clear()  # the launcher's handlers are not the rank's
-        _run_cli_module(argv)
+        run_cli_module(argv)
         code = 0
     except SystemExit as err:
         code = _exit_code(err)
@@ -168,7 +168,7 @@ def _forked_rank_main(argv: list[str], env: dict) -> None:
             os._exit(code)
 
 
-def _run_cli_module(argv: list[str]) -> None:
+def run_cli_module(argv: list[str]) -> None:
     """``python -m megatron_rl.tools.cli <argv>`` in this process (by name: the launcher sits below
     the command-line layer), as ``__main__``; it ends by raising ``SystemExit``."""
     import runpy

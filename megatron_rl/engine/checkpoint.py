@@ -423,9 +423,10 @@ def _manifest_problem(meta: dict) -> Optional[str]:
     for key in ("source", "tokenizer"):
         if key in meta and not isinstance(meta[key], str):
             return f'"{key}" is {_json_text(meta[key])}, expected a string'
-    vocabulary = meta.get("vocabulary", {"size": 1, "sha256": "0" * 64})
-    if not isinstance(vocabulary, dict) or not _whole(vocabulary.get("size"), 1) \
-            or not (isinstance(vocabulary.get("sha256"), str) and _SHA256.match(vocabulary["sha256"])):
+    vocabulary = meta.get("vocabulary")
+    if "vocabulary" in meta and not (isinstance(vocabulary, dict) and _whole(vocabulary.get("size"), 1)
+                                     and isinstance(vocabulary.get("sha256"), str)
+                                     and _SHA256.match(vocabulary["sha256"])):
         return f'"vocabulary" is {_json_text(vocabulary)}, expected {{"size": <tokens>, "sha256": "<hex>"}}'
     if "hf_config" in meta and not isinstance(meta["hf_config"], dict):
         return f'"hf_config" is {_json_text(meta["hf_config"])}, expected an object'

@@ -32,8 +32,10 @@ import sys
 import tempfile
 import time
 
+from megatron_rl.distributed.launcher import CLI_MODULE as MODULE
+from megatron_rl.distributed.launcher import FORK_RANKS_ENV, run_cli_module
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODULE = "megatron_rl.tools.cli"
 # Imported by the server before it forks anything: what every ``train``/``convert``/``generate``
 # imports anyway.
 PRELOAD = (
@@ -43,7 +45,6 @@ PRELOAD = (
     "megatron_rl.tools.convert",
     "megatron_rl.tools.generate",
 )
-FORK_RANKS_ENV = "MEGATRON_RL_FORK_RANKS"  # megatron_rl.distributed.launcher's switch
 # Read when an interpreter or a module starts: a forked child would not see a change.
 _STARTUP_ENV = ("MEGATRON_RL_COMPAT_TRACE", "MEGATRON_RL_LONG_TAIL", "MEGATRON_RL_DECODE_FLOOR_S")
 
@@ -67,8 +68,6 @@ def _child(request: dict, reply) -> None:
     """In the forked child: become ``python -m megatron_rl.tools.cli ARGS``.  Never returns normally:
     ``SystemExit`` (or any exception) propagates out of the server's loop, and the interpreter exits
     the way ``python -m`` would."""
-    import runpy
-
     os.setpgid(0, 0)  # the caller can stop the command and whatever it started, and nothing else
     reply.close()  # the server's reply pipe (its request pipe is fd 0, replaced below)
     stdin = os.open(os.devnull, os.O_RDONLY)
@@ -86,13 +85,7 @@ def _child(request: dict, reply) -> None:
     os.environ.update(request["env"])
     os.environ.setdefault(FORK_RANKS_ENV, "1")
     sys.path[0] = os.getcwd()  # python -m: the working directory first
-    sys.argv = [MODULE, *request["args"]]
-    # python -m runs the module as __main__ only: the server's imported copy must not be found
-    sys.modules.pop(MODULE, None)
-    package, _, name = MODULE.rpartition(".")
-    if hasattr(sys.modules.get(package), name):
-        delattr(sys.modules[package], name)
-    runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+    run_cli_module(request["args"])
     raise SystemExit(0)
 
 
