@@ -57,11 +57,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--lr", type=float, default=0.001)
     parser.add_argument("--mix", type=float, default=1.0, help="reward_coef of the mixed run (0: leave it out)")
+    parser.add_argument("--share", type=float, default=0.5, help="the share of the teacher's reward to reach")
+    parser.add_argument("--teacher", help="run directory of an earlier teacher run to reuse (default: train one)")
+    parser.add_argument("--teacher-overrides", nargs="*", default=[], help="overrides of the teacher run")
+    parser.add_argument("overrides", nargs="*", help="overrides of every student run (key=value)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="distill_vs_grpo_")
     start = time.monotonic()
-    teacher_rows = run_distributed(1, this.train, TEACHER, [f"run.dir={work}"])[0]
-    teacher = os.path.join(work, "distill_teacher_cpu")
+    if args.teacher:
+        from megatron_rl.trainer.metrics import read_metrics
+
+        teacher = args.teacher
+        teacher_rows = read_metrics(os.path.join(teacher, "metrics.jsonl"))
+    else:
+        teacher_rows = run_distributed(1, this.train, TEACHER, [f"run.dir={work}", *args.teacher_overrides])[0]
+        teacher = os.path.join(work, "distill_teacher_cpu")
     teacher_reward = teacher_rows[-1]["reward/mean"]
     print(f"teacher: reward {teacher_reward:.3f} after its warm-up ({time.monotonic() - start:.0f} s)")
     # The student without a teacher, for GRPO (an override merges into a mapping, it cannot empty it).
@@ -76,19 +86,22 @@ def main() -> int:
     modes = {"distill": (STUDENT, [f"algorithm.distill.teachers={{default: {teacher}}}"]), "grpo": (plain, [])}
     if args.mix:
         modes["distill+reward"] = (STUDENT, modes["distill"][1] + [f"algorithm.distill.reward_coef={args.mix}"])
-    print(f"{'run':<16} {'seed':>4} {'first 5':>8} {'last 5':>8} {'0.5x teacher at':>16} {'KL start':>9} "
-          f"{'KL end':>7}")
+    modes["distill, no baseline"] = (STUDENT, modes["distill"][1] + ["algorithm.distill.baseline=none"])
+    marks = [m for m in (args.steps // 3, 2 * args.steps // 3) if m >= 5]
+    print(f"{'run':<22} {'seed':>4} {'first 5':>8} " + "".join(f"{f'to {m}':>8} " for m in marks)
+          + f"{'last 5':>8} {f'{args.share}x teacher at':>16} {'KL start':>9} {'KL end':>7}")
     for seed in range(1, args.seeds + 1):
         for mode, (config, extra) in modes.items():  # interleaved: each seed runs every mode back to back
             rows = run_distributed(1, this.train, config, extra + [
                 f"run.dir={work}", f"run.name={mode}_{seed}", f"run.seed={seed}", f"trainer.steps={args.steps}",
-                f"actor.optim.lr={args.lr}"])[0]
+                f"actor.optim.lr={args.lr}", *args.overrides])[0]
             rewards = [r["reward/mean"] for r in rows]
             kl = [r.get("distill/reverse_kl") for r in rows]
-            reached = _reached(rewards, 0.5 * teacher_reward)
+            reached = _reached(rewards, args.share * teacher_reward)
             kl_text = (f"{_mean5(kl, 5):9.3f} {_mean5(kl, len(kl)):7.3f}" if kl[0] is not None
                        else f"{'-':>9} {'-':>7}")
-            print(f"{mode:<16} {seed:>4} {_mean5(rewards, 5):8.3f} {_mean5(rewards, len(rewards)):8.3f} "
+            print(f"{mode:<22} {seed:>4} {_mean5(rewards, 5):8.3f} " + "".join(f"{_mean5(rewards, m):8.3f} " for m in marks)
+                  + f"{_mean5(rewards, len(rewards)):8.3f} "
                   f"{('step ' + str(reached)) if reached else 'not reached':>16} {kl_text}", flush=True)
     print(f"({time.monotonic() - start:.0f} s in all; runs in {work})")
     return 0

@@ -178,7 +178,10 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
         from megatron_rl.planner.recipe import planned_rollout_layout
 
         dtype_bytes = resolve_dtype(cfg.model.params_dtype, cfg.distributed.device).itemsize
-        mem, why = planned_rollout_layout(cfg, world, memory, dtype_bytes)
+        from megatron_rl.engine.teachers import read_teachers
+
+        teachers = tuple(t.model for t in read_teachers(cfg.algorithm.distill.teachers, cfg.model))
+        mem, why = planned_rollout_layout(cfg, world, memory, dtype_bytes, teachers)
         chosen = mem.layout
         return (RolloutLayoutConfig(tp=chosen.tp, pp=chosen.pp, ep=chosen.ep, etp=chosen.etp), DERIVED,
                 f"{memory / 2**30:.0f} GiB GPUs: {why}")

@@ -106,3 +106,17 @@ def test_every_preset_validates():
 def test_string_overrides_stay_strings():
     cfg = load_config(None, ["run.name=on", "data.tokenizer=null", "reward.fn=no", "run.dir=123"])
     assert cfg.run.name == "on" and cfg.data.tokenizer is None and cfg.reward.fn == "no" and cfg.run.dir == "123"
+
+
+def test_a_mapping_override_replaces_the_files_mapping(tmp_path):
+    """A command-line value of a mapping key is the value: ``teachers={}`` turns distillation off,
+    ``{math: P}`` is the only teacher, not one added beside the file's."""
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  distill:\n    teachers: {default: /a, math: /b}\nreward:\n  kwargs: {x: 1}\n")
+    assert load_config(str(path)).algorithm.distill.teachers == {"default": "/a", "math": "/b"}
+    assert load_config(str(path), ["algorithm.distill.teachers={}"]).algorithm.distill.teachers == {}
+    assert load_config(str(path), ["algorithm.distill.teachers={math: /c}"]).algorithm.distill.teachers == {
+        "math": "/c"}
+    assert load_config(str(path), ["reward.kwargs={y: 2}"]).reward.kwargs == {"y": 2}
+    with pytest.raises(ConfigError, match=r"reward.kwargs=3: wrong type, expected a mapping"):
+        load_config(str(path), ["reward.kwargs=3"])

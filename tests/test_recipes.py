@@ -27,7 +27,10 @@ GPU_RECIPES = ["qwen2.5_7b_32k", "dapo_qwen2.5_7b_32k", "gspo_qwen2.5_7b_32k", "
                "grpo_lora_qwen2.5_7b_32k"]
 # Every GPU recipe in configs/ and the planner preset of its model; each is for one node of 8 x 80 GB.
 PLANNED_RECIPES = {name: "qwen2.5-7b" for name in GPU_RECIPES}
-PLANNED_RECIPES.update({"qwen2.5_1.5b_8k": "qwen2.5-1.5b", "qwen3_30b_a3b_32k": "qwen3-30b-a3b"})
+PLANNED_RECIPES.update({"qwen2.5_1.5b_8k": "qwen2.5-1.5b", "qwen3_30b_a3b_32k": "qwen3-30b-a3b",
+                        "distill_qwen2.5_7b_to_1.5b_16k": "qwen2.5-1.5b"})
+# The distillation teachers of a GPU recipe, as planner presets (their directories are not here).
+RECIPE_TEACHERS = {"distill_qwen2.5_7b_to_1.5b_16k": ("qwen2.5-7b",)}
 LEARNING_TIMEOUT_S = 900  # a hang guard only: ~1.5 min idle, several on a loaded CI machine
 
 
@@ -135,10 +138,10 @@ def test_gpu_recipe_equals_the_plan(recipe):
     explicit = {k: v for k, v in PRESETS[PLANNED_RECIPES[recipe]].items() if k != "moe"}
     if cfg.model.num_layers == model.num_layers:  # a recipe that spells the architecture out: the preset's
         assert {k: getattr(cfg.model, k) for k in explicit} == explicit
-    inputs = plan_inputs(cfg)
+    inputs = plan_inputs(cfg, tuple(preset(name) for name in RECIPE_TEACHERS.get(recipe, ())))
     result = plan(model, prompt_len=inputs.prompt_len, response_len=inputs.response_len, nodes=1, gpus_per_node=8,
                   gpu_memory_gib=80, with_critic=inputs.with_critic, with_reference=inputs.with_reference,
-                  actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora)
+                  actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora, teachers=inputs.teachers)
     assert result.recommended is not None
     assert differences(cfg, result.recommended.settings(inputs.with_critic)) == []
 

@@ -43,6 +43,8 @@ LR_SCHEDULE_NAMES = ("constant", "linear", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
 OLD_LOGPROB_SOURCES = (AUTO, "recompute", "training_forward", "rollout")
 SFT_TARGETS = ("true", "shuffled")
+# algorithm.distill.baseline: what is subtracted from teacher_logp - student_logp (algorithms/distill.py)
+DISTILL_BASELINES = ("batch_mean", "none")
 # sync: generate, then train on it; one_step_off: train on the batch generated one update earlier;
 # async: generator ranks of their own keep up to trainer.max_staleness batches ahead.
 SYNC, ONE_STEP_OFF, ASYNC = "sync", "one_step_off", "async"

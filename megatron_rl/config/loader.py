@@ -254,10 +254,18 @@ def _typed_value(key: str, value: str) -> str:
 
 
 def _merge_dotlist(cfg: DictConfig, dotlist: list[tuple[str, str]], source: str, errors: list) -> DictConfig:
-    """Merge ``key=value`` pairs one at a time, so each error names its key; errors are collected."""
+    """Merge ``key=value`` pairs one at a time, so each error names its key; errors are collected.
+    A mapping-valued key (``reward.kwargs``, ``algorithm.distill.teachers``, ...) takes the value
+    given, whole: merged, ``teachers={}`` would leave a file's teachers in place and ``{math: P}`` add
+    one beside them."""
     for key, value in dotlist:
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={_typed_value(key, value)}"]))
+            update = OmegaConf.from_dotlist([f"{key}={_typed_value(key, value)}"])
+            if _KEY_TYPES.get(key) == "dict":
+                replaced = OmegaConf.select(update, key)
+                OmegaConf.update(cfg, key, replaced if replaced is not None else value, merge=False)
+                continue
+            cfg = OmegaConf.merge(cfg, update)
         except oc_errors.OmegaConfBaseException as err:
             errors.append(_convert(err, source))
         except yaml.YAMLError as err:

@@ -25,6 +25,7 @@ from megatron_rl.config.choices import (
     ACTIVATION_NAMES,
     BACKENDS,
     CP_COMM_TYPES,
+    DISTILL_BASELINES,
     DEVICES,
     KL_CONTROLLERS,
     LR_SCHEDULE_NAMES,
@@ -468,6 +469,10 @@ class DistillConfig:
                      le=MAX_FLOAT)
     reward_coef: float = _f(0.0, "Weight of the task advantage (algorithm.advantage over the reward); 0 = pure "
                                  "distillation.", ge=0, le=MAX_FLOAT)
+    baseline: Literal[DISTILL_BASELINES] = _f(
+        "batch_mean", "Subtracted from teacher_logp - student_logp: batch_mean = its mean over the batch's response "
+                      "tokens (a control variate: same expected gradient, less variance; learns faster, "
+                      "docs/distillation.md), none = the plain per-token estimator.")
 
 
 @dataclass

@@ -152,6 +152,7 @@ def _forked_rank_main(argv: list[str], env: dict) -> None:
         os.environ.clear()
         os.environ.update(env)
         atexit._clear()  # the launcher's handlers are not the rank's
+        _fresh_standard_streams()
         run_cli_module(argv)
         code = 0
     except SystemExit as err:
@@ -166,6 +167,20 @@ def _forked_rank_main(argv: list[str], env: dict) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _fresh_standard_streams() -> None:
+    """Text streams on file descriptors 0, 1 and 2, as a new interpreter has: the launcher's may be
+    objects without a descriptor (a test's captured output), where what a rank writes would stay in
+    the child's memory and ``faulthandler.enable()`` (which megatron-core calls on import) raises."""
+    for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
+        try:
+            stream = open(fd, mode, closefd=False, buffering=1 if fd == 2 else -1,
+                          errors="backslashreplace" if fd == 2 else None)
+        except OSError:  # a descriptor the launcher was started without
+            continue
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def run_cli_module(argv: list[str]) -> None:

@@ -273,11 +273,13 @@ def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, 
 
 
 def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, with_reference: bool = True,
-                param_bytes: int = 2, actor_lora=None, critic_lora=None) -> dict:
+                param_bytes: int = 2, actor_lora=None, critic_lora=None, teachers: tuple = ()) -> dict:
     """Per-rank bytes of each model's weights, gradients and optimizer state (bf16 weights, fp32
     grads and Adam).  A model with LoRA (``actor_lora`` / ``critic_lora``, a ``LoRAConfig``):
     its frozen base in the model dtype (no grads, no optimizer state) and :func:`lora_state` for
-    its adapters; a LoRA actor is its own reference (its base, adapters off): no reference copy."""
+    its adapters; a LoRA actor is its own reference (its base, adapters off): no reference copy.
+    ``teachers``: the ``ModelConfig`` of each distillation teacher, frozen on the training layout
+    (weights only)."""
     p_gpu = params_per_gpu(cfg, layout)
     shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
     weights = p_gpu * param_bytes
@@ -296,7 +298,28 @@ def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, 
         models.update(trained("critic", critic_lora))
     if with_reference and not lora_on(actor_lora):
         models["reference weights"] = weights
+    for i, teacher in enumerate(teachers):
+        models[f"{teacher_name(i, len(teachers))} weights"] = params_per_gpu(teacher, layout) * param_bytes
     return models
+
+
+def teacher_name(index: int, count: int) -> str:
+    """How the plan names a teacher's lines: ``teacher``, or ``teacher 1``, ``teacher 2``, ... with several."""
+    return "teacher" if count == 1 else f"teacher {index + 1}"
+
+
+def teacher_phase_bytes(teachers: tuple, layout: PlanOption, models: dict, tokens_local: int, bytes_per: int,
+                        seq_len: int) -> float:
+    """The peak of the teacher-scoring phase (0 without teachers): a forward-only pass of each teacher
+    (:func:`peak_bytes` with ``training=False``) above what stays resident -- the teacher's own
+    weights with ``trainer.offload`` (the other models wait in host memory), else every model."""
+    peak = 0.0
+    for i, teacher in enumerate(teachers):
+        own = models[f"{teacher_name(i, len(teachers))} weights"]
+        resident = own if layout.offload else sum(models.values())
+        peak = max(peak, resident + peak_bytes(teacher, layout, tokens_local, bytes_per, seq_len=seq_len,
+                                               training=False))
+    return peak
 
 
 def lora_state(cfg: ModelConfig, layout: PlanOption, lora, name: str = "actor") -> dict:
@@ -336,6 +359,7 @@ class Breakdown:
     rollout: Optional["RolloutMemory"] = None  # the rollout.layout it generates on and its memory
     rollout_why: str = ""  # why that layout (one line)
     rollout_kv: float = 0.0  # generation's KV cache per rank
+    teacher_peak: float = 0.0  # distillation: the teacher-scoring phase's peak (in train_peak too)
 
     def gib(self) -> dict:
         return {k: v / GiB for k, v in self.components.items()}
@@ -356,6 +380,7 @@ def estimate(
     rollout_concurrency: Optional[int] = None,
     actor_lora=None,
     critic_lora=None,
+    teachers: tuple = (),
 ) -> Breakdown:
     """Peak per-GPU bytes over the phases of a PPO step (bf16 weights, fp32 grads and Adam).
 
@@ -363,9 +388,10 @@ def estimate(
     models allows (up to ``max_rollout_batch``); ``rollout_batch`` says how many.  On megatron's
     engine it runs on ``layout.rollout_layout``, or on the layout :func:`choose_rollout_layout`
     picks for ``rollout_concurrency`` sequences per replica when that is None.  ``actor_lora`` /
-    ``critic_lora``: LoRA's model state (:func:`model_state`)."""
+    ``critic_lora``: LoRA's model state (:func:`model_state`); ``teachers``: distillation teachers'
+    ``ModelConfig``s, whose scoring phase (:func:`teacher_phase_bytes`) is one more peak."""
     rollout_concurrency = rollout_concurrency or ROLLOUT_CONCURRENCY
-    models = model_state(cfg, layout, with_critic, with_reference, param_bytes, actor_lora, critic_lora)
+    models = model_state(cfg, layout, with_critic, with_reference, param_bytes, actor_lora, critic_lora, teachers)
     trainable = model_bytes(models, "actor")
     seq_len = prompt_len + response_len
     kept = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
@@ -377,7 +403,8 @@ def estimate(
     # training peak adds the larger of those and the log-prob chunks, which never coexist.
     acts = kept + max(layer_working_bytes(cfg, layout, tokens_per_microbatch, param_bytes),
                       _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
-    train = resident + peak
+    teacher_peak = teacher_phase_bytes(teachers, layout, models, tokens_per_microbatch, param_bytes, seq_len)
+    train = max(resident + peak, teacher_peak)
     # Generation: megatron's engine on rollout.layout, the actor's shards or a second copy refit from them.
     train_state = rollout_resident_bytes(models, layout.offload)
     apart = layout.generators
@@ -392,7 +419,7 @@ def estimate(
         "rollout (weights + KV cache)": 0.0 if apart else extra_weights + kv,
     })
     total = train if apart else max(train, rollout_peak)
-    return Breakdown(components, total, batch, kv, train, rollout_peak, rollout_mem, why, kv)
+    return Breakdown(components, total, batch, kv, train, rollout_peak, rollout_mem, why, kv, teacher_peak)
 
 
 def _rollout_phase(cfg: ModelConfig, layout: PlanOption, *, seq_len: int, train_state: float, budget_bytes: float,

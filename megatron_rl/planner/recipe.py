@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.algorithms.advantages import needs_critic
+from megatron_rl.algorithms.distill import uses_task_advantage
 from megatron_rl.config.rules import config_value
 from megatron_rl.config.schema import Config, LoRAConfig
 from megatron_rl.layout.lora import lora_on
@@ -23,20 +24,23 @@ class PlanInputs:
     generators: int = 0  # rollout.ranks: GPUs that only generate
     actor_lora: Optional[LoRAConfig] = None  # actor.lora when its rank is > 0: adapters on a frozen base
     critic_lora: Optional[LoRAConfig] = None  # critic.lora likewise
+    teachers: tuple = ()  # the ModelConfig of each algorithm.distill teacher (frozen, on the training layout)
 
 
-def plan_inputs(cfg: Config) -> PlanInputs:
+def plan_inputs(cfg: Config, teachers: tuple = ()) -> PlanInputs:
     """The longest prompt and response, and which models the trainer builds: a critic for
-    estimators that need one, a reference whenever there is a KL term (as the trainer does), and
-    each model's LoRA (a LoRA actor is its own reference: the planner counts no copy)."""
+    estimators that need one (none for pure distillation), a reference whenever there is a KL term
+    (as the trainer does), each model's LoRA (a LoRA actor is its own reference: the planner counts
+    no copy), and ``teachers`` (their ``ModelConfig``s, read by the caller)."""
     asked = dataclasses.asdict(cfg.rollout.layout)
     return PlanInputs(prompt_len=cfg.data.max_prompt_tokens, response_len=cfg.rollout.max_new_tokens,
-                      with_critic=needs_critic(cfg.algorithm.advantage), with_reference=cfg.algorithm.kl_coef > 0,
+                      with_critic=needs_critic(cfg.algorithm.advantage) and uses_task_advantage(cfg.algorithm),
+                      with_reference=cfg.algorithm.kl_coef > 0,
                       rollout_concurrency=cfg.rollout.max_batch_size,
                       rollout_layout=asked if any(v is not None for v in asked.values()) else None,
                       generators=cfg.rollout.ranks,
                       actor_lora=cfg.actor.lora if lora_on(cfg.actor.lora) else None,
-                      critic_lora=cfg.critic.lora if lora_on(cfg.critic.lora) else None)
+                      critic_lora=cfg.critic.lora if lora_on(cfg.critic.lora) else None, teachers=tuple(teachers))
 
 
 def _rollout_size(cfg: Config, key: str, value):
@@ -70,13 +74,15 @@ def differences(cfg: Config, settings: dict) -> list[tuple[str, object, object]]
     return out
 
 
-def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, param_bytes: int = 2):
+def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, param_bytes: int = 2,
+                           teachers: tuple = ()):
     """``rollout.layout`` for a config that leaves it unset, on ``world`` GPUs of
     ``gpu_memory_bytes``: :func:`megatron_rl.planner.memory.choose_rollout_layout` with what the
     config's training state leaves during rollout, for rollout.max_batch_size sequences per replica
     (default :data:`~megatron_rl.planner.memory.ROLLOUT_CONCURRENCY`).  With ``rollout.ranks`` the
     layout is the generator ranks' (``world``: the training ranks), which hold nothing else.
-    Returns ``(RolloutMemory, why)``."""
+    ``teachers``: the distillation teachers' ``ModelConfig``s (resident beside the actor unless
+    offloaded).  Returns ``(RolloutMemory, why)``."""
     from megatron_rl.planner.memory import (
         ROLLOUT_CONCURRENCY,
         choose_rollout_layout,
@@ -86,12 +92,12 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
     from megatron_rl.planner.option import PlanOption
     from megatron_rl.planner.search import HEADROOM
 
-    p, inputs = cfg.parallel, plan_inputs(cfg)
+    p, inputs = cfg.parallel, plan_inputs(cfg, teachers)
     train = PlanOption.of(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(world // (p.tp * p.pp * p.cp), 1),
                           sequence_parallel=p.sequence_parallel, offload=cfg.trainer.offload,
                           distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, ep=p.ep, etp=p.etp)
     models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes,
-                         inputs.actor_lora, inputs.critic_lora)
+                         inputs.actor_lora, inputs.critic_lora, inputs.teachers)
     generators = cfg.rollout.ranks or None
     return choose_rollout_layout(cfg.model, train, seq_len=inputs.prompt_len + inputs.response_len,
                                  resident=0.0 if generators else rollout_resident_bytes(models, train.offload),

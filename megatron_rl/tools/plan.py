@@ -13,7 +13,9 @@ the total and what is left of the budget; the ranking rule that orders the rows 
 them.  ``--config`` takes the lengths and models from a recipe and lists the keys where it differs
 from the recommendation.  ``--lora-rank`` (or a recipe's ``actor.lora`` / ``critic.lora``) plans
 LoRA: a frozen base without grads or optimizer state, fp32 adapters with their grads and Adam
-(printed on lines of their own), and no reference copy.
+(printed on lines of their own), and no reference copy.  ``--teacher`` (or a recipe's
+``algorithm.distill.teachers``) adds each distillation teacher: its frozen weights on the training
+layout and the peak of its forward-only scoring pass.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import textwrap
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.errors import ConfigError
 from megatron_rl.layout.lora import ALL_LINEAR, PROJECTIONS, adapter_params, unknown_targets
-from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, total_params
+from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, teacher_name, total_params
 from megatron_rl.planner.option import format_value
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
 from megatron_rl.planner.search import HEADROOM, HEADROOM_NOTE, PRESETS, RANKING, Candidate, Plan, plan, preset
@@ -57,19 +59,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default=ALL_LINEAR,
                    help="with --lora-rank: the projections with adapters, comma-separated HF names "
                         f"(actor.lora.target_modules; default {ALL_LINEAR})")
+    p.add_argument("--teacher", action="append", default=[],
+                   help="an on-policy distillation teacher (preset or local HF model directory; repeat for several): "
+                        "frozen bf16 weights on the training layout and its scoring pass (default: the recipe's "
+                        "algorithm.distill.teachers)")
     p.add_argument("--show", type=int, default=12, help="candidate layouts to print")
     p.add_argument("--list-models", action="store_true")
 
 
-def _model(spec: str):
+def _model(spec: str, key: str = "--model"):
     if spec in PRESETS:
         return preset(spec)
     if spec and os.path.isdir(spec):
         from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
 
         return model_config_from_hf(read_hf_config(spec))
-    raise ConfigError("--model", spec, "neither a preset nor a directory",
+    raise ConfigError(key, spec, "neither a preset nor a directory",
                       f"use one of {', '.join(PRESETS)} or a local HF model directory")
+
+
+def _teachers(args, cfg) -> tuple:
+    """``--teacher`` (each a preset or a directory), else the recipe's ``algorithm.distill.teachers``
+    read from their directories (a directory this machine lacks: name a preset with --teacher)."""
+    if args.teacher:
+        return tuple(_model(spec, "--teacher") for spec in args.teacher)
+    if cfg is None or not cfg.algorithm.distill.teachers:
+        return ()
+    from megatron_rl.engine.teachers import read_teachers
+
+    try:
+        return tuple(t.model for t in read_teachers(cfg.algorithm.distill.teachers, cfg.model))
+    except ConfigError as err:
+        raise ConfigError(err.key, err.value, err.problem,
+                          "plan for it with --teacher PRESET (megatron-rl plan --list-models) or --teacher DIR") from None
 
 
 # The table's columns: header, right-aligned.
@@ -142,16 +164,17 @@ def ranking_lines(width: int = 110) -> list[str]:
 
 def _inputs(args) -> PlanInputs:
     """The recipe's lengths and models under --config; flags given on the command line win."""
-    base = PlanInputs(1024, 8192, True, True)
+    base, cfg = PlanInputs(1024, 8192, True, True), None
     if args.config:
         from megatron_rl.config.loader import load_config
 
-        base = plan_inputs(load_config(args.config))
+        cfg = load_config(args.config)
+        base = plan_inputs(cfg)
     generators = base.generators if args.generator_gpus is None else args.generator_gpus
     return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
                       base.with_critic and not args.no_critic, base.with_reference and not args.no_reference,
                       args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout, generators,
-                      _actor_lora(args, base.actor_lora), base.critic_lora)
+                      _actor_lora(args, base.actor_lora), base.critic_lora, _teachers(args, cfg))
 
 
 def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
@@ -179,8 +202,12 @@ def _models_line(inputs: PlanInputs) -> str:
     reference = ""
     if inputs.with_reference:
         reference = ", reference = the actor's base with adapters off (no copy)" if inputs.actor_lora else ", reference"
+    teachers = ""
+    if inputs.teachers:
+        teachers = ", " + ", ".join(f"{teacher_name(i, len(inputs.teachers))} ({total_params(t) / 1e9:.1f}B, frozen)"
+                                    for i, t in enumerate(inputs.teachers))
     return lora("actor", inputs.actor_lora) + (", " + lora("critic", inputs.critic_lora) if inputs.with_critic
-                                               else "") + reference
+                                               else "") + reference + teachers
 
 
 def lora_lines(cfg, best: Candidate, inputs: PlanInputs) -> list[str]:
@@ -197,6 +224,18 @@ def lora_lines(cfg, best: Candidate, inputs: PlanInputs) -> list[str]:
                      f"{_amount(parts[name + ' LoRA weights'])}, LoRA grads {_amount(parts[name + ' LoRA grads'])}, "
                      f"LoRA optimizer {_amount(parts[name + ' LoRA optimizer'])}")
     return lines
+
+
+def teacher_lines(best: Candidate, inputs: PlanInputs) -> list[str]:
+    """With distillation, each teacher's weights per GPU and the peak of the scoring phase."""
+    if not inputs.teachers:
+        return []
+    b = best.breakdown
+    names = [teacher_name(i, len(inputs.teachers)) for i in range(len(inputs.teachers))]
+    weights = ", ".join(f"{n} weights {_amount(b.components[n + ' weights'])}" for n in names)
+    where = "its own weights alone resident (trainer.offload)" if best.layout.offload else "every model resident"
+    return [f"distillation: {weights} per GPU (frozen bf16, no grads or optimizer state); scoring peak "
+            f"{_amount(b.teacher_peak)} ({where}, one forward of {best.tokens_per_rank} tokens per rank)"]
 
 
 def _amount(nbytes: float) -> str:
@@ -264,7 +303,8 @@ def run_plan(args) -> int:
                   max_tokens_per_rank=args.max_tokens_per_rank, rollout_batch=args.rollout_batch,
                   with_critic=inputs.with_critic, with_reference=inputs.with_reference,
                   rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout,
-                  generators=inputs.generators, actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora)
+                  generators=inputs.generators, actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora,
+                  teachers=inputs.teachers)
     print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
           f"{inputs.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
     _print_table(args, result, inputs)
@@ -274,6 +314,7 @@ def run_plan(args) -> int:
         print(f"\nnot possible on {args.nodes} node(s): {where}")
         return 1
     print()
-    for line in _recommendation(result, inputs) + lora_lines(cfg, result.recommended, inputs):
+    for line in (_recommendation(result, inputs) + lora_lines(cfg, result.recommended, inputs)
+                 + teacher_lines(result.recommended, inputs)):
         print(line)
     return _compare(args.config, result.recommended, inputs) if args.config else 0

@@ -81,7 +81,7 @@ def _check_teachers(cfg: Config, tokenizer) -> None:
     """Each teacher's directory, vocabulary (the student's) and shape on the training layout; without a
     ``default`` teacher, every prompt's data_source names one."""
     from megatron_rl.data.tokenizer import vocabulary_digest
-    from megatron_rl.trainer.teachers import DEFAULT_SOURCE, check_teacher_layouts, read_teachers
+    from megatron_rl.engine.teachers import DEFAULT_SOURCE, check_teacher_layouts, read_teachers
 
     teachers = read_teachers(cfg.algorithm.distill.teachers, cfg.model, vocabulary_digest(tokenizer))
     check_teacher_layouts(teachers, cfg)

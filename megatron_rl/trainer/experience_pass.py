@@ -70,7 +70,7 @@ def teacher_logprobs(models: ModelSet, samples: Samples, teacher_rows: dict, cfg
 def _distill(advantage_rows, student, teacher, mask, teacher_rows: dict, alg) -> tuple[torch.Tensor, dict]:
     """The distillation advantage and ``distill/reverse_kl`` (all tokens, and per teacher when several)."""
     d = alg.distill
-    advantage_rows = distill_advantages(advantage_rows, student, teacher, mask, d.coef, d.reward_coef)
+    advantage_rows = distill_advantages(advantage_rows, student, teacher, mask, d.coef, d.reward_coef, d.baseline)
     metrics = {"distill/reverse_kl": reverse_kl(student, teacher, mask)}
     if len(teacher_rows) > 1:
         for name, rows in teacher_rows.items():

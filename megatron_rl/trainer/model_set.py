@@ -38,7 +38,7 @@ class ModelSet:
     offloaders: dict = dataclasses.field(default_factory=dict)
     reference_is_base: bool = False
     # On-policy distillation: each teacher's frozen chunks on the training layout, by its name
-    # (:class:`megatron_rl.trainer.teachers.TeacherSource`), with where it came from.
+    # (:class:`megatron_rl.engine.teachers.TeacherSource`), with where it came from.
     teachers: dict = dataclasses.field(default_factory=dict)
     teacher_sources: tuple = ()
 
@@ -121,7 +121,7 @@ def build_teachers(sources: tuple, layout, device) -> dict:
     never trained, so never checkpointed: a resumed run loads them again from the same place)."""
     from megatron_rl.config.model_io import model_config_to_dict
     from megatron_rl.models.hf_bridge import load_hf_weights
-    from megatron_rl.trainer.teachers import HF
+    from megatron_rl.engine.teachers import HF
 
     teachers = {}
     for source in sources:

@@ -90,7 +90,7 @@ from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.staleness import StalenessPlan, staleness_metrics
 from megatron_rl.trainer.startup_lines import layout_line, lora_lines, model_line, old_logprobs_line, rollout_line
 from megatron_rl.trainer.teacher_rows import TeacherRows
-from megatron_rl.trainer.teachers import check_teacher_layouts, read_teachers
+from megatron_rl.engine.teachers import check_teacher_layouts, read_teachers
 from megatron_rl.utils import phase
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key

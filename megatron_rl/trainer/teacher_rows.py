@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron_rl.data.prompts import PromptSet
 from megatron_rl.errors import ConfigError
-from megatron_rl.trainer.teachers import DEFAULT_SOURCE, KEY, teacher_of
+from megatron_rl.engine.teachers import DEFAULT_SOURCE, KEY, teacher_of
 
 
 class TeacherRows:

@@ -6,7 +6,10 @@ architecture comes from its own ``config.json`` (HF) or ``meta.json`` (checkpoin
 else about how it runs (dtype, attention implementation) is the student's.  Its vocabulary must be
 the student's: the same tokens at the same ids, compared by digest
 (:func:`megatron_rl.data.tokenizer.vocabulary_digest`), since the advantage compares the two
-models' log-probs of the very token the student sampled.
+models' log-probs of the very token the student sampled.  Their embedding tables may be padded to
+other sizes (Qwen2.5-7B has 152064 rows, Qwen2.5-1.5B 151936, one tokenizer of 151665 tokens):
+each model's log-softmax runs over its own rows, as Hugging Face computes it, and sampled ids are
+always tokens of the tokenizer.
 """
 
 from __future__ import annotations
@@ -116,9 +119,12 @@ def read_teacher(name: str, path: str, student: ModelConfig, vocabulary: Optiona
                               f"({vocabulary['size']} tokens, or the same size with other tokens)",
                               "distil from a teacher of the student's tokenizer (cross-tokenizer distillation "
                               "is planned, docs/feature_matrix.md)")
-    if model.vocab_size != student.vocab_size:
+    if vocabulary is None and model.vocab_size != student.vocab_size:
         raise ConfigError(key, path, f"its vocabulary size is {model.vocab_size}, the student's {student.vocab_size}",
                           "use a teacher with the student's vocabulary size")
+    if vocabulary is not None and model.vocab_size < vocabulary["size"]:
+        raise ConfigError(key, path, f"its embedding has {model.vocab_size} rows, fewer than the tokenizer's "
+                          f"{vocabulary['size']} tokens", "give a teacher trained with this tokenizer")
     return source
 
 
