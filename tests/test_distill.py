@@ -50,10 +50,10 @@ def test_the_advantage_is_teacher_minus_student_on_policy_tokens_plus_the_weight
 def test_each_sample_goes_to_its_sources_teacher_and_a_source_without_one_is_refused():
     from megatron_rl.config.schema import ModelConfig
     from megatron_rl.data.prompts import PromptSet
+    from megatron_rl.engine.teachers import TeacherSource
     from megatron_rl.errors import ConfigError
     from megatron_rl.trainer.experience import Samples
     from megatron_rl.trainer.teacher_rows import TeacherRows
-    from megatron_rl.engine.teachers import TeacherSource
 
     def prompts(sources):
         return PromptSet([[1]] * len(sources), ["p"] * len(sources), [None] * len(sources),
@@ -80,11 +80,11 @@ def teacher_scores_body(hf_dir: str, layout_kw: dict, sequences: list[list[int]]
     every token after the first ``prompt_len`` of each sequence."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.engine.forward import batch_plan
+    from megatron_rl.engine.teachers import read_teachers
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.trainer.experience import Samples
     from megatron_rl.trainer.experience_pass import teacher_logprobs
     from megatron_rl.trainer.model_set import ModelSet, build_teachers
-    from megatron_rl.engine.teachers import read_teachers
 
     cfg = load_config(None, STUDENT + ["rollout.temperature=1.0"])
     layout = use_layout(**layout_kw)
@@ -357,9 +357,10 @@ def test_a_distilled_student_gains_reward_faster_than_grpo_alone(digit_sum_teach
     reward = {name: [r["reward/mean"] for r in got] for name, got in rows.items()}
     late = {name: sum(r[-20:]) / 20 for name, r in reward.items()}
     kl = [r["distill/reverse_kl"] for r in rows["distill"]]
-    print(f"teacher {teacher_reward:.3f}; reward over the last 20 steps {late}; start {sum(reward['distill'][:5]) / 5:.3f}; "
+    start = sum(reward["distill"][:5]) / 5
+    print(f"teacher {teacher_reward:.3f}; reward over the last 20 steps {late}; start {start:.3f}; "
           f"reverse KL {sum(kl[:5]) / 5:.3f} -> {sum(kl[-5:]) / 5:.3f}")
     assert "distill/reverse_kl" not in rows["grpo"][0]
     assert late["distill"] > late["grpo"]
-    assert late["distill"] > 1.3 * sum(reward["distill"][:5]) / 5
+    assert late["distill"] > 1.3 * start
     assert sum(kl[-5:]) / 5 < 0.67 * sum(kl[:5]) / 5

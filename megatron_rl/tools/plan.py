@@ -90,8 +90,8 @@ def _teachers(args, cfg) -> tuple:
     try:
         return tuple(t.model for t in read_teachers(cfg.algorithm.distill.teachers, cfg.model))
     except ConfigError as err:
-        raise ConfigError(err.key, err.value, err.problem,
-                          "plan for it with --teacher PRESET (megatron-rl plan --list-models) or --teacher DIR") from None
+        fix = "plan for it with --teacher PRESET (megatron-rl plan --list-models) or --teacher DIR"
+        raise ConfigError(err.key, err.value, err.problem, fix) from None
 
 
 # The table's columns: header, right-aligned.

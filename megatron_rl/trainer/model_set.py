@@ -120,8 +120,8 @@ def build_teachers(sources: tuple, layout, device) -> dict:
     """Each teacher frozen on the training layout, its weights loaded from its directory (they are
     never trained, so never checkpointed: a resumed run loads them again from the same place)."""
     from megatron_rl.config.model_io import model_config_to_dict
-    from megatron_rl.models.hf_bridge import load_hf_weights
     from megatron_rl.engine.teachers import HF
+    from megatron_rl.models.hf_bridge import load_hf_weights
 
     teachers = {}
     for source in sources:

@@ -47,6 +47,7 @@ from megatron_rl.distributed import collectives, faults
 from megatron_rl.distributed.startup import start_model_parallel
 from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import batch_plan
+from megatron_rl.engine.teachers import check_teacher_layouts, read_teachers
 from megatron_rl.engine.trainable import Trainable
 from megatron_rl.envs.build import with_environment
 from megatron_rl.envs.trajectories import env_metrics, trajectory_scores
@@ -90,7 +91,6 @@ from megatron_rl.trainer.signals import StopRequest
 from megatron_rl.trainer.staleness import StalenessPlan, staleness_metrics
 from megatron_rl.trainer.startup_lines import layout_line, lora_lines, model_line, old_logprobs_line, rollout_line
 from megatron_rl.trainer.teacher_rows import TeacherRows
-from megatron_rl.engine.teachers import check_teacher_layouts, read_teachers
 from megatron_rl.utils import phase
 from megatron_rl.utils.seeds import derive_seed
 from megatron_rl.utils.timing import timed, timing_key

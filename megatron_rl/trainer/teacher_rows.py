@@ -5,8 +5,8 @@ would score is refused before the first step rather than trained on without dist
 from __future__ import annotations
 
 from megatron_rl.data.prompts import PromptSet
-from megatron_rl.errors import ConfigError
 from megatron_rl.engine.teachers import DEFAULT_SOURCE, KEY, teacher_of
+from megatron_rl.errors import ConfigError
 
 
 class TeacherRows:
