@@ -75,9 +75,11 @@ def test_each_sample_goes_to_its_sources_teacher_and_a_source_without_one_is_ref
 # ----------------------------------------------------------------------------- teacher log-probs == HF
 
 
-def teacher_scores_body(hf_dir: str, layout_kw: dict, sequences: list[list[int]], prompt_len: int) -> list:
-    """The trainer's teacher pass (:func:`teacher_logprobs`) on this layout: the teacher's log-prob of
-    every token after the first ``prompt_len`` of each sequence."""
+def teacher_scores_body(hf_dir: str, layout_kw: dict, sequences: list[list[int]], prompt_len: int,
+                        own_kw: dict | None = None) -> list:
+    """The trainer's teacher pass (:func:`teacher_logprobs`) on this layout (the teacher on a layout
+    of its own with ``own_kw``): the teacher's log-prob of every token after the first ``prompt_len``
+    of each sequence."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.engine.forward import batch_plan
     from megatron_rl.engine.teachers import read_teachers
@@ -89,8 +91,29 @@ def teacher_scores_body(hf_dir: str, layout_kw: dict, sequences: list[list[int]]
     cfg = load_config(None, STUDENT + ["rollout.temperature=1.0"])
     layout = use_layout(**layout_kw)
     sources = read_teachers({"default": hf_dir}, cfg.model)
+    own = groups = None
+    if own_kw:
+        import torch.distributed as dist
+
+        from megatron_rl.layout.sizes import ParallelLayout
+        from megatron_rl.trainer.model_set import teacher_groups
+
+        tp, pp, cp = own_kw.get("tp", 1), own_kw.get("pp", 1), own_kw.get("cp", 1)
+        own = ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dist.get_world_size() // (tp * pp * cp),
+                             sequence_parallel=own_kw.get("sp", False))
+        groups = teacher_groups(own)
     models = ModelSet(None, None, None, batch_plan(cfg.batch, layout, 4096), torch.device("cpu"),
-                      teachers=build_teachers(sources, layout, torch.device("cpu")), teacher_sources=sources)
+                      teachers=build_teachers(sources, layout, torch.device("cpu"), own), teacher_sources=sources,
+                      teacher_layout=own, teacher_groups=groups)
+    if own is not None:  # the teacher is sharded as its own layout says, not as the training one
+        from megatron_rl.layout.arch import attention_dims
+        from megatron_rl.models.canonical import unwrap
+
+        model, chunk = sources[0].model, unwrap(models.teachers["default"][0])
+        heads, kv_heads, head_dim = attention_dims(model)
+        assert len(chunk.decoder.layers) == model.num_layers // own.pp
+        assert chunk.decoder.layers[0].self_attention.linear_qkv.weight.shape[0] * own.tp == \
+            (heads + 2 * kv_heads) * head_dim
     n = len(sequences)
     samples = Samples(prompt_index=list(range(n)), dataset_index=list(range(n)),
                       prompt_ids=[s[:prompt_len] for s in sequences], response_ids=[s[prompt_len:] for s in sequences],
@@ -106,6 +129,17 @@ TEACHER_LAYOUTS = {
     "dp2": (2, {}),
     "tp2_pp2": (4, {"tp": 2, "pp": 2}),
     "tp2_cp2_sp": (4, {"tp": 2, "cp": 2, "sp": True}),
+}
+
+
+# The teacher on a layout of its own: (world, the training layout, the teacher's).
+OWN_TEACHER_LAYOUTS = {
+    "train_dp2_teacher_tp2_sp": (2, {}, {"tp": 2, "sp": True}),
+    "train_tp2_teacher_pp2": (2, {"tp": 2, "sp": True}, {"pp": 2}),
+    "train_pp2_teacher_tp2": (2, {"pp": 2}, {"tp": 2}),
+    "train_cp2_teacher_tp2": (2, {"cp": 2}, {"tp": 2}),
+    "train_tp2_teacher_cp2": (2, {"tp": 2}, {"cp": 2}),
+    "train_dp4_teacher_tp2_pp2": (4, {}, {"tp": 2, "pp": 2}),
 }
 
 
@@ -132,6 +166,19 @@ def test_teacher_logprobs_equal_hf_transformers_on_every_layout(hf_teacher, layo
     padding = [v for row, ref in zip(rows, reference) for v in row[len(ref):]]
     print(f"{layout}: teacher log-probs vs HF, worst {worst:.2e}")
     assert worst <= HF_TOL and all(v == 0.0 for v in padding)
+
+
+@pytest.mark.parametrize("layout", list(OWN_TEACHER_LAYOUTS))
+def test_a_teacher_on_a_layout_of_its_own_scores_as_hf_transformers(hf_teacher, layout):
+    """algorithm.distill.layout: the teacher built, loaded and run with process groups of its own
+    beside the training layout's (its shards are its layout's: layers per stage, heads per TP rank);
+    its log-probs == HF's on every rank."""
+    path, sequences, prompt_len, reference = hf_teacher
+    world, layout_kw, own_kw = OWN_TEACHER_LAYOUTS[layout]
+    ranks = run_distributed(world, teacher_scores_body, path, layout_kw, sequences, prompt_len, own_kw)
+    worst = max(abs(a - b) for rows in ranks for row, ref in zip(rows, reference) for a, b in zip(row, ref))
+    print(f"{layout}: teacher log-probs vs HF, worst {worst:.2e}")
+    assert worst <= HF_TOL
 
 
 # ----------------------------------------------------------------------------- a distillation step on every layout
@@ -163,6 +210,10 @@ DISTILL_LAYOUTS = {
     "pp2": ["parallel.pp=2"],
     "cp2": ["parallel.cp=2"],
     "dp2": [],
+    # The teacher (a checkpoint) on a layout of its own beside the student's.
+    "dp2_teacher_tp2": ["algorithm.distill.layout.tp=2"],
+    "tp2_sp_teacher_pp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "algorithm.distill.layout.tp=1",
+                           "algorithm.distill.layout.pp=2"],
 }
 # What a layout may change: timing, memory, weights' size per rank.
 VOLATILE = ("timing/", "throughput/", "memory/", "rollout/weights_gb")
@@ -175,8 +226,9 @@ def _numbers(rows: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_distillation_steps_on_every_layout_equal_one_process(trained_teacher, tmp_path):
     """Two steps of distillation plus the task advantage (reward_coef 0.5), teacher and student on
-    TP2+SP, PP2, CP2 and DP2, against one process: every metric (reverse KL, losses, gradient norm,
-    rewards) within 1e-5 relative."""
+    TP2+SP, PP2, CP2 and DP2, and the teacher on a layout of its own (TP2 beside DP2, PP2 beside
+    TP2+SP), against one process: every metric (reverse KL, losses, gradient norm, rewards) within
+    1e-5 relative."""
     from tests.support.helpers import train_body
 
     teacher = trained_teacher
@@ -220,6 +272,31 @@ def test_a_teacher_of_another_vocabulary_or_without_one_is_refused_before_launch
         check_training_inputs(load_config(None, base + ["algorithm.distill.teachers={math: /nonexistent}"]))
 
 
+def test_a_teachers_own_layout_is_refused_where_it_cannot_run(tmp_path):
+    """algorithm.distill.layout without a teacher, with sizes that do not divide the training ranks,
+    with hierarchical CP, or one the teacher's shape does not take: one line each."""
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.engine.teachers import check_teacher_layouts, read_teachers
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.validation import validate
+
+    hf_dir = tmp_path / "teacher"
+    make_hf_model("qwen2", str(hf_dir), seed=3)  # 4 heads, 2 KV heads
+    teacher = [f"algorithm.distill.teachers={{default: {hf_dir}}}"]
+    with pytest.raises(ConfigError, match=r"algorithm.distill.layout=tp=2 pp=1 cp=1: is set, but there is no teacher"):
+        validate(load_config(None, TINY_RUN + ["algorithm.distill.layout.tp=2"]), 2)
+    with pytest.raises(ConfigError, match=r"layout=tp=1 pp=4 cp=1: tp\*pp\*cp=4 does not divide the 2 training ranks"):
+        validate(load_config(None, TINY_RUN + teacher + ["algorithm.distill.layout.pp=4"]), 2)
+    hierarchical = ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p",
+                    "parallel.hierarchical_context_parallel_sizes=[2,2]", "algorithm.distill.layout.tp=2"]
+    with pytest.raises(ConfigError, match=r"does not take hierarchical CP"):
+        validate(load_config(None, TINY_RUN + teacher + hierarchical), 8)
+    validate(load_config(None, TINY_RUN + teacher + ["algorithm.distill.layout.tp=2"]), 2)
+    cfg = load_config(None, STUDENT + teacher + ["algorithm.distill.layout.tp=8"])
+    with pytest.raises(ConfigError, match=r"teachers.default=.*: on algorithm.distill.layout \(tp=8 pp=1 cp=1\): "):
+        check_teacher_layouts(read_teachers(cfg.algorithm.distill.teachers, cfg.model), cfg)
+
+
 def test_a_teacher_checkpoint_records_its_vocabulary_and_another_one_is_refused(trained_teacher):
     from megatron_rl.config.loader import load_config
     from megatron_rl.data.tokenizer import load_tokenizer, vocabulary_digest
@@ -257,8 +334,9 @@ def test_distillation_runs_on_a_generator_rank_in_async_mode(trained_teacher, tm
 # ----------------------------------------------------------------------------- the teacher's memory, planned
 
 
-def teacher_weight_bytes_body(hf_dir: str, layout_kw: dict) -> tuple[int, float]:
-    """The teacher's weight bytes on this rank as built, and what the planner counts for it."""
+def teacher_weight_bytes_body(hf_dir: str, layout_kw: dict, own_kw: dict | None = None) -> tuple[int, float]:
+    """The teacher's weight bytes on this rank as built (on a layout of its own with ``own_kw``), and
+    what the planner counts for it."""
     from megatron_rl.config.loader import load_config
     from megatron_rl.engine.teachers import read_teachers
     from megatron_rl.planner.memory import model_state
@@ -269,19 +347,30 @@ def teacher_weight_bytes_body(hf_dir: str, layout_kw: dict) -> tuple[int, float]
     cfg = load_config(None, STUDENT)
     layout = use_layout(**layout_kw)
     sources = read_teachers({"default": hf_dir}, cfg.model)
-    chunks = build_teachers(sources, layout, torch.device("cpu"))["default"]
+    own = None
+    if own_kw:
+        from megatron_rl.layout.sizes import ParallelLayout
+
+        own = ParallelLayout(tp=own_kw.get("tp", 1), pp=own_kw.get("pp", 1), dp=1)
+    chunks = build_teachers(sources, layout, torch.device("cpu"), own)["default"]
     measured = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
     option = PlanOption.of(tp=layout_kw.get("tp", 1), pp=layout_kw.get("pp", 1), dp=1)
-    planned = model_state(cfg.model, option, False, False, 4, teachers=(sources[0].model,))["teacher weights"]
+    taught = PlanOption.of(tp=own.tp, pp=own.pp, dp=1) if own else None
+    planned = model_state(cfg.model, option, False, False, 4, teachers=(sources[0].model,),
+                          teacher_layout=taught)["teacher weights"]
     return measured, planned
 
 
-@pytest.mark.parametrize("layout", ["one_process", "tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", ["one_process", "tp2_sp", "pp2", "train_pp2_teacher_tp2"])
 def test_the_planner_counts_the_teachers_weights_as_built(hf_teacher, layout):
     """Per rank, the bytes of the teacher's weights as built against the planner's count (fp32 on the
-    CPU): within 10% on the most loaded rank (the planner counts that one; it leaves out the norms)."""
-    world, layout_kw = TEACHER_LAYOUTS[layout]
-    rows = run_distributed(world, teacher_weight_bytes_body, hf_teacher[0], layout_kw)
+    CPU): within 10% on the most loaded rank (the planner counts that one; it leaves out the norms);
+    also with the teacher on a layout of its own."""
+    if layout in OWN_TEACHER_LAYOUTS:
+        world, layout_kw, own_kw = OWN_TEACHER_LAYOUTS[layout]
+    else:
+        (world, layout_kw), own_kw = TEACHER_LAYOUTS[layout], None
+    rows = run_distributed(world, teacher_weight_bytes_body, hf_teacher[0], layout_kw, own_kw)
     measured, planned = max(m for m, _ in rows), rows[0][1]
     print(f"{layout}: teacher weights per rank measured {measured} B, planned {planned:.0f} B")
     assert abs(measured - planned) <= 0.10 * measured
@@ -313,11 +402,19 @@ def test_plan_sizes_the_teacher_and_asks_for_one_it_cannot_read(capsys):
     tp = int(next(t for t in taught.splitlines() if t.startswith("recommended: ")).split("tp")[1].split()[0])
     gib = params_per_gpu(preset("qwen2.5-7b"), PlanOption.of(tp=tp)) * 2 / 2**30
     assert f"teacher weights {gib:.2f} GiB" in line
+    # On a TP4 layout of its own the teacher holds a quarter of its weights per GPU.
+    rc_own, own = plan(*common, "--teacher", "qwen2.5-7b", "--teacher-tp", "4")
+    gib_own = params_per_gpu(preset("qwen2.5-7b"), PlanOption.of(tp=4)) * 2 / 2**30
+    assert rc_own == 0 and f"teacher weights {gib_own:.2f} GiB per GPU on its own layout tp4 pp1 cp1" in own
     # The teacher's memory leaves less for generation: fewer sequences generated together.
     batch = [int(next(t for t in out.splitlines() if t.startswith("recommended: ")).split(", ")[-1].split()[0])
-             for out in (alone, taught)]
-    assert batch[1] < batch[0]
+             for out in (alone, taught, own)]
+    assert batch[1] < batch[2] <= batch[0]
     recipe = os.path.join(ROOT, "configs", "distill_qwen2.5_7b_to_1.5b_16k.yaml")
+    from megatron_rl.config.loader import load_config
+    from megatron_rl.validation import validate
+
+    validate(load_config(recipe), 8)  # the GPU recipe, teacher layout included, for its 8 GPUs
     with pytest.raises(ConfigError, match=r"teachers.default=/models/Qwen2.5-7B-Instruct: no such directory; "
                                           r"fix: plan for it with --teacher"):
         plan("--model", "qwen2.5-1.5b", "--config", recipe)

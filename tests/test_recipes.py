@@ -141,7 +141,8 @@ def test_gpu_recipe_equals_the_plan(recipe):
     inputs = plan_inputs(cfg, tuple(preset(name) for name in RECIPE_TEACHERS.get(recipe, ())))
     result = plan(model, prompt_len=inputs.prompt_len, response_len=inputs.response_len, nodes=1, gpus_per_node=8,
                   gpu_memory_gib=80, with_critic=inputs.with_critic, with_reference=inputs.with_reference,
-                  actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora, teachers=inputs.teachers)
+                  actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora, teachers=inputs.teachers,
+                  teacher_sizes=inputs.teacher_sizes)
     assert result.recommended is not None
     assert differences(cfg, result.recommended.settings(inputs.with_critic)) == []
 

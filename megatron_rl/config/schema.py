@@ -456,6 +456,17 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillLayoutConfig:
+    """The teachers' own layout on the training ranks (docs/distillation.md): a teacher larger than
+    the student may want more tensor- or pipeline-parallel ranks than the student's layout has.
+    Unset sizes are the training layout's; data-parallel replicas are the rest of the ranks."""
+
+    tp: Optional[int] = _f(None, "Tensor-parallel size of the teachers; null = parallel.tp.", ge=1, le=C_INT_MAX)
+    pp: Optional[int] = _f(None, "Pipeline stages of the teachers; null = parallel.pp.", ge=1, le=C_INT_MAX)
+    cp: Optional[int] = _f(None, "Context-parallel size of the teachers; null = parallel.cp.", ge=1, le=C_INT_MAX)
+
+
+@dataclass
 class DistillConfig:
     """On-policy distillation (docs/distillation.md): a frozen teacher scores every token the
     student sampled, and the student's per-token advantage becomes
@@ -469,6 +480,7 @@ class DistillConfig:
                      le=MAX_FLOAT)
     reward_coef: float = _f(0.0, "Weight of the task advantage (algorithm.advantage over the reward); 0 = pure "
                                  "distillation.", ge=0, le=MAX_FLOAT)
+    layout: DistillLayoutConfig = field(default_factory=DistillLayoutConfig)
     baseline: Literal[DISTILL_BASELINES] = _f(
         "batch_mean", "Subtracted from teacher_logp - student_logp: batch_mean = its mean over the batch's response "
                       "tokens (a control variate: same expected gradient, less variance; learns faster, "

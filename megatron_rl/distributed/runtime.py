@@ -8,6 +8,7 @@ Entry points start through :mod:`megatron_rl.distributed.startup`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -137,6 +138,40 @@ def active_groups():
     For code below the entry points that has no collection handed to it; entry points keep the one
     :func:`init_model_parallel` returns."""
     return _GROUPS
+
+
+_OVERRIDE = None  # (layout, groups) while a model of another layout runs (layout_active)
+
+
+@contextlib.contextmanager
+def layout_active(layout: ParallelLayout, groups):
+    """Within the block, :func:`active_layout` and :func:`active_groups` are ``layout`` and its
+    ``groups`` (from :func:`own_layout_groups`): a model built on a layout of its own beside the
+    training one (a distillation teacher) is built, loaded and run by the same code as the actor."""
+    global _CURRENT, _GROUPS, _OVERRIDE
+    saved = _CURRENT, _GROUPS, _OVERRIDE
+    _CURRENT, _GROUPS, _OVERRIDE = layout, groups, (layout, groups)
+    try:
+        yield groups
+    finally:
+        _CURRENT, _GROUPS, _OVERRIDE = saved
+
+
+def overriding_groups():
+    """The groups :func:`layout_active` put in place (None on the layout megatron's parallel_state
+    holds): megatron's pipeline schedules read parallel_state unless handed other groups."""
+    return _OVERRIDE[1] if _OVERRIDE else None
+
+
+@functools.lru_cache(maxsize=None)
+def own_layout_groups(tp: int, pp: int, cp: int, world: int):
+    """megatron's groups (TP, CP, DP, PP, embeddings) for a dense model on a layout of its own beside
+    the training one, on all ``world`` ranks; collective: every rank builds them, once per process
+    and layout."""
+    from megatron.core.inference.shards import build_inference_pg_collection
+
+    return build_inference_pg_collection(world_size=world, tp_size=tp, pp_size=pp, cp_size=cp, ep_size=1,
+                                         expt_tp_size=1)
 
 
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_s: int = 600):

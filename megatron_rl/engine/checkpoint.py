@@ -47,6 +47,7 @@ from megatron_rl.compat.megatron_fixes import (
 )
 from megatron_rl.compat.safe_unpickling import UnsafeCheckpointFile
 from megatron_rl.distributed import collectives, faults
+from megatron_rl.distributed.runtime import overriding_groups
 from megatron_rl.engine import checkpoint_space
 from megatron_rl.engine.checkpoint_space import ONLY_BASE, ONLY_TRAINED
 from megatron_rl.errors import CheckpointError
@@ -104,9 +105,14 @@ def _selected(state: dict, only: Optional[str]) -> dict:
 
 
 def _model_sharded(chunks: list, only: Optional[str] = None) -> dict:
+    # A model on a layout of its own (a distillation teacher, layout_active) names its shards'
+    # replicas by its own data-parallel group; megatron reads parallel_state's unless told.
+    groups = overriding_groups()
+    metadata = {"dp_cp_group": groups.dp_cp} if groups is not None else None
     if len(chunks) == 1:
-        return {"model": _selected(_inner(chunks[0]).sharded_state_dict(), only)}
-    return {f"model{i}": _selected(_inner(c).sharded_state_dict(), only) for i, c in enumerate(chunks)}
+        return {"model": _selected(_inner(chunks[0]).sharded_state_dict(metadata=metadata), only)}
+    return {f"model{i}": _selected(_inner(c).sharded_state_dict(metadata=metadata), only)
+            for i, c in enumerate(chunks)}
 
 
 def _part_sharded(part: ModelPart, with_optimizer: bool, loading: bool = False) -> dict:

@@ -7,6 +7,7 @@ tensor shapes between stages.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -37,8 +38,7 @@ def run_microbatches(
         iterators = [iter(list(microbatches)) for _ in range(num_chunks)]
     else:
         iterators = iter(list(microbatches))
-    fb = get_forward_backward_func()
-    return fb(
+    return _schedule(chunks)(
         forward_step_func=step,
         data_iterator=iterators,
         model=chunks if num_chunks > 1 else chunks[0],
@@ -47,3 +47,21 @@ def run_microbatches(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
+
+
+def _schedule(chunks: list) -> Callable:
+    """megatron's schedule for the active layout: parallel_state's, or the groups of a model on a
+    layout of its own (:func:`megatron_rl.distributed.runtime.layout_active`), handed to it with
+    their pipeline communicator."""
+    from megatron_rl.distributed.runtime import overriding_groups
+
+    groups = overriding_groups()
+    if groups is None:
+        return get_forward_backward_func()
+    kwargs = {"pg_collection": groups}
+    if groups.pp.size() > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.utils import get_model_config
+
+        kwargs["p2p_communicator"] = P2PCommunicator(pp_group=groups.pp, config=get_model_config(chunks[0]))
+    return functools.partial(get_forward_backward_func(pp_size=groups.pp.size(), vp_size=None), **kwargs)

@@ -136,15 +136,25 @@ def read_teachers(teachers: dict, student: ModelConfig, vocabulary: Optional[dic
 
 
 def check_teacher_layouts(teachers: tuple[TeacherSource, ...], cfg) -> None:
-    """Each teacher runs on the training layout (``cfg.parallel``): the layout rules hold for its shape."""
+    """Each teacher runs on the training layout (``cfg.parallel``) or on ``algorithm.distill.layout``:
+    the layout rules hold for its shape there; a mixture-of-experts teacher takes the training layout."""
+    from megatron_rl.layout.arch import is_moe
+    from megatron_rl.layout.distill import KEY as LAYOUT_KEY
+    from megatron_rl.layout.distill import sizes_text, teacher_parallel
     from megatron_rl.layout.rules import training_problems
 
+    own = teacher_parallel(cfg)
+    parallel = own or cfg.parallel
+    where = f"on {LAYOUT_KEY} ({sizes_text(own)})" if own else "on the training layout"
     for teacher in teachers:
-        broken = training_problems(teacher.model, cfg.parallel, None)
+        if own is not None and is_moe(teacher.model):
+            raise ConfigError(teacher.key, teacher.path, f"a mixture-of-experts teacher cannot run {where}",
+                              f"leave {LAYOUT_KEY} unset: it runs on the training layout")
+        broken = training_problems(teacher.model, parallel, None)
         if broken:
-            as_teacher = dataclasses.replace(cfg, model=teacher.model)
+            as_teacher = dataclasses.replace(cfg, model=teacher.model, parallel=parallel)
             problem, fix = (text.format(c=as_teacher, w=None) for text in (broken[0].problem, broken[0].fix))
-            raise ConfigError(teacher.key, teacher.path, f"on the training layout: {problem}", fix)
+            raise ConfigError(teacher.key, teacher.path, f"{where}: {problem}", fix)
 
 
 def teacher_of(teachers: tuple[TeacherSource, ...], data_source) -> Optional[TeacherSource]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured
+from megatron_rl.features.base import PLANNED, TESTED_CPU, Constraint, Feature, Measured
+from megatron_rl.layout.distill import KEY as LAYOUT_KEY
+from megatron_rl.layout.distill import teacher_layout_problem
 
 AREA = "distillation"
 
@@ -46,23 +48,42 @@ FEATURES = [
     Feature(
         "Distillation teachers in the planner", AREA, TESTED_CPU,
         "megatron-rl plan --teacher PRESET|DIR (or a recipe's algorithm.distill.teachers) counts each teacher's "
-        "frozen weights on the training layout and the peak of its forward-only scoring pass (its own weights alone "
+        "frozen weights on the training layout or on --teacher-tp/-pp/-cp (algorithm.distill.layout) and the peak of "
+        "its forward-only scoring pass (its own weights alone "
         "with trainer.offload, every model without), proposes no layout a teacher's shape cannot take, and sizes "
         "generation with what is left.  configs/distill_qwen2.5_7b_to_1.5b_16k.yaml is the plan for a 7B teacher and a "
-        "1.5B student at 16k on 8 x 80 GB (not yet run on a GPU).",
+        "1.5B student at 16k on 8 x 80 GB, the teacher on TP4 of its own (not yet run on a GPU).",
         ("tests/test_distill.py::test_the_planner_counts_the_teachers_weights_as_built",
          "tests/test_distill.py::test_plan_sizes_the_teacher_and_asks_for_one_it_cannot_read",
          "tests/test_recipes.py::test_gpu_recipe_equals_the_plan"),
         config="algorithm.distill.teachers",
         measured=(Measured("teacher weights per rank, planned vs as built (fp32, CPU): one process 657920 vs 659712 "
-                           "B, TP2+SP 328960 vs 331008 B, PP2 360960 vs 362752 B (the plan leaves out the norms)",
+                           "B, TP2+SP 328960 vs 331008 B, PP2 360960 vs 362752 B, a TP2 teacher of its own beside a "
+                           "PP2 student 328960 vs 331008 B (the plan leaves out the norms)",
                            "pytest tests/test_distill.py -s -k planner_counts"),),
     ),
     Feature(
-        "Distillation teacher on a layout of its own", AREA, PLANNED,
-        "algorithm.distill.layout: a teacher larger than the student on its own TP/PP (or on ranks of its own, like "
-        "generator ranks).  Today the teacher runs on the training layout, offloaded between phases with "
-        "trainer.offload.",
+        "Distillation teachers on a layout of their own", AREA, TESTED_CPU,
+        "algorithm.distill.layout {tp, pp, cp}: a teacher larger than the student on more tensor-, pipeline- or "
+        "context-parallel ranks than the student's layout has, on the same (training) ranks: built, loaded (HF or "
+        "checkpoint) and scored with process groups of its own, its sequences split over its own data-parallel "
+        "replicas; unset sizes are the training layout's.  Offloaded between phases with trainer.offload like the "
+        "other models; megatron-rl plan counts its weights on that layout.  A mixture-of-experts teacher, and "
+        "hierarchical CP (a2a+p2p) on the teachers' own layout, are refused in one line.",
+        ("tests/test_distill.py::test_a_teacher_on_a_layout_of_its_own_scores_as_hf_transformers",
+         "tests/test_distill.py::test_distillation_steps_on_every_layout_equal_one_process",
+         "tests/test_distill.py::test_a_teachers_own_layout_is_refused_where_it_cannot_run"),
+        constraints=(Constraint("algorithm.distill.layout: with a teacher, sizes whose product divides the training "
+                                "ranks, no hierarchical CP", teacher_layout_problem, LAYOUT_KEY),),
+        config="algorithm.distill.layout",
+        measured=(Measured("teacher log-probs vs HF with the teacher on its own layout (training -> teacher): "
+                           "DP2 -> TP2+SP, TP2+SP -> PP2, PP2 -> TP2, CP2 -> TP2, TP2 -> CP2, DP4 -> TP2xPP2: worst "
+                           "9.5e-7 (bound 1e-4)", "pytest tests/test_distill.py -s -k own"),),
+    ),
+    Feature(
+        "Distillation teachers on ranks of their own", AREA, PLANNED,
+        "A teacher on GPUs that only score (like generator ranks, rollout.ranks), so it never shares memory with "
+        "the student's training state.  Today the teachers run on the training ranks.",
         config="algorithm.distill.layout",
     ),
     Feature(

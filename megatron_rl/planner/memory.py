@@ -272,14 +272,27 @@ def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, 
     return kv_bytes(cfg, block_tokens * pages, bytes_per, layout.tp, layout.pp)
 
 
+def teacher_option(layout: PlanOption, sizes: Optional[dict]) -> PlanOption:
+    """The layout the distillation teachers run on: ``layout`` (the training one), or the sizes
+    ``algorithm.distill.layout`` sets (``sizes``: tp / pp / cp, None where unset) on its ranks."""
+    if not sizes or not any(sizes.values()):
+        return layout
+    tp, pp, cp = (sizes.get(k) or getattr(layout, k) for k in ("tp", "pp", "cp"))
+    if (tp, pp, cp) == (layout.tp, layout.pp, layout.cp):
+        return layout
+    return PlanOption.of(tp=tp, pp=pp, cp=cp, dp=max(layout.world // (tp * pp * cp), 1),
+                         sequence_parallel=layout.sequence_parallel and tp > 1, offload=layout.offload)
+
+
 def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, with_reference: bool = True,
-                param_bytes: int = 2, actor_lora=None, critic_lora=None, teachers: tuple = ()) -> dict:
+                param_bytes: int = 2, actor_lora=None, critic_lora=None, teachers: tuple = (),
+                teacher_layout: Optional[PlanOption] = None) -> dict:
     """Per-rank bytes of each model's weights, gradients and optimizer state (bf16 weights, fp32
     grads and Adam).  A model with LoRA (``actor_lora`` / ``critic_lora``, a ``LoRAConfig``):
     its frozen base in the model dtype (no grads, no optimizer state) and :func:`lora_state` for
     its adapters; a LoRA actor is its own reference (its base, adapters off): no reference copy.
-    ``teachers``: the ``ModelConfig`` of each distillation teacher, frozen on the training layout
-    (weights only)."""
+    ``teachers``: the ``ModelConfig`` of each distillation teacher, frozen (weights only) on
+    ``teacher_layout`` (:func:`teacher_option`; None: the training layout)."""
     p_gpu = params_per_gpu(cfg, layout)
     shard = layout.dp * layout.cp if layout.distributed_optimizer else 1
     weights = p_gpu * param_bytes
@@ -299,7 +312,8 @@ def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, 
     if with_reference and not lora_on(actor_lora):
         models["reference weights"] = weights
     for i, teacher in enumerate(teachers):
-        models[f"{teacher_name(i, len(teachers))} weights"] = params_per_gpu(teacher, layout) * param_bytes
+        models[f"{teacher_name(i, len(teachers))} weights"] = \
+            params_per_gpu(teacher, teacher_layout or layout) * param_bytes
     return models
 
 
@@ -309,15 +323,19 @@ def teacher_name(index: int, count: int) -> str:
 
 
 def teacher_phase_bytes(teachers: tuple, layout: PlanOption, models: dict, tokens_local: int, bytes_per: int,
-                        seq_len: int) -> float:
+                        seq_len: int, teacher_layout: Optional[PlanOption] = None) -> float:
     """The peak of the teacher-scoring phase (0 without teachers): a forward-only pass of each teacher
-    (:func:`peak_bytes` with ``training=False``) above what stays resident -- the teacher's own
-    weights with ``trainer.offload`` (the other models wait in host memory), else every model."""
+    (:func:`peak_bytes` with ``training=False``) on ``teacher_layout`` (None: ``layout``, the
+    training one; its micro-batch holds the same sequences, split over its own CP) above what stays
+    resident -- the teacher's own weights with ``trainer.offload`` (the other models wait in host
+    memory), else every model."""
+    own_layout = teacher_layout or layout
+    tokens = tokens_local * layout.cp // own_layout.cp
     peak = 0.0
     for i, teacher in enumerate(teachers):
         own = models[f"{teacher_name(i, len(teachers))} weights"]
         resident = own if layout.offload else sum(models.values())
-        peak = max(peak, resident + peak_bytes(teacher, layout, tokens_local, bytes_per, seq_len=seq_len,
+        peak = max(peak, resident + peak_bytes(teacher, own_layout, tokens, bytes_per, seq_len=seq_len,
                                                training=False))
     return peak
 
@@ -381,6 +399,7 @@ def estimate(
     actor_lora=None,
     critic_lora=None,
     teachers: tuple = (),
+    teacher_sizes: Optional[dict] = None,
 ) -> Breakdown:
     """Peak per-GPU bytes over the phases of a PPO step (bf16 weights, fp32 grads and Adam).
 
@@ -389,9 +408,12 @@ def estimate(
     engine it runs on ``layout.rollout_layout``, or on the layout :func:`choose_rollout_layout`
     picks for ``rollout_concurrency`` sequences per replica when that is None.  ``actor_lora`` /
     ``critic_lora``: LoRA's model state (:func:`model_state`); ``teachers``: distillation teachers'
-    ``ModelConfig``s, whose scoring phase (:func:`teacher_phase_bytes`) is one more peak."""
+    ``ModelConfig``s, whose scoring phase (:func:`teacher_phase_bytes`) is one more peak, on the
+    ``teacher_sizes`` of ``algorithm.distill.layout`` (:func:`teacher_option`)."""
     rollout_concurrency = rollout_concurrency or ROLLOUT_CONCURRENCY
-    models = model_state(cfg, layout, with_critic, with_reference, param_bytes, actor_lora, critic_lora, teachers)
+    taught = teacher_option(layout, teacher_sizes)
+    models = model_state(cfg, layout, with_critic, with_reference, param_bytes, actor_lora, critic_lora, teachers,
+                         taught)
     trainable = model_bytes(models, "actor")
     seq_len = prompt_len + response_len
     kept = activation_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len=seq_len)
@@ -403,7 +425,7 @@ def estimate(
     # training peak adds the larger of those and the log-prob chunks, which never coexist.
     acts = kept + max(layer_working_bytes(cfg, layout, tokens_per_microbatch, param_bytes),
                       _attention_phase_bytes(cfg, layout, tokens_per_microbatch, param_bytes, seq_len, True))
-    teacher_peak = teacher_phase_bytes(teachers, layout, models, tokens_per_microbatch, param_bytes, seq_len)
+    teacher_peak = teacher_phase_bytes(teachers, layout, models, tokens_per_microbatch, param_bytes, seq_len, taught)
     train = max(resident + peak, teacher_peak)
     # Generation: megatron's engine on rollout.layout, the actor's shards or a second copy refit from them.
     train_state = rollout_resident_bytes(models, layout.offload)

@@ -24,7 +24,8 @@ class PlanInputs:
     generators: int = 0  # rollout.ranks: GPUs that only generate
     actor_lora: Optional[LoRAConfig] = None  # actor.lora when its rank is > 0: adapters on a frozen base
     critic_lora: Optional[LoRAConfig] = None  # critic.lora likewise
-    teachers: tuple = ()  # the ModelConfig of each algorithm.distill teacher (frozen, on the training layout)
+    teachers: tuple = ()  # the ModelConfig of each algorithm.distill teacher (frozen)
+    teacher_sizes: Optional[dict] = None  # algorithm.distill.layout's sizes (None where unset: the training's)
 
 
 def plan_inputs(cfg: Config, teachers: tuple = ()) -> PlanInputs:
@@ -40,7 +41,8 @@ def plan_inputs(cfg: Config, teachers: tuple = ()) -> PlanInputs:
                       rollout_layout=asked if any(v is not None for v in asked.values()) else None,
                       generators=cfg.rollout.ranks,
                       actor_lora=cfg.actor.lora if lora_on(cfg.actor.lora) else None,
-                      critic_lora=cfg.critic.lora if lora_on(cfg.critic.lora) else None, teachers=tuple(teachers))
+                      critic_lora=cfg.critic.lora if lora_on(cfg.critic.lora) else None, teachers=tuple(teachers),
+                      teacher_sizes=dataclasses.asdict(cfg.algorithm.distill.layout))
 
 
 def _rollout_size(cfg: Config, key: str, value):
@@ -88,6 +90,7 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
         choose_rollout_layout,
         model_state,
         rollout_resident_bytes,
+        teacher_option,
     )
     from megatron_rl.planner.option import PlanOption
     from megatron_rl.planner.search import HEADROOM
@@ -97,7 +100,8 @@ def planned_rollout_layout(cfg: Config, world: int, gpu_memory_bytes: float, par
                           sequence_parallel=p.sequence_parallel, offload=cfg.trainer.offload,
                           distributed_optimizer=cfg.actor.optim.use_distributed_optimizer, ep=p.ep, etp=p.etp)
     models = model_state(cfg.model, train, inputs.with_critic, inputs.with_reference, param_bytes,
-                         inputs.actor_lora, inputs.critic_lora, inputs.teachers)
+                         inputs.actor_lora, inputs.critic_lora, inputs.teachers,
+                         teacher_option(train, inputs.teacher_sizes))
     generators = cfg.rollout.ranks or None
     return choose_rollout_layout(cfg.model, train, seq_len=inputs.prompt_len + inputs.response_len,
                                  resident=0.0 if generators else rollout_resident_bytes(models, train.offload),

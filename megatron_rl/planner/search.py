@@ -12,7 +12,7 @@ from megatron_rl.layout.arch import is_moe
 from megatron_rl.layout.rules import PP_RULES, TP_RULES, a2a_heads_ok, problems, training_problems
 from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import moe
-from megatron_rl.planner.memory import Breakdown, GiB, estimate
+from megatron_rl.planner.memory import Breakdown, GiB, estimate, teacher_option
 from megatron_rl.planner.option import PlanOption, format_value
 
 # Usable fraction of GPU memory: the rest goes to the CUDA context, NCCL buffers, fragmentation.
@@ -171,7 +171,8 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
          gpu_memory_gib: float, max_tokens_per_rank: Optional[int] = None, rollout_batch: int = 256,
          with_critic: bool = True, with_reference: bool = True, search_nodes: int = MAX_SEARCH_NODES,
          rollout_concurrency: Optional[int] = None, rollout_layout: Optional[dict] = None,
-         generators: int = 0, actor_lora=None, critic_lora=None, teachers: tuple = ()) -> Plan:
+         generators: int = 0, actor_lora=None, critic_lora=None, teachers: tuple = (),
+         teacher_sizes: Optional[dict] = None) -> Plan:
     """``rollout_concurrency``: the sequences per
     replica megatron's engine must hold when the plan chooses ``rollout.layout``;
     ``rollout_layout``: the sizes a config sets (any set: no choice, unset sizes the training's);
@@ -179,8 +180,9 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
     training layout over the rest, ``rollout.layout`` over them; ``actor_lora`` / ``critic_lora``
     (``LoRAConfig``): those models train LoRA adapters on a frozen base
     (:func:`megatron_rl.planner.memory.model_state`); ``teachers``: distillation teachers'
-    ``ModelConfig``s, each frozen on the training layout (a layout the rules refuse for a teacher
-    is not proposed)."""
+    ``ModelConfig``s, each frozen on the training layout or on ``teacher_sizes``
+    (``algorithm.distill.layout``: tp / pp / cp) on its ranks; a layout the rules refuse for a
+    teacher is not proposed."""
     gpus = nodes * gpus_per_node
     if not 0 <= generators < gpus:
         raise ValueError(f"{generators} generator GPUs leave no GPU to train on among {gpus}")
@@ -189,7 +191,9 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
         rollout_layout = None
     candidates = []
     for lay in layouts_for(cfg, gpus, gpus_per_node, rollout_layout, generators):
-        if any(training_problems(teacher, lay, lay.world) for teacher in teachers):
+        taught = teacher_option(lay, teacher_sizes)
+        if teachers and (lay.world % (taught.tp * taught.pp * taught.cp)
+                         or any(training_problems(teacher, taught, taught.world) for teacher in teachers)):
             continue
         needed = align_to(seq, alignment(lay.cp, lay.tp, lay.sequence_parallel)) // lay.cp
         tokens = max(needed, max_tokens_per_rank or 0)
@@ -197,7 +201,8 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
         est = estimate(cfg, lay, prompt_len=prompt_len, response_len=response_len, tokens_per_microbatch=tokens,
                        budget_bytes=budget, max_rollout_batch=rollout_batch, with_critic=with_critic,
                        with_reference=with_reference, rollout_concurrency=rollout_concurrency,
-                       actor_lora=actor_lora, critic_lora=critic_lora, teachers=teachers)
+                       actor_lora=actor_lora, critic_lora=critic_lora, teachers=teachers,
+                       teacher_sizes=teacher_sizes)
         candidates.append(Candidate(lay, tokens, est, est.total <= budget and est.rollout_batch >= 1))
     fitting = sorted((c for c in candidates if c.fits), key=_cost)
     result = Plan(gpus, gpu_memory_gib, sorted(candidates, key=_cost), fitting[0] if fitting else None)
@@ -209,7 +214,7 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
                           with_critic=with_critic, with_reference=with_reference, search_nodes=0,
                           rollout_concurrency=rollout_concurrency, rollout_layout=rollout_layout,
                           generators=generators, actor_lora=actor_lora, critic_lora=critic_lora,
-                          teachers=teachers)
+                          teachers=teachers, teacher_sizes=teacher_sizes)
             if bigger.recommended is not None:
                 result.min_nodes = more
                 break

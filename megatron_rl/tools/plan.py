@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an on-policy distillation teacher (preset or local HF model directory; repeat for several): "
                         "frozen bf16 weights on the training layout and its scoring pass (default: the recipe's "
                         "algorithm.distill.teachers)")
+    for name, what in (("tp", "tensor-parallel size"), ("pp", "pipeline stages"), ("cp", "context-parallel size")):
+        p.add_argument(f"--teacher-{name}", type=int,
+                       help=f"the teachers' own {what} (algorithm.distill.layout.{name}; default: the training "
+                            "layout's, or the recipe's)")
     p.add_argument("--show", type=int, default=12, help="candidate layouts to print")
     p.add_argument("--list-models", action="store_true")
 
@@ -76,6 +80,18 @@ def _model(spec: str, key: str = "--model"):
         return model_config_from_hf(read_hf_config(spec))
     raise ConfigError(key, spec, "neither a preset nor a directory",
                       f"use one of {', '.join(PRESETS)} or a local HF model directory")
+
+
+def _teacher_sizes(args, recipe: dict | None) -> dict | None:
+    """``--teacher-tp`` / ``--teacher-pp`` / ``--teacher-cp`` over the recipe's algorithm.distill.layout."""
+    sizes = dict(recipe or {})
+    for name in ("tp", "pp", "cp"):
+        given = getattr(args, f"teacher_{name}")
+        if given is not None:
+            if given < 1:
+                raise ConfigError(f"--teacher-{name}", given, "must be >= 1", "give a positive size")
+            sizes[name] = given
+    return sizes or None
 
 
 def _teachers(args, cfg) -> tuple:
@@ -174,7 +190,8 @@ def _inputs(args) -> PlanInputs:
     return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
                       base.with_critic and not args.no_critic, base.with_reference and not args.no_reference,
                       args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout, generators,
-                      _actor_lora(args, base.actor_lora), base.critic_lora, _teachers(args, cfg))
+                      _actor_lora(args, base.actor_lora), base.critic_lora, _teachers(args, cfg),
+                      _teacher_sizes(args, base.teacher_sizes))
 
 
 def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
@@ -233,9 +250,13 @@ def teacher_lines(best: Candidate, inputs: PlanInputs) -> list[str]:
     b = best.breakdown
     names = [teacher_name(i, len(inputs.teachers)) for i in range(len(inputs.teachers))]
     weights = ", ".join(f"{n} weights {_amount(b.components[n + ' weights'])}" for n in names)
+    from megatron_rl.planner.memory import teacher_option
+
     where = "its own weights alone resident (trainer.offload)" if best.layout.offload else "every model resident"
-    return [f"distillation: {weights} per GPU (frozen bf16, no grads or optimizer state); scoring peak "
-            f"{_amount(b.teacher_peak)} ({where}, one forward of {best.tokens_per_rank} tokens per rank)"]
+    taught = teacher_option(best.layout, inputs.teacher_sizes)
+    on = "the training layout" if taught is best.layout else f"its own layout tp{taught.tp} pp{taught.pp} cp{taught.cp}"
+    return [f"distillation: {weights} per GPU on {on} (frozen bf16, no grads or optimizer state); scoring peak "
+            f"{_amount(b.teacher_peak)} ({where}, one forward of {best.tokens_per_rank} tokens per training rank)"]
 
 
 def _amount(nbytes: float) -> str:
@@ -304,7 +325,7 @@ def run_plan(args) -> int:
                   with_critic=inputs.with_critic, with_reference=inputs.with_reference,
                   rollout_concurrency=inputs.rollout_concurrency, rollout_layout=inputs.rollout_layout,
                   generators=inputs.generators, actor_lora=inputs.actor_lora, critic_lora=inputs.critic_lora,
-                  teachers=inputs.teachers)
+                  teachers=inputs.teachers, teacher_sizes=inputs.teacher_sizes)
     print(f"model {args.model}: {total_params(cfg) / 1e9:.2f}B parameters; sequence {inputs.prompt_len} + "
           f"{inputs.response_len} tokens; {args.nodes} node(s) x {args.gpus_per_node} GPUs x {args.gpu_memory:g} GiB")
     _print_table(args, result, inputs)

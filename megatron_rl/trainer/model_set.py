@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 from megatron_rl.config.schema import Config
+from megatron_rl.distributed.runtime import active_groups, layout_active, own_layout_groups
 from megatron_rl.engine import checkpoint
 from megatron_rl.engine.forward import BatchPlan
 from megatron_rl.engine.offload import Offloader
@@ -41,6 +42,10 @@ class ModelSet:
     # (:class:`megatron_rl.engine.teachers.TeacherSource`), with where it came from.
     teachers: dict = dataclasses.field(default_factory=dict)
     teacher_sources: tuple = ()
+    # algorithm.distill.layout: the teachers' own layout (a ParallelLayout) and its process groups;
+    # None: they run on the training layout.
+    teacher_layout: Optional[object] = None
+    teacher_groups: Optional[object] = None
 
     @property
     def actor_lora(self) -> bool:
@@ -99,14 +104,21 @@ class ModelSet:
 
     @contextlib.contextmanager
     def teacher_pass(self, name: str):
-        """The chunks of teacher ``name``, on the device, for the block."""
+        """The chunks of teacher ``name``, on the device, for the block (on the teachers' own layout,
+        when they have one, its groups active)."""
         self.phase(teacher_phase(name))
-        yield self.teachers[name]
+        if self.teacher_layout is None:
+            yield self.teachers[name]
+            return
+        with layout_active(self.teacher_layout, self.teacher_groups):
+            yield self.teachers[name]
 
     def built_line(self) -> str:
         reference = "reference (the actor's base, adapters off)" if self.reference_is_base else "reference"
-        teachers = [f"teacher {s.name} ({s.kind} {s.path}: {s.model.num_layers} layers, hidden {s.model.hidden_size})"
-                    for s in self.teacher_sources]
+        where = "" if self.teacher_layout is None else \
+            f", on its own {self.teacher_layout.name()} x{self.teacher_layout.dp} layout"
+        teachers = [f"teacher {s.name} ({s.kind} {s.path}: {s.model.num_layers} layers, hidden {s.model.hidden_size}"
+                    f"{where})" for s in self.teacher_sources]
         return ", ".join([name for name, on in (("actor", True), (reference, self.has_reference),
                                                 ("critic", self.critic is not None)) if on] + teachers)
 
@@ -116,22 +128,38 @@ def teacher_phase(name: str) -> str:
     return f"teacher:{name}"
 
 
-def build_teachers(sources: tuple, layout, device) -> dict:
-    """Each teacher frozen on the training layout, its weights loaded from its directory (they are
-    never trained, so never checkpointed: a resumed run loads them again from the same place)."""
+def teacher_groups(own) -> object:
+    """The process groups of the teachers' own layout ``own`` (a ParallelLayout) on this world."""
+    import torch.distributed as dist
+
+    return own_layout_groups(own.tp, own.pp, own.cp, dist.get_world_size())
+
+
+def build_teachers(sources: tuple, layout, device, own=None) -> dict:
+    """Each teacher frozen on the training layout ``layout`` or on its own ``own`` (built, loaded and
+    run with that layout's groups active), its weights loaded from its directory (they are never
+    trained, so never checkpointed: a resumed run loads them again from the same place)."""
     from megatron_rl.config.model_io import model_config_to_dict
     from megatron_rl.engine.teachers import HF
     from megatron_rl.models.hf_bridge import load_hf_weights
 
+    def build(source) -> list:
+        if own is None:
+            return freeze(build_gpt_chunks(source.model, layout, device))
+        groups = active_groups()
+        return freeze(build_gpt_chunks(source.model, own, device, pg_collection=groups, pp_rank=groups.pp.rank()))
+
     teachers = {}
-    for source in sources:
-        chunks = freeze(build_gpt_chunks(source.model, layout, device))
-        if source.kind == HF:
-            load_hf_weights(chunks, source.path)
-        else:
-            checkpoint.load_checkpoint(source.path, {"actor": checkpoint.ModelPart(chunks)}, with_optimizer=False,
-                                       load_rng=False, model_config=model_config_to_dict(source.model))
-        teachers[source.name] = chunks
+    active = contextlib.nullcontext() if own is None else layout_active(own, teacher_groups(own))
+    with active:
+        for source in sources:
+            chunks = build(source)
+            if source.kind == HF:
+                load_hf_weights(chunks, source.path)
+            else:
+                checkpoint.load_checkpoint(source.path, {"actor": checkpoint.ModelPart(chunks)}, with_optimizer=False,
+                                           load_rng=False, model_config=model_config_to_dict(source.model))
+            teachers[source.name] = chunks
     return teachers
 
 
@@ -154,5 +182,18 @@ def build_models(cfg: Config, layout, device, plan: BatchPlan, use_ref: bool, us
     base_reference = use_ref and lora_on(cfg.actor.lora)
     reference = freeze(build()) if use_ref and not base_reference else None
     critic = make_trainable(build(cfg.critic.lora, head=True), cfg.critic.optim, updates) if use_critic else None
+    own = teacher_layout_of(cfg)
     return ModelSet(actor, reference, critic, plan, device, reference_is_base=base_reference,
-                    teachers=build_teachers(teachers, layout, device), teacher_sources=tuple(teachers))
+                    teachers=build_teachers(teachers, layout, device, own), teacher_sources=tuple(teachers),
+                    teacher_layout=own, teacher_groups=teacher_groups(own) if own is not None else None)
+
+
+def teacher_layout_of(cfg: Config):
+    """``algorithm.distill.layout`` as a ParallelLayout on the training world (None: the training layout)."""
+    import torch.distributed as dist
+
+    from megatron_rl.layout.distill import teacher_parallel
+    from megatron_rl.layout.sizes import ParallelLayout
+
+    own = teacher_parallel(cfg) if cfg.algorithm.distill.teachers else None
+    return None if own is None else ParallelLayout.from_config(own, dist.get_world_size())
