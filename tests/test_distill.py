@@ -210,8 +210,8 @@ DISTILL_LAYOUTS = {
     "pp2": ["parallel.pp=2"],
     "cp2": ["parallel.cp=2"],
     "dp2": [],
-    # The teacher (a checkpoint) on a layout of its own beside the student's.
-    "dp2_teacher_tp2": ["algorithm.distill.layout.tp=2"],
+    # The teacher (a checkpoint) on a layout of its own beside the student's (offloaded between phases).
+    "dp2_teacher_tp2": ["algorithm.distill.layout.tp=2", "trainer.offload=true"],
     "tp2_sp_teacher_pp2": ["parallel.tp=2", "parallel.sequence_parallel=true", "algorithm.distill.layout.tp=1",
                            "algorithm.distill.layout.pp=2"],
 }
@@ -226,8 +226,8 @@ def _numbers(rows: list[dict]) -> list[dict]:
 @pytest.mark.slow
 def test_distillation_steps_on_every_layout_equal_one_process(trained_teacher, tmp_path):
     """Two steps of distillation plus the task advantage (reward_coef 0.5), teacher and student on
-    TP2+SP, PP2, CP2 and DP2, and the teacher on a layout of its own (TP2 beside DP2, PP2 beside
-    TP2+SP), against one process: every metric (reverse KL, losses, gradient norm, rewards) within
+    TP2+SP, PP2, CP2 and DP2, and the teacher on a layout of its own (TP2 beside DP2 with offload,
+    PP2 beside TP2+SP), against one process: every metric (reverse KL, losses, gradient norm, rewards) within
     1e-5 relative."""
     from tests.support.helpers import train_body
 
