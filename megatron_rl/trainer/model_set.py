@@ -38,8 +38,8 @@ class ModelSet:
     device: object
     offloaders: dict = dataclasses.field(default_factory=dict)
     reference_is_base: bool = False
-    # On-policy distillation: each teacher's frozen chunks on the training layout, by its name
-    # (:class:`megatron_rl.engine.teachers.TeacherSource`), with where it came from.
+    # On-policy distillation: each teacher's frozen chunks (on the training layout or teacher_layout),
+    # by its name (:class:`megatron_rl.engine.teachers.TeacherSource`), with where it came from.
     teachers: dict = dataclasses.field(default_factory=dict)
     teacher_sources: tuple = ()
     # algorithm.distill.layout: the teachers' own layout (a ParallelLayout) and its process groups;
