@@ -410,6 +410,8 @@ def test_plan_sizes_the_teacher_and_asks_for_one_it_cannot_read(capsys):
     batch = [int(next(t for t in out.splitlines() if t.startswith("recommended: ")).split(", ")[-1].split()[0])
              for out in (alone, taught, own)]
     assert batch[1] < batch[2] <= batch[0]
+    with pytest.raises(ConfigError, match=r"--teacher-tp=4: places a teacher, but there is none"):
+        plan(*common, "--teacher-tp", "4")
     recipe = os.path.join(ROOT, "configs", "distill_qwen2.5_7b_to_1.5b_16k.yaml")
     from megatron_rl.config.loader import load_config
     from megatron_rl.validation import validate

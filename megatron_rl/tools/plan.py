@@ -15,7 +15,8 @@ from the recommendation.  ``--lora-rank`` (or a recipe's ``actor.lora`` / ``crit
 LoRA: a frozen base without grads or optimizer state, fp32 adapters with their grads and Adam
 (printed on lines of their own), and no reference copy.  ``--teacher`` (or a recipe's
 ``algorithm.distill.teachers``) adds each distillation teacher: its frozen weights on the training
-layout and the peak of its forward-only scoring pass.
+layout or on ``--teacher-tp/-pp/-cp`` (``algorithm.distill.layout``), and the peak of its
+forward-only scoring pass.
 """
 
 from __future__ import annotations
@@ -187,11 +188,15 @@ def _inputs(args) -> PlanInputs:
         cfg = load_config(args.config)
         base = plan_inputs(cfg)
     generators = base.generators if args.generator_gpus is None else args.generator_gpus
+    teachers, teacher_sizes = _teachers(args, cfg), _teacher_sizes(args, base.teacher_sizes)
+    given = next((f"--teacher-{k}" for k in ("tp", "pp", "cp") if getattr(args, f"teacher_{k}") is not None), None)
+    if given and not teachers:
+        raise ConfigError(given, getattr(args, given[2:].replace("-", "_")), "places a teacher, but there is none",
+                          "name the teacher with --teacher PRESET|DIR (or a recipe's algorithm.distill.teachers)")
     return PlanInputs(args.prompt_len or base.prompt_len, args.response_len or base.response_len,
                       base.with_critic and not args.no_critic, base.with_reference and not args.no_reference,
                       args.rollout_concurrency or base.rollout_concurrency, base.rollout_layout, generators,
-                      _actor_lora(args, base.actor_lora), base.critic_lora, _teachers(args, cfg),
-                      _teacher_sizes(args, base.teacher_sizes))
+                      _actor_lora(args, base.actor_lora), base.critic_lora, teachers, teacher_sizes)
 
 
 def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
@@ -247,11 +252,11 @@ def teacher_lines(best: Candidate, inputs: PlanInputs) -> list[str]:
     """With distillation, each teacher's weights per GPU and the peak of the scoring phase."""
     if not inputs.teachers:
         return []
+    from megatron_rl.planner.memory import teacher_option
+
     b = best.breakdown
     names = [teacher_name(i, len(inputs.teachers)) for i in range(len(inputs.teachers))]
     weights = ", ".join(f"{n} weights {_amount(b.components[n + ' weights'])}" for n in names)
-    from megatron_rl.planner.memory import teacher_option
-
     where = "its own weights alone resident (trainer.offload)" if best.layout.offload else "every model resident"
     taught = teacher_option(best.layout, inputs.teacher_sizes)
     on = "the training layout" if taught is best.layout else f"its own layout tp{taught.tp} pp{taught.pp} cp{taught.cp}"
