@@ -263,7 +263,9 @@ def _merge_dotlist(cfg: DictConfig, dotlist: list[tuple[str, str]], source: str,
             update = OmegaConf.from_dotlist([f"{key}={_typed_value(key, value)}"])
             if _KEY_TYPES.get(key) == "dict":
                 replaced = OmegaConf.select(update, key)
-                OmegaConf.update(cfg, key, replaced if replaced is not None else value, merge=False)
+                if not isinstance(replaced, DictConfig):
+                    raise TypeError(key)  # one line naming the value as given, below
+                OmegaConf.update(cfg, key, replaced, merge=False)
                 continue
             cfg = OmegaConf.merge(cfg, update)
         except oc_errors.OmegaConfBaseException as err:
