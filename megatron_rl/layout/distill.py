@@ -14,14 +14,23 @@ from typing import Optional
 KEY = "algorithm.distill.layout"
 
 
+def own_sizes(asked: dict, train) -> Optional[tuple[int, int, int]]:
+    """``(tp, pp, cp)`` of the teachers' own layout: ``asked`` (``algorithm.distill.layout``'s sizes,
+    None where unset) over the training layout ``train`` (a ``parallel`` config or a ``PlanOption``);
+    None when that is the training layout itself."""
+    sizes = tuple((asked or {}).get(k) or getattr(train, k) for k in ("tp", "pp", "cp"))
+    return None if sizes == (train.tp, train.pp, train.cp) else sizes
+
+
 def teacher_parallel(cfg):
     """The ``parallel`` config the teachers run on when ``algorithm.distill.layout`` sets sizes other
     than the training layout's: those sizes, no virtual stages, no expert parallelism, sequence
     parallelism as the training layout has it (when TP > 1).  None: the training layout itself."""
-    asked, p = cfg.algorithm.distill.layout, cfg.parallel
-    tp, pp, cp = asked.tp or p.tp, asked.pp or p.pp, asked.cp or p.cp
-    if (tp, pp, cp) == (p.tp, p.pp, p.cp):
+    p = cfg.parallel
+    sizes = own_sizes(dataclasses.asdict(cfg.algorithm.distill.layout), p)
+    if sizes is None:
         return None
+    tp, pp, cp = sizes
     flat_cp = {} if cp > 1 else {"cp_comm_type": "p2p", "hierarchical_context_parallel_sizes": None}
     return dataclasses.replace(p, tp=tp, pp=pp, cp=cp, vpp=None, sequence_parallel=p.sequence_parallel and tp > 1,
                                ep=1, etp=None, batch_p2p_comm=None, **flat_cp)

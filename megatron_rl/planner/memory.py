@@ -30,6 +30,7 @@ from typing import Optional
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.layout.arch import attention_dims, is_moe, padded_vocab_size
+from megatron_rl.layout.distill import own_sizes
 from megatron_rl.layout.kv import kv_bytes
 from megatron_rl.layout.lora import adapter_params, lora_on
 from megatron_rl.layout.rules import rollout_problems
@@ -275,11 +276,10 @@ def engine_kv_cache_bytes(cfg: ModelConfig, layout: PlanOption, sequences: int, 
 def teacher_option(layout: PlanOption, sizes: Optional[dict]) -> PlanOption:
     """The layout the distillation teachers run on: ``layout`` (the training one), or the sizes
     ``algorithm.distill.layout`` sets (``sizes``: tp / pp / cp, None where unset) on its ranks."""
-    if not sizes or not any(sizes.values()):
+    own = own_sizes(sizes, layout)
+    if own is None:
         return layout
-    tp, pp, cp = (sizes.get(k) or getattr(layout, k) for k in ("tp", "pp", "cp"))
-    if (tp, pp, cp) == (layout.tp, layout.pp, layout.cp):
-        return layout
+    tp, pp, cp = own
     return PlanOption.of(tp=tp, pp=pp, cp=cp, dp=max(layout.world // (tp * pp * cp), 1),
                          sequence_parallel=layout.sequence_parallel and tp > 1, offload=layout.offload)
 
