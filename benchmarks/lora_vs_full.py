@@ -2,6 +2,7 @@
 
     python benchmarks/lora_vs_full.py                       # 3 seeds x (full, LoRA rank 8), about 10 min on 2 cores
     python benchmarks/lora_vs_full.py --seeds 2 --ranks 4,16 --lora-lr 0.005 --lora-steps 90
+    python benchmarks/lora_vs_full.py --set model.hidden_size=256 --set model.ffn_hidden_size=704   # a wider model
 
 The base is what LoRA is used on: a model that already knows the task's format.  One run of
 ``configs/grpo_cpu.yaml`` does its supervised warm-up (full weights) and one GRPO step and saves;
@@ -54,11 +55,13 @@ def main() -> None:
     ap.add_argument("--lora-lr", type=float, default=0.005)
     ap.add_argument("--lora-steps", type=int, default=None, help="steps of the LoRA runs (default --steps): "
                                                                     "how long LoRA takes to reach the target")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, the base's too (e.g. model.hidden_size=256)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="lora_vs_full_")
-    _train(work, "base", ["trainer.steps=1", "trainer.save_every=1"])
+    _train(work, "base", ["trainer.steps=1", "trainer.save_every=1", *args.set])
     base = os.path.join(work, "base", "checkpoints", "step_00000001")
-    common = [f"actor.init_checkpoint={base}", "trainer.sft_warmup_steps=0"]
+    common = [f"actor.init_checkpoint={base}", "trainer.sft_warmup_steps=0", *args.set]
     lora_steps = args.lora_steps or args.steps
     variants = {"full": [f"trainer.steps={args.steps}"]}
     for rank in (int(r) for r in args.ranks.split(",")):

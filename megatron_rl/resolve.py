@@ -168,12 +168,13 @@ def _rollout_layout(cfg: Config, world: Optional[int], job: Job):
     elsewhere (the CPU) each unset size is the training layout's, so nothing is copied."""
     from megatron_rl.compat.devices import cuda_memory_bytes
     from megatron_rl.config.schema import RolloutLayoutConfig
+    from megatron_rl.layout.lora import int8_base
     from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 
     asked, train = cfg.rollout.layout, cfg.parallel
     unset = all(v is None for v in dataclasses.asdict(asked).values())
     memory = cuda_memory_bytes() if cfg.distributed.device == "cuda" else None
-    if unset and world and memory:
+    if unset and world and memory and not int8_base(cfg.actor.lora):  # an int8 base generates in place
         from megatron_rl.layout.arch import resolve_dtype
         from megatron_rl.planner.recipe import planned_rollout_layout
 

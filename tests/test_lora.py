@@ -99,6 +99,47 @@ def test_lora_with_a_bf16_base_stays_within_bf16_rounding_of_fp32(world, layout_
     assert all(v.dtype == torch.float32 for k, v in got["grads"].items() if ".lora." in k)
 
 
+INT8 = dict(LORA, quantize_base="int8")
+
+
+def _base_of(params: dict, weights: dict) -> dict:
+    """The frozen base a LoRA step left (its parameters less adapters), the value head as it started."""
+    return {k: (weights[k] if k.startswith("value_head") else v) for k, v in params.items() if ".lora." not in k}
+
+
+@pytest.mark.parametrize("world,layout_kw", [(2, dict(tp=2)), (2, dict(tp=2, sp=True)), (2, dict(pp=2)),
+                                             (2, dict(cp=2)), (4, dict(tp=2, pp=2, sp=True))],
+                         ids=["tp2", "tp2_sp", "pp2", "cp2", "tp2_pp2_sp"])
+def test_an_int8_base_computes_its_dequantized_weights_on_every_layout(world, layout_kw):
+    """An int8 base (one fp32 scale per output row) is exactly the model with its dequantized
+    weights -- outputs, adapter gradients and the step -- and every layout quantizes to the same
+    values as one process (a row-parallel layer's rows take their maximum over TP)."""
+    ref = _reference(LORA)
+    one = _reference(INT8)
+    got = run_distributed(world, actor_critic_step, layout_kw, ref["weights"], CP_LENGTHS, PLAN, False, None,
+                          CP_STEP_OPTIM, True, 1, INT8)[0]
+    base = _base_of(one["params"], ref["weights"])
+    assert _base_of(got["params"], ref["weights"]).keys() == base.keys()
+    assert all(torch.equal(got["params"][k], base[k]) for k in base if not k.startswith("value_head"))
+    # The same model with the dequantized weights held in fp32, no int8 anywhere.
+    plain = run_distributed(1, actor_critic_step, {}, base, CP_LENGTHS, PLAN, False, None, CP_STEP_OPTIM, True, 1,
+                            LORA)[0]
+    exact = max_diff_outputs(one["outs"], plain["outs"])
+    exact_grads = max_diff_tensors(one["grads"], plain["grads"])
+    layout = max_diff_outputs(got["outs"], one["outs"])
+    layout_grads, layout_params = max_diff_tensors(got["grads"], one["grads"]), max_diff_tensors(got["params"],
+                                                                                                one["params"])
+    rounding = max_diff_outputs(one["outs"], ref["outs"])
+    weight_gap = max(float((base[k] - ref["weights"][k]).abs().max() / ref["weights"][k].abs().max())
+                     for k in base if k.endswith(("linear_qkv.weight", "linear_fc2.weight")))
+    print(f"int8 base {layout_kw}: vs dequantized fp32 weights {exact} grads {exact_grads:.2e}; layout vs one "
+          f"process {layout} grads {layout_grads:.2e} params {layout_params:.2e}; int8 rounding moves log-probs "
+          f"{rounding['logprob']:.2e} (weights {weight_gap:.2e} of a row's largest)")
+    assert all(v <= 1e-6 for v in exact.values()) and exact_grads <= 1e-6, (exact, exact_grads)
+    assert all(v <= CP_TOL for v in layout.values()) and layout_grads <= CP_TOL and layout_params <= CP_TOL
+    assert 1e-6 < rounding["logprob"] < 5e-2 and weight_gap <= 0.5 / 127 + 1e-6  # half a step of 1/127
+
+
 def fresh_adapters_body(layout_kw: dict):
     """Worker body: canonical adapters as attached (peft's start) and the log-probs with them on and off."""
     from megatron_rl.config.schema import LoRAConfig
@@ -287,14 +328,27 @@ def test_lora_checkpoints_hold_adapters_only_and_resume_exactly_on_another_layou
         assert sum(".lora." in k for k in keys) == 3 * 7 * 2  # weight, exp_avg, exp_avg_sq x 7 projections x A/B
 
 
-def test_lora_resume_on_the_same_layout_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("base", ["none", "int8"])
+def test_lora_resume_on_the_same_layout_is_bit_identical(tmp_path, base):
+    """A run stopped after a step and resumed equals one run, bit for bit; an int8 base (actor and
+    critic) too: it is quantized again from the same base on resume."""
     from tests.support.helpers import ppo_body
 
-    common = LORA_RUN + [f"run.dir={tmp_path}"]
+    common = LORA_RUN + [f"run.dir={tmp_path}", f"actor.lora.quantize_base={base}", f"critic.lora.quantize_base={base}"]
     run_distributed(1, ppo_body, common + ["trainer.steps=3", "run.name=a"])
     run_distributed(1, ppo_body, common + ["trainer.steps=1", "run.name=b"])
     run_distributed(1, ppo_body, common + ["trainer.steps=3", "run.name=b"])
-    assert _metrics(tmp_path / "a") == _metrics(tmp_path / "b")
+    a = _metrics(tmp_path / "a")
+    assert a == _metrics(tmp_path / "b")
+    assert len({r["reward/mean"] for r in a}) > 1 and a[-1]["actor/kl"] != 0
+    _BASE_RUNS[base] = a
+    if len(_BASE_RUNS) == 2:  # the int8 base is another model, in fewer bytes
+        plain, int8 = _BASE_RUNS["none"][0], _BASE_RUNS["int8"][0]
+        assert plain["actor/grad_norm"] != int8["actor/grad_norm"]
+        assert int8["rollout/weights_gb"] < 0.6 * plain["rollout/weights_gb"]
+
+
+_BASE_RUNS: dict = {}
 
 
 def test_lora_adapters_on_another_base_are_refused(tmp_path):

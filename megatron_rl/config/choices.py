@@ -27,6 +27,7 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act")
 ROPE_SCALING_TYPES = ("none", "llama3", "yarn")  # HF rope_scaling types megatron-core reproduces
+LORA_BASE_QUANTIZATIONS = ("none", "int8")  # how a LoRA model stores its frozen base
 
 # --- mixture of experts (megatron-core's router and dispatchers)
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")

@@ -28,6 +28,7 @@ from megatron_rl.config.choices import (
     DEVICES,
     DISTILL_BASELINES,
     KL_CONTROLLERS,
+    LORA_BASE_QUANTIZATIONS,
     LR_SCHEDULE_NAMES,
     MOE_DISPATCHERS,
     MOE_DROP_POLICIES,
@@ -555,6 +556,10 @@ class LoRAConfig:
     target_modules: list = _f(["all-linear"], "Projections that get adapters, by their Hugging Face names: q_proj, "
                                               "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or all-linear "
                                               "(every one of them; not the output layer, as peft).")
+    quantize_base: Literal[LORA_BASE_QUANTIZATIONS] = _f(
+        "none", "How the frozen base's transformer-layer projections are held: none (the model's dtype) or int8 "
+        "(8-bit weights with one fp32 scale per output row, dequantized to the model's dtype in each matmul: "
+        "about half a bf16 base's memory, QLoRA-style; the embedding and output layer stay in the model's dtype).")
 
 
 @dataclass

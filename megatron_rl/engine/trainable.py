@@ -183,7 +183,7 @@ def weights_finite(chunks: list) -> bool:
     """Whether every parameter of ``chunks`` is finite on every rank: one fused max-abs per rank (a
     max cannot overflow, and NaN propagates through it) and one all-reduce, so every rank gets the
     same answer."""
-    params = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    params = [p.detach() for chunk in chunks for p in chunk.parameters() if p.is_floating_point()]  # int8: finite
     finite = True
     if params:
         finite = bool(torch.isfinite(torch.stack(torch._foreach_norm(params, math.inf)).max()))

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _uses_te, need
-from megatron_rl.layout.lora import ALL_LINEAR, ATTENTION, PROJECTIONS, lora_on, moe_mlp_targets, unknown_targets
+from megatron_rl.layout.lora import (
+    ALL_LINEAR,
+    ATTENTION,
+    PROJECTIONS,
+    int8_base,
+    lora_on,
+    moe_mlp_targets,
+    unknown_targets,
+)
+from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 
 AREA = "LoRA"
 
@@ -30,6 +39,12 @@ def _targets_rules(part: str) -> tuple:
              "layer does not expose", "set model.transformer_impl=local for LoRA runs",
              "LoRA runs on the local layer spec (not TransformerEngine's)", when=lambda c: lora_on(lora(c))),
     )
+
+
+def _int8_in_place(c, part: str) -> bool:
+    """An int8 base generates with the training model's own shards (no refit of the base)."""
+    return not c.rollout.ranks and shares_training_weights(ParallelLayout.for_rollout(c.rollout.layout, c.parallel),
+                                                            c.parallel)
 
 
 def _critic_base_restorable(c) -> bool:
@@ -108,6 +123,33 @@ FEATURES = [
         measured=(Measured("rank 8: 0.117x of full fine-tuning's weights + grads + optimizer state (with its "
                            "reference copy), bf16, hidden 512; the plan within 0.01% of measured",
                            "python benchmarks/lora_memory.py"),),
+    ),
+    Feature(
+        "LoRA on an int8 base", AREA, TESTED_CPU,
+        "lora.quantize_base=int8 holds the frozen base's transformer-layer projections as int8 with one fp32 scale "
+        "per output row (the embedding, output layer, norms and biases in the model's dtype), dequantized in each "
+        "matmul and again in the backward pass (only int8 is kept for it): the model is exactly the one with the "
+        "dequantized weights, on every layout; the reference is that base; the plan counts a byte per weight.",
+        ("tests/test_lora.py::test_an_int8_base_computes_its_dequantized_weights_on_every_layout",
+         "tests/test_lora_memory.py::test_lora_memory_measured_and_planned"),
+        constraints=tuple(
+            need(f"{part}.lora.quantize_base", lambda c, w, part=part: _int8_in_place(c, part),
+                 "an int8 base is held by the training model only: generation on a model of its own "
+                 "(rollout.layout) or on generator ranks (rollout.ranks) would refit int8 values as weights",
+                 f"generate in place (rollout.layout unset, rollout.ranks=0) or set {part}.lora.quantize_base=none",
+                 "lora.quantize_base=int8 generates in place",
+                 when=lambda c, part=part: int8_base(getattr(c, part).lora))
+            for part in ("actor",)),
+        config="actor.lora.quantize_base, critic.lora.quantize_base",
+        measured=(Measured("rank 8 on an int8 base: weights + grads + optimizer state 0.075x of full fine-tuning's "
+                           "(0.117x on a bf16 base), bf16, hidden 512; the plan within 0.01% of measured",
+                           "python benchmarks/lora_memory.py"),),
+    ),
+    Feature(
+        "LoRA int8 base with generation on a model of its own", AREA, PLANNED,
+        "Refit and generator-rank pushes of an int8 base (the inference model holding int8 too); today an int8 base "
+        "generates in place.",
+        config="actor.lora.quantize_base=int8 with rollout.layout / rollout.ranks",
     ),
     Feature(
         "LoRA export: peft adapter or merged model", AREA, TESTED_CPU,

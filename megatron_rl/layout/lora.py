@@ -108,3 +108,28 @@ def moe_mlp_targets(model_cfg, targets) -> list[str]:
     if not is_moe(model_cfg):
         return []
     return [p for p in target_names(model_cfg, targets) if p in MLP]
+
+
+# The layers an int8 base (``lora.quantize_base``) holds in 8 bits, within each transformer layer;
+# the embedding, output layer, norms and biases keep the model's dtype.
+QUANTIZED_LAYERS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+INT8_SCALE_BYTES = 4  # one fp32 scale per output row
+
+
+def int8_base(lora) -> bool:
+    """A LoRA model whose frozen base is held in int8."""
+    return lora_on(lora) and getattr(lora, "quantize_base", "none") == "int8"
+
+
+def int8_base_saving(model_cfg, lora, tp: int = 1, param_bytes: int = 2) -> float:
+    """Bytes one TP rank saves (every layer; PP splits the layers) by holding the base's projections
+    in int8: a byte per weight instead of ``param_bytes``, less one scale per row the rank holds (a
+    column-parallel layer's share of rows; a row-parallel layer's every row).  0 without it; on a
+    mixture-of-experts model the attention projections only (the experts keep the model's dtype)."""
+    if not int8_base(lora):
+        return 0.0
+    per_layer = 0.0
+    for p in projections(model_cfg, ATTENTION if is_moe(model_cfg) else [ALL_LINEAR]):
+        rows = p.out_features if p.row_parallel else p.out_features / tp
+        per_layer += p.in_features * p.out_features / tp * (param_bytes - 1) - rows * INT8_SCALE_BYTES
+    return per_layer * model_cfg.num_layers

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_rl.distributed import collectives
 from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.layout.arch import global_expert_name, is_expert_param, local_norm_name
+from megatron_rl.models.lora.quantized_base import dequantized, is_quantized
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -158,7 +159,7 @@ def tp_split_dim(param: torch.Tensor) -> int | None:
 
 def _value(param: torch.nn.Parameter, attr: str) -> torch.Tensor | None:
     if attr == "param":
-        return param.detach()
+        return dequantized(param).detach()  # an int8 base weight as the model computes with it
     if attr == "grad":
         grad = getattr(param, "main_grad", None)
         return param.grad if grad is None else grad
@@ -224,4 +225,7 @@ def load_canonical(chunks: Iterable[torch.nn.Module], full: dict[str, torch.Tens
                              tp_rank=tp_rank, tp_size=tp_size, gated=model.config.gated_linear_unit)
             if tuple(piece.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: canonical shard {tuple(piece.shape)} != parameter {tuple(param.shape)}")
+            if is_quantized(param):
+                raise ValueError(f"{name}: an int8 base is quantized once its weights are loaded; nothing loads "
+                                 "into it afterwards")
             param.copy_(piece.to(param.dtype))

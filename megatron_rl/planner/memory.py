@@ -32,7 +32,7 @@ from megatron_rl.config.schema import ModelConfig
 from megatron_rl.layout.arch import attention_dims, is_moe, padded_vocab_size
 from megatron_rl.layout.distill import own_sizes
 from megatron_rl.layout.kv import kv_bytes
-from megatron_rl.layout.lora import adapter_params, lora_on
+from megatron_rl.layout.lora import adapter_params, int8_base_saving, lora_on
 from megatron_rl.layout.rules import rollout_problems
 from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 from megatron_rl.ops.logits_memory import DEFAULT_KEEP_LOGITS_BYTES, keeps_logits
@@ -289,8 +289,9 @@ def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, 
                 teacher_layout: Optional[PlanOption] = None) -> dict:
     """Per-rank bytes of each model's weights, gradients and optimizer state (bf16 weights, fp32
     grads and Adam).  A model with LoRA (``actor_lora`` / ``critic_lora``, a ``LoRAConfig``):
-    its frozen base in the model dtype (no grads, no optimizer state) and :func:`lora_state` for
-    its adapters; a LoRA actor is its own reference (its base, adapters off): no reference copy.
+    its frozen base in the model dtype or int8 (``quantize_base``; no grads, no optimizer state)
+    and :func:`lora_state` for its adapters; a LoRA actor is its own reference (its base, adapters
+    off): no reference copy.
     ``teachers``: the ``ModelConfig`` of each distillation teacher, frozen (weights only) on
     ``teacher_layout`` (:func:`teacher_option`; None: the training layout)."""
     p_gpu = params_per_gpu(cfg, layout)
@@ -304,7 +305,8 @@ def model_state(cfg: ModelConfig, layout: PlanOption, with_critic: bool = True, 
     def trained(name: str, lora) -> dict:
         if not lora_on(lora):
             return {f"{name} weights": weights, f"{name} grads": grads, f"{name} optimizer": optim}
-        return {f"{name} weights": weights, **lora_state(cfg, layout, lora, name)}
+        base = weights - int8_base_saving(cfg, lora, layout.tp, param_bytes) / layout.pp
+        return {f"{name} weights": base, **lora_state(cfg, layout, lora, name)}
 
     models = trained("actor", actor_lora)
     if with_critic:

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from megatron_rl.config.schema import ModelConfig, MoEConfig, RolloutLayoutConfig
 from megatron_rl.data.microbatch import align_to, alignment
 from megatron_rl.layout.arch import is_moe
+from megatron_rl.layout.lora import int8_base
 from megatron_rl.layout.rules import PP_RULES, TP_RULES, a2a_heads_ok, problems, training_problems
 from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner import moe
@@ -116,9 +117,10 @@ def cp_comm_options(cfg: ModelConfig, tp: int, cp: int, gpus_per_node: int) -> l
 
 
 def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, rollout_layout: Optional[dict] = None,
-                generators: int = 0):
+                generators: int = 0, in_place: bool = False):
     """Every layout to estimate; ``rollout_layout``: the sizes the config sets for megatron's
-    engine (None: chosen per layout by :func:`megatron_rl.planner.memory.choose_rollout_layout`).
+    engine (None: chosen per layout by :func:`megatron_rl.planner.memory.choose_rollout_layout`;
+    ``in_place``: the training layout's, as an int8 LoRA base generates).
     ``generators``: GPUs of the ``gpus`` that only generate (``rollout.ranks``, megatron's engine
     on ``rollout.layout``); the layouts are the other GPUs'."""
     gpus -= generators
@@ -136,8 +138,8 @@ def layouts_for(cfg: ModelConfig, gpus: int, gpus_per_node: int, rollout_layout:
                         continue
                     for ep, etp in moe.layout_options(cfg, gpus, tp, pp) if is_moe(cfg) else [(1, None)]:
                         infer = None
-                        if rollout_layout:
-                            infer = ParallelLayout.for_rollout(RolloutLayoutConfig(**rollout_layout),
+                        if rollout_layout or in_place:
+                            infer = ParallelLayout.for_rollout(RolloutLayoutConfig(**(rollout_layout or {})),
                                                                ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp))
                         lay = PlanOption.of(tp=tp, pp=pp, cp=cp, dp=dp, recompute=recompute, offload=offload,
                                             distributed_optimizer=dist_opt, cp_comm_type=comm, hierarchical_cp=levels,
@@ -190,7 +192,8 @@ def plan(cfg: ModelConfig, *, prompt_len: int, response_len: int, nodes: int, gp
     if rollout_layout and not any(rollout_layout.values()):
         rollout_layout = None
     candidates = []
-    for lay in layouts_for(cfg, gpus, gpus_per_node, rollout_layout, generators):
+    for lay in layouts_for(cfg, gpus, gpus_per_node, rollout_layout, generators,
+                           in_place=int8_base(actor_lora) and not generators):
         taught = teacher_option(lay, teacher_sizes)
         if teachers and (lay.world % (taught.tp * taught.pp * taught.cp)
                          or any(training_problems(teacher, taught, taught.world) for teacher in teachers)):

@@ -129,12 +129,17 @@ def actor_critic_step(layout_kw: dict, weights, lengths, plan_kw: dict, forward_
     chunks, weights = build_with_value_head(layout, weights, model_kw=model_kw)
     if lora_kw:
         from megatron_rl.config.schema import LoRAConfig
+        from megatron_rl.layout.lora import int8_base
         from megatron_rl.models.lora.adapters import attach_lora
         from megatron_rl.testing.weights import load_random_adapters
 
         lora = LoRAConfig(**lora_kw)
         attach_lora(chunks, model_config(model_kw), lora, seed=3, train_also=("value_head",))
         load_random_adapters(chunks, model_config(model_kw), lora, seed=4)
+        if int8_base(lora):
+            from megatron_rl.models.lora.quantized_base import quantize_base
+
+            quantize_base(chunks)
     trainable = make_trainable(chunks, OptimConfig(**(optim_kw or {})), total_steps=max(steps, 1))
     vocab = model_kw.vocab_size if hasattr(model_kw, "vocab_size") else CP_MODEL["vocab_size"]
     seqs = make_sequences(lengths, vocab=vocab)

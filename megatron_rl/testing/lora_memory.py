@@ -20,13 +20,14 @@ MEMORY_MODEL = dict(num_layers=4, hidden_size=512, ffn_hidden_size=1408, num_att
 CATEGORIES = ("weights", "grads", "optimizer")
 
 
-def lora_config(rank: int, targets=("all-linear",)):
+def lora_config(rank: int, targets=("all-linear",), quantize_base: str = "none"):
     from megatron_rl.config.schema import LoRAConfig
 
-    return LoRAConfig(rank=rank, target_modules=list(targets)) if rank else None
+    return LoRAConfig(rank=rank, target_modules=list(targets), quantize_base=quantize_base) if rank else None
 
 
-def planned_bytes(rank: int, targets=("all-linear",), model_kw: Optional[dict] = None) -> dict:
+def planned_bytes(rank: int, targets=("all-linear",), model_kw: Optional[dict] = None,
+                  quantize_base: str = "none") -> dict:
     """The planner's model state of the same job on one rank (actor and, without LoRA, a reference
     copy; no critic), in the census's categories."""
     from megatron_rl.config.schema import ModelConfig
@@ -35,7 +36,7 @@ def planned_bytes(rank: int, targets=("all-linear",), model_kw: Optional[dict] =
 
     cfg = ModelConfig(**(model_kw or MEMORY_MODEL))
     models = model_state(cfg, PlanOption.of(), with_critic=False, with_reference=True, param_bytes=2,
-                         actor_lora=lora_config(rank, targets))
+                         actor_lora=lora_config(rank, targets, quantize_base))
     out = {c: sum(v for k, v in models.items() if k.endswith(c)) for c in CATEGORIES}
     out["total"] = sum(models.values())
     out["lines"] = models
@@ -85,6 +86,7 @@ def census(models) -> dict:
     actor = models.actor
     params = [p for chunk in actor.chunks for p in chunk.parameters()]
     params += [p for chunk in (models.reference or []) for p in chunk.parameters()]
+    params += [b for chunk in actor.chunks for b in chunk.module.buffers()]  # an int8 base's row scales too
     buffers = [b for chunk in actor.chunks for b in chunk.buffers + chunk.expert_parallel_buffers]
     count("weights", params + [b.param_data for b in buffers if b.param_data is not None])
     count("grads", [b.grad_data for b in buffers if b.grad_data is not None]
@@ -95,25 +97,29 @@ def census(models) -> dict:
     return out
 
 
-def measure_body(rank: int, targets=("all-linear",), model_kw: Optional[dict] = None) -> dict:
+def measure_body(rank: int, targets=("all-linear",), model_kw: Optional[dict] = None,
+                 quantize_base: str = "none") -> dict:
     """Worker body (one rank): build the actor as the trainer does (``build_models``, with the
-    reference a PPO run with a KL term keeps), run one forward/backward and one optimizer step so
-    Adam's state exists, and return :func:`census` with the parameter counts."""
+    reference a PPO run with a KL term keeps; ``quantize_base``: an int8 base), run one
+    forward/backward and one optimizer step so Adam's state exists, and return :func:`census` with
+    the parameter counts."""
     import torch
 
     from megatron_rl.config.schema import Config, ModelConfig
     from megatron_rl.engine.forward import BatchPlan, run_sequences
     from megatron_rl.models.heads import LogProbHead
     from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.trainer.initial_weights import quantize_bases
     from megatron_rl.trainer.model_set import build_models
 
     cfg = Config(model=ModelConfig(**(model_kw or MEMORY_MODEL)))
-    lora = lora_config(rank, targets)
+    lora = lora_config(rank, targets, quantize_base)
     if lora is not None:
         cfg.actor.lora = lora
     layout = use_layout()
     plan = BatchPlan(micro_batch_size=2)
     models = build_models(cfg, layout, torch.device("cpu"), plan, use_ref=True, use_critic=False)
+    quantize_bases(models, cfg, "actor")  # as the trainer does once the base is loaded
     g = torch.Generator().manual_seed(5)
     seqs = [{"tokens": torch.randint(0, cfg.model.vocab_size, (n,), generator=g)} for n in (24, 17)]
     total = float(sum(s["tokens"].numel() for s in seqs))
@@ -132,3 +138,39 @@ def measure_body(rank: int, targets=("all-linear",), model_kw: Optional[dict] = 
     result["params"] = sum(p.numel() for p in actor_params)
     result["reference"] = models.reference is not None or models.reference_is_base
     return result
+
+
+def activation_body(quantize_base: str = "none", model_kw: Optional[dict] = None) -> dict:
+    """Worker body (one rank): one forward/backward of a rank-8 LoRA actor on :data:`MEMORY_MODEL`,
+    measuring the peak of the tensors it creates (:func:`megatron_rl.utils.memory.track_peak_memory`)
+    and the bytes autograd keeps for the backward pass beside the parameters
+    (:func:`megatron_rl.utils.memory.saved_for_backward`), with the base as ``quantize_base`` holds
+    it; also the largest dequantized weight (a layer's, the most an int8 base adds at once)."""
+    import torch
+
+    from megatron_rl.config.schema import Config, ModelConfig
+    from megatron_rl.engine.forward import BatchPlan, run_sequences
+    from megatron_rl.models.heads import LogProbHead
+    from megatron_rl.models.lora.quantized_base import is_quantized
+    from megatron_rl.testing.layouts import use_layout
+    from megatron_rl.trainer.initial_weights import quantize_bases
+    from megatron_rl.trainer.model_set import build_models
+    from megatron_rl.utils.memory import saved_for_backward, track_peak_memory
+
+    cfg = Config(model=ModelConfig(**(model_kw or MEMORY_MODEL)))
+    cfg.actor.lora = lora_config(8, quantize_base=quantize_base)
+    plan = BatchPlan(micro_batch_size=2)
+    models = build_models(cfg, use_layout(), torch.device("cpu"), plan, use_ref=False, use_critic=False)
+    quantize_bases(models, cfg, "actor")
+    g = torch.Generator().manual_seed(5)
+    seqs = [{"tokens": torch.randint(0, cfg.model.vocab_size, (n,), generator=g)} for n in (96, 80)]
+    params = [p for chunk in models.actor.chunks for p in chunk.parameters()]
+
+    def loss_fn(outs, tensors, mb):
+        return -outs["logprob"].sum(), {}
+
+    with track_peak_memory() as peak, saved_for_backward(exclude=params) as saved:
+        run_sequences(models.actor.chunks, seqs, LogProbHead(with_entropy=False), plan, torch.device("cpu"),
+                      loss_fn=loss_fn, forward_only=False)
+    largest = max((p.numel() * p.dequant_dtype.itemsize for p in params if is_quantized(p)), default=0)
+    return {"peak": peak.peak, "saved": saved.bytes, "largest_weight": largest}

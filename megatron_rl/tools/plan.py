@@ -25,9 +25,10 @@ import argparse
 import os
 import textwrap
 
+from megatron_rl.config.choices import LORA_BASE_QUANTIZATIONS
 from megatron_rl.config.schema import LoRAConfig
 from megatron_rl.errors import ConfigError
-from megatron_rl.layout.lora import ALL_LINEAR, PROJECTIONS, adapter_params, unknown_targets
+from megatron_rl.layout.lora import ALL_LINEAR, PROJECTIONS, adapter_params, int8_base, unknown_targets
 from megatron_rl.planner.memory import ROLLOUT_CONCURRENCY, teacher_name, total_params
 from megatron_rl.planner.option import format_value
 from megatron_rl.planner.recipe import PlanInputs, differences, plan_inputs
@@ -60,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-targets", default=ALL_LINEAR,
                    help="with --lora-rank: the projections with adapters, comma-separated HF names "
                         f"(actor.lora.target_modules; default {ALL_LINEAR})")
+    p.add_argument("--lora-quantize-base", choices=LORA_BASE_QUANTIZATIONS, default="none",
+                   help="with --lora-rank: the frozen base's projections in int8, a byte per weight "
+                        "(actor.lora.quantize_base; default none: the model's dtype)")
     p.add_argument("--teacher", action="append", default=[],
                    help="an on-policy distillation teacher (preset or local HF model directory; repeat for several): "
                         "frozen bf16 weights on the training layout and its scoring pass (default: the recipe's "
@@ -202,6 +206,9 @@ def _inputs(args) -> PlanInputs:
 def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
     """``--lora-rank`` / ``--lora-targets`` (alpha does not change memory), else the recipe's actor.lora."""
     if args.lora_rank is None:
+        if args.lora_quantize_base != "none":
+            raise ConfigError("--lora-quantize-base", args.lora_quantize_base, "given without --lora-rank",
+                              "add --lora-rank R (or set actor.lora.quantize_base in the recipe)")
         return recipe
     if args.lora_rank < 0:
         raise ConfigError("--lora-rank", args.lora_rank, "negative", "give 0 (full fine-tuning) or a positive rank")
@@ -210,7 +217,12 @@ def _actor_lora(args, recipe: LoRAConfig | None) -> LoRAConfig | None:
     if bad or not targets:
         raise ConfigError("--lora-targets", args.lora_targets, f"unknown projection(s) {', '.join(bad) or '(none)'}",
                           f"comma-separated {', '.join(PROJECTIONS)} or {ALL_LINEAR}")
-    return LoRAConfig(rank=args.lora_rank, target_modules=targets) if args.lora_rank else None
+    if not args.lora_rank:
+        if args.lora_quantize_base != "none":
+            raise ConfigError("--lora-quantize-base", args.lora_quantize_base,
+                              "quantizes a LoRA base; --lora-rank is 0", "give a positive --lora-rank, or drop it")
+        return None
+    return LoRAConfig(rank=args.lora_rank, target_modules=targets, quantize_base=args.lora_quantize_base)
 
 
 def _models_line(inputs: PlanInputs) -> str:
@@ -218,7 +230,8 @@ def _models_line(inputs: PlanInputs) -> str:
     def lora(name: str, cfg: LoRAConfig | None) -> str:
         if cfg is None:
             return name
-        return (f"{name} with LoRA rank {cfg.rank} on {','.join(cfg.target_modules)} (frozen bf16 base, fp32 "
+        base = "int8" if int8_base(cfg) else "bf16"
+        return (f"{name} with LoRA rank {cfg.rank} on {','.join(cfg.target_modules)} (frozen {base} base, fp32 "
                 "adapters + grads + Adam)")
 
     reference = ""

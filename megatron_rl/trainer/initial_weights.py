@@ -9,8 +9,10 @@ from megatron_rl.config.schema import Config
 from megatron_rl.data.prompts import PromptSet
 from megatron_rl.engine import checkpoint
 from megatron_rl.envs.trajectories import EnvironmentRollout
+from megatron_rl.layout.lora import int8_base
 from megatron_rl.models.canonical import gather_canonical, load_canonical
 from megatron_rl.models.hf_bridge import load_hf_weights
+from megatron_rl.models.lora.quantized_base import quantize_base
 from megatron_rl.models.seeded_init import seeded_init
 from megatron_rl.trainer.model_set import ModelSet
 from megatron_rl.trainer.sft import sft_warmup
@@ -34,8 +36,19 @@ def load_base_weights(models: ModelSet, cfg: Config, critic_base: bool = False) 
     else:
         seeded_init(models.actor.chunks, cfg.run.seed)
     models.actor.weights_replaced()
+    quantize_bases(models, cfg, "actor")
     if critic_base and models.critic is not None and models.critic_lora:
-        _critic_from(models, cfg, gather_canonical(models.actor.chunks))
+        _critic_from(models, cfg, gather_canonical(models.actor.chunks))  # quantized once its adapters are in
+
+
+def quantize_bases(models: ModelSet, cfg: Config, *parts: str) -> None:
+    """The frozen bases ``lora.quantize_base`` holds in int8, quantized once their weights are in
+    (:mod:`megatron_rl.models.lora.quantized_base`; the actor's reads as its dequantized weights to
+    whoever copies it, the critic at its start)."""
+    for part in parts:
+        trainable = models.actor if part == "actor" else models.critic
+        if trainable is not None and int8_base(getattr(cfg, part).lora):
+            quantize_base(trainable.chunks)
 
 
 def _critic_from(models: ModelSet, cfg: Config, initial: dict) -> None:
@@ -65,3 +78,4 @@ def init_weights(models: ModelSet, cfg: Config, prompts: PromptSet, tokenizer, e
         load_canonical(models.reference, initial)
     if models.critic is not None:
         _critic_from(models, cfg, initial)
+        quantize_bases(models, cfg, "critic")

@@ -71,7 +71,7 @@ from megatron_rl.trainer.finished import (
     set_aside_message,
     set_aside_previous_run,
 )
-from megatron_rl.trainer.initial_weights import init_weights, load_base_weights
+from megatron_rl.trainer.initial_weights import init_weights, load_base_weights, quantize_bases
 from megatron_rl.trainer.metrics import (
     MetricsWriter,
     experience_metrics,
@@ -241,6 +241,7 @@ class PPOTrainer:
             self.sample_log.truncate_after(-1)
             return 0
         path, meta, state = loaded
+        quantize_bases(self.models, self.cfg, "critic")  # its base came first, its adapters now
         if "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])
         if "kl" in state:

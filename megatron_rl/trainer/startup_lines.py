@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_rl.config.schema import Config
-from megatron_rl.layout.lora import adapter_params, lora_on, target_names
+from megatron_rl.layout.lora import adapter_params, int8_base, lora_on, target_names
 from megatron_rl.layout.sizes import ParallelLayout
 from megatron_rl.planner.memory import total_params
 from megatron_rl.resolve import AUTO_ORIGIN, DERIVED, Resolution
@@ -44,7 +44,8 @@ def lora_lines(cfg: Config) -> list[str]:
         adapters, total = adapter_params(cfg.model, lora), total_params(cfg.model)
         lines.append(f"lora: {name} trains rank-{lora.rank} adapters (alpha {lora.alpha:g}) on "
                      f"{', '.join(target_names(cfg.model, lora.target_modules))}: {adapters:,} parameters "
-                     f"({100 * adapters / total:.2f}% of the base's {total:,}, which stays frozen)")
+                     f"({100 * adapters / total:.2f}% of the base's {total:,}, which stays frozen"
+                     + (", its transformer-layer projections in int8)" if int8_base(lora) else ")"))
     return lines
 
 
