@@ -73,6 +73,11 @@ FEATURES = [
                  when=lambda c: lora_on(c.critic.lora)),
         ),
         config="actor.lora.rank, alpha, dropout, target_modules; critic.lora.*",
+        measured=(Measured("GRPO on add_small, a hidden-256 model, 30 steps, 2 seeds: LoRA rank 8 ends at reward 0.673 "
+                           "(full fine-tuning: 0.713 at its best rate); on the hidden-64 demo model LoRA stays below",
+                           "python benchmarks/lora_vs_full.py --seeds 2 --steps 30 --full-lrs 0.002,0.0005 --set "
+                           "model.hidden_size=256 --set model.ffn_hidden_size=704 --set model.num_attention_heads=8 "
+                           "--set model.num_query_groups=4"),),
     ),
     Feature(
         "LoRA equals peft", AREA, TESTED_CPU,
