@@ -163,7 +163,7 @@ def activation_body(quantize_base: str = "none", model_kw: Optional[dict] = None
     models = build_models(cfg, use_layout(), torch.device("cpu"), plan, use_ref=False, use_critic=False)
     quantize_bases(models, cfg, "actor")
     g = torch.Generator().manual_seed(5)
-    seqs = [{"tokens": torch.randint(0, cfg.model.vocab_size, (n,), generator=g)} for n in (96, 80)]
+    seqs = [{"tokens": torch.randint(0, cfg.model.vocab_size, (n,), generator=g)} for n in (40, 24)]
     params = [p for chunk in models.actor.chunks for p in chunk.parameters()]
 
     def loss_fn(outs, tensors, mb):
