@@ -163,3 +163,53 @@ def test_the_layout_line_names_expert_parallelism():
     assert layout_line(same_etp, 8, "cpu") == "layout: tp=2 pp=1 cp=2 dp=2 ep=4, world size 8, cpu"
     dense = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2), 4)
     assert layout_line(dense, 4, "cpu") == "layout: tp=2 pp=2 cp=1 dp=1 ep=1, world size 4, cpu"
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+from megatron_rl.testing.harness import get_pool
+pool = get_pool(1)
+print(pool._procs[0].pid, flush=True)
+pool.run(time.sleep, 600)
+"""
+
+
+def test_pool_workers_exit_when_the_process_that_owns_them_is_killed():
+    """A benchmark or test process killed mid-body (SIGKILL: no atexit) must not leave its gloo
+    workers behind: they would run the body to its end and then idle, their process groups'
+    threads taking CPU from everything else on the machine for as long as it stays up."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        worker = int(proc.stdout.readline())
+        time.sleep(1.0)  # the body is running
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(worker):
+            time.sleep(0.2)
+        assert not _alive(worker), f"worker {worker} outlived the process that owned it"
+    finally:
+        proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False

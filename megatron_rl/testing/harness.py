@@ -38,6 +38,8 @@ What this design costs:
   core on a 2-core machine.  So a pool idle for ``MEGATRON_RL_TEST_POOL_IDLE_S`` seconds (20) is
   closed by a background thread, and started again, transparently, by its next ``run``: restarting
   costs 2-4 s, idling costs the whole machine a fifth of its CPU for as long as it lasts.
+  For the same reason workers exit within a second of the process that owns their pool, killed
+  or not (a benchmark stopped with Ctrl-C or SIGKILL leaves nothing running).
 """
 
 from __future__ import annotations
@@ -89,8 +91,27 @@ def reset_state() -> None:
         setattr(mod, attr, _DEFAULTS.setdefault((module, attr), getattr(mod, attr)))
 
 
-def _worker_main(rank: int, world: int, port_file: str, tasks, results) -> None:
+def _exit_with_owner(owner: int, every_s: float = 1.0) -> None:
+    """End this worker once ``owner`` (the process whose pool it is) is gone.  A killed owner runs
+    no ``atexit``, and its queues stay open in the worker itself, so without this the worker would
+    finish its body and then wait forever, its process groups' threads taking CPU meanwhile."""
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # alive, another user's: cannot be ours
+                pass
+
+    threading.Thread(target=watch, name="pool-owner-watch", daemon=True).start()
+
+
+def _worker_main(rank: int, world: int, port_file: str, tasks, results, owner: int) -> None:
     from megatron_rl.distributed.env import PORT_FILE_ENV
+
+    _exit_with_owner(owner)
 
     # Port 0: rank 0 binds one the kernel picks and publishes it in port_file (pools started at once never clash).
     os.environ.update(
@@ -147,7 +168,8 @@ class WorkerPool:
         port_file = os.path.join(self._rendezvous.name, "port")
         self._procs = [
             ctx.Process(
-                target=_worker_main, args=(r, world_size, port_file, self._tasks[r], self._results), daemon=False
+                target=_worker_main, args=(r, world_size, port_file, self._tasks[r], self._results, os.getpid()),
+                daemon=False
             )
             for r in range(world_size)
         ]
