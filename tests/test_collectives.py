@@ -40,6 +40,7 @@ DEVICE_SIDE = {
     "megatron_rl/ops/cp_attention.py": "K/V gathers and ring exchanges",
     "megatron_rl/data/microbatch.py": "the head's per-token outputs over CP",
     "megatron_rl/models/canonical.py": "weight and gradient shards over TP",
+    "megatron_rl/models/lora/quantized_base.py": "an int8 base's row maxima and input gradients over TP",
     "megatron_rl/rollout/static_batching.py": "the last pipeline stage's draws",
     "megatron_rl/trainer/update.py": "per-sequence sums of the loss's tensors over CP",
     "megatron_rl/compat/megatron_fixes.py": "megatron's pipeline shape exchange, re-ordered (device tensors)",
