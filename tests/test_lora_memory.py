@@ -93,6 +93,9 @@ def test_an_int8_base_is_refused_where_it_would_be_refit_and_planned_in_place(ca
     recipe = str(ROOT / "configs" / "grpo_lora_cpu.yaml")
     int8 = ["actor.lora.quantize_base=int8"]
     validate(load_config(recipe, int8), 1)
+    with pytest.raises(ConfigError, match=r"critic.lora.quantize_base=int8: quantizes a LoRA base, but "
+                                          r"critic.lora.rank=0 trains every weight"):
+        validate(load_config(recipe, int8 + ["critic.lora.quantize_base=int8"]), 1)
     for extra, world in ((["parallel.tp=2", "rollout.layout.tp=1"], 2), (["rollout.ranks=1", "trainer.mode=async"], 2)):
         with pytest.raises(ConfigError, match=r"actor.lora.quantize_base=int8: an int8 base is held by the training "
                                               r"model only") as err:

@@ -138,6 +138,12 @@ FEATURES = [
         ("tests/test_lora.py::test_an_int8_base_computes_its_dequantized_weights_on_every_layout",
          "tests/test_lora_memory.py::test_lora_memory_measured_and_planned"),
         constraints=tuple(
+            need(f"{part}.lora.quantize_base", lambda c, w, part=part: lora_on(getattr(c, part).lora),
+                 f"quantizes a LoRA base, but {part}.lora.rank=0 trains every weight (none is frozen)",
+                 f"set {part}.lora.rank > 0, or drop {part}.lora.quantize_base",
+                 "lora.quantize_base needs lora.rank > 0",
+                 when=lambda c, part=part: getattr(c, part).lora.quantize_base != "none")
+            for part in ("actor", "critic")) + tuple(
             need(f"{part}.lora.quantize_base", lambda c, w, part=part: _int8_in_place(c, part),
                  "an int8 base is held by the training model only: generation on a model of its own "
                  "(rollout.layout) or on generator ranks (rollout.ranks) would refit int8 values as weights",
