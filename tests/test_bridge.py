@@ -1,7 +1,6 @@
 """The link between trainer rank 0 and generator rank 0 (:mod:`megatron_rl.distributed.bridge`):
 a side waiting for the other learns of its message as soon as it is written, not at its next look."""
 
-import socket
 import statistics
 import threading
 import time
@@ -17,17 +16,18 @@ def _result(step: int) -> GenerationResult:
                             idle_s=0.0, refit_s=0.0, refit_bytes=0, shard_bytes=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _store_pair() -> tuple:
+    """A master TCPStore on a port the kernel picks as it binds, and a client of it.  (Asking for a
+    free port first and binding it later left a window in which another process on a busy machine
+    could take it, and the client then read someone else's store.)"""
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return host, dist.TCPStore("127.0.0.1", host.port, is_master=False)
 
 
 def test_a_waiting_trainer_takes_a_result_as_soon_as_the_generator_writes_it():
-    port = _free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    host, client = _store_pair()
     trainer = Bridge(host)
-    generator = Bridge(dist.TCPStore("127.0.0.1", port, is_master=False))
+    generator = Bridge(client)
     late = []
     for step, after_s in enumerate((0.27, 0.31, 0.42, 0.23, 0.36), start=1):
         written = []
@@ -47,9 +47,8 @@ def test_a_waiting_trainer_takes_a_result_as_soon_as_the_generator_writes_it():
 def test_a_weight_push_starts_as_soon_as_the_generators_say_they_receive_it():
     from megatron_rl.distributed.bridge import WeightSender
 
-    port = _free_port()
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    generator = Bridge(dist.TCPStore("127.0.0.1", port, is_master=False))
+    host, client = _store_pair()
+    generator = Bridge(client)
     sent = []
     sender = WeightSender(host, lambda payload: sent.append((payload, time.perf_counter())))
     late = []

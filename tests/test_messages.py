@@ -127,14 +127,12 @@ def test_a_result_in_the_trainers_stream_and_text_that_is_not_json_are_refused()
 
 
 def test_the_bridge_carries_typed_messages_in_order():
-    import torch.distributed as dist
 
     from megatron_rl.distributed.bridge import Bridge
-    from tests.test_bridge import _free_port
+    from tests.test_bridge import _store_pair
 
-    port = _free_port()
-    trainer = Bridge(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
-    generator = Bridge(dist.TCPStore("127.0.0.1", port, is_master=False))
+    host, client = _store_pair()
+    trainer, generator = Bridge(host), Bridge(client)
     stream = [EXAMPLES[k] for k in ("settings", "weights", "request")]
     for message in stream:
         trainer.post(message)
