@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_rl.features.base import PLANNED, TESTED_CPU, Feature, Measured, _uses_te, need
+from megatron_rl.features.rollout import shares_actor_shards
 from megatron_rl.layout.lora import (
     ALL_LINEAR,
     ATTENTION,
@@ -12,7 +13,6 @@ from megatron_rl.layout.lora import (
     moe_mlp_targets,
     unknown_targets,
 )
-from megatron_rl.layout.sizes import ParallelLayout, shares_training_weights
 
 AREA = "LoRA"
 
@@ -43,8 +43,7 @@ def _targets_rules(part: str) -> tuple:
 
 def _int8_in_place(c) -> bool:
     """An int8 base generates with the training model's own shards (no refit of the base)."""
-    return not c.rollout.ranks and shares_training_weights(ParallelLayout.for_rollout(c.rollout.layout, c.parallel),
-                                                            c.parallel)
+    return not c.rollout.ranks and shares_actor_shards(c)
 
 
 def _critic_base_restorable(c) -> bool:

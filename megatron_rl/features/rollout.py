@@ -24,7 +24,7 @@ def _filled(c) -> ParallelLayout:
     return ParallelLayout.for_rollout(c.rollout.layout, c.parallel)
 
 
-def _shares(c) -> bool:
+def shares_actor_shards(c) -> bool:
     """rollout.layout generates on the actor's own shards."""
     return shares_training_weights(_filled(c), c.parallel)
 
@@ -101,7 +101,7 @@ ROLLOUT_BATCHING_CONSTRAINTS = tuple(
 )
 ROLLOUT_LAYOUT_CONSTRAINTS = (
     *(_rule(rule) for rule in ROLLOUT_RULES),
-    need("algorithm.routing_replay", lambda c, w: _shares(c),
+    need("algorithm.routing_replay", lambda c, w: shares_actor_shards(c),
          "routing replay records the experts on the actor's own shards; rollout.layout generates on a second model",
          "set algorithm.routing_replay=false, or leave rollout.layout unset (the training layout, one chunk per rank)",
          "routing replay needs rollout.layout to share the training weights",

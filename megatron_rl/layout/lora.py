@@ -118,7 +118,7 @@ INT8_SCALE_BYTES = 4  # one fp32 scale per output row
 
 def int8_base(lora) -> bool:
     """A LoRA model whose frozen base is held in int8."""
-    return lora_on(lora) and getattr(lora, "quantize_base", "none") == "int8"
+    return lora_on(lora) and lora.quantize_base == "int8"
 
 
 def int8_base_saving(model_cfg, lora, tp: int = 1, param_bytes: int = 2) -> float:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron_rl.distributed import collectives
 from megatron_rl.distributed.runtime import active_groups
 from megatron_rl.layout.arch import global_expert_name, is_expert_param, local_norm_name
-from megatron_rl.models.lora.quantized_base import dequantized, is_quantized
+from megatron_rl.models.lora.int8_weights import dequantized, is_quantized
 
 VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
 

@@ -151,7 +151,7 @@ def activation_body(quantize_base: str = "none", model_kw: Optional[dict] = None
     from megatron_rl.config.schema import Config, ModelConfig
     from megatron_rl.engine.forward import BatchPlan, run_sequences
     from megatron_rl.models.heads import LogProbHead
-    from megatron_rl.models.lora.quantized_base import is_quantized
+    from megatron_rl.models.lora.int8_weights import is_quantized
     from megatron_rl.testing.layouts import use_layout
     from megatron_rl.trainer.initial_weights import quantize_bases
     from megatron_rl.trainer.model_set import build_models

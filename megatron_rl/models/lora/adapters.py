@@ -46,6 +46,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_rl.layout.arch import attention_dims
 from megatron_rl.layout.lora import Projection, projections
+from megatron_rl.models.canonical import unwrap
 
 ADAPTER_DTYPE = torch.float32
 
@@ -159,14 +160,8 @@ def _bound(hook, names, path):
     return call
 
 
-def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
-
-
 def layer_adapters(chunks) -> list[LayerAdapters]:
-    return [m for chunk in chunks for m in _inner(chunk).modules() if isinstance(m, LayerAdapters)]
+    return [m for chunk in chunks for m in unwrap(chunk).modules() if isinstance(m, LayerAdapters)]
 
 
 @torch.no_grad()
@@ -194,7 +189,7 @@ def attach_lora(chunks, model_cfg, lora, seed: int, train_also: tuple[str, ...] 
     projs = projections(model_cfg, lora.target_modules)
     dims = attention_dims(model_cfg)
     for chunk in chunks:
-        model = _inner(chunk)
+        model = unwrap(chunk)
         for param_name, param in model.named_parameters():
             if not param_name.startswith(train_also):
                 param.requires_grad_(False)
@@ -223,7 +218,7 @@ def _require_grad(module, args, output):
 
 
 def adapter_parameters(chunks) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for chunk in chunks for n, p in _inner(chunk).named_parameters() if ".lora." in n]
+    return [(n, p) for chunk in chunks for n, p in unwrap(chunk).named_parameters() if ".lora." in n]
 
 
 @contextlib.contextmanager

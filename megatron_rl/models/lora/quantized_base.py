@@ -6,7 +6,7 @@ with one fp32 scale per output row (symmetric, ``scale = max|row| / 127``; torch
 weight-only scheme), a byte per weight instead of two.  The embedding, output layer, norms and
 biases stay in the model's dtype, as QLoRA keeps them.
 
-Each matmul dequantizes its layer's weight (:func:`dequantize`, the one definition) to the
+Each matmul dequantizes its layer's weight (:mod:`megatron_rl.models.lora.int8_weights`, one definition) to the
 model's dtype and drops it after use; the backward pass dequantizes again.  Why our own autograd
 function and not megatron's ``linear_with_frozen_weight``: that one saves the weight it is given
 for the backward pass, which would keep every layer's dequantized copy alive from forward to
@@ -26,23 +26,10 @@ from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_rl.layout.lora import QUANTIZED_LAYERS
+from megatron_rl.models.canonical import unwrap
+from megatron_rl.models.lora.int8_weights import dequantize, is_quantized
 
 QMAX = 127
-
-
-def is_quantized(param: torch.Tensor) -> bool:
-    """A base weight held as int8 with its row scales."""
-    return param.dtype == torch.int8 and hasattr(param, "quant_scale")
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight an int8 base computes with: ``q * scale`` per row, in fp32, then ``dtype``."""
-    return (q.to(torch.float32) * scale.to(q.device)[:, None]).to(dtype)
-
-
-def dequantized(param: torch.Tensor) -> torch.Tensor:
-    """``param`` as the model computes with it: dequantized if it is an int8 base weight."""
-    return dequantize(param, param.quant_scale, param.dequant_dtype) if is_quantized(param) else param
 
 
 class _Int8FrozenLinear(torch.autograd.Function):
@@ -99,23 +86,14 @@ def quantize_linear(linear: torch.nn.Module) -> None:
     linear._forward_impl = _int8_forward_impl
 
 
-def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module") and not hasattr(chunk, "decoder"):
-        chunk = chunk.module
-    return chunk
-
-
-def quantize_base(chunks) -> int:
+def quantize_base(chunks) -> None:
     """Hold the projections of every transformer layer of ``chunks`` in int8 (after the base's
-    weights are loaded: nothing may be copied into them afterwards).  Returns how many layers."""
-    count = 0
+    weights are loaded: nothing may be copied into them afterwards)."""
     for chunk in chunks:
-        for layer in _inner(chunk).decoder.layers:
+        for layer in unwrap(chunk).decoder.layers:
             for path in QUANTIZED_LAYERS:
                 try:
                     linear = layer.get_submodule(path)
                 except AttributeError:
                     continue  # a mixture-of-experts layer has no dense linear_fc1 / linear_fc2
                 quantize_linear(linear)
-                count += 1
-    return count
